@@ -1,0 +1,395 @@
+//! `config.json` → one validated [`ModelConfig`].
+//!
+//! Accepts Gemma 4 text configs (`Gemma4ForCausalLM`, flat) and multimodal ones
+//! (`Gemma4ForConditionalGeneration`, text fields nested under `text_config`), and Gemma 3 text
+//! configs. Everything the rest of the crate needs is resolved here — defaults, per-layer
+//! overrides, RoPE parameters — so no other code reads raw JSON.
+
+use crate::{bail, Error, Result};
+use serde_json::Value;
+use std::path::Path;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Gemma4,
+    Gemma3,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKind {
+    Sliding,
+    Full,
+}
+
+/// How one attention type computes its rotary frequencies.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f64,
+    /// `proportional` (Gemma 4 global layers): only the first `partial_rotary_factor` of the
+    /// rotation pairs rotate, with frequencies computed over the full head dim.
+    pub proportional: bool,
+    pub partial_rotary_factor: f64,
+    /// Linear position scaling (`rope_scaling.factor` / `rope_parameters.factor`); 1 = none.
+    pub factor: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub intermediate_size: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub family: Family,
+    /// `architectures[0]` as written in config.json.
+    pub architecture: String,
+    /// Prefix of the text decoder's tensors: `model.` or `model.language_model.`.
+    pub tensor_prefix: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub layer_types: Vec<AttnKind>,
+    /// Resolved per layer (after `per_layer_config` / `global_head_dim` overrides).
+    pub head_dims: Vec<usize>,
+    pub kv_heads: Vec<usize>,
+    pub sliding_window: usize,
+    pub rope_sliding: RopeSpec,
+    pub rope_full: RopeSpec,
+    pub rms_norm_eps: f64,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
+    pub tie_word_embeddings: bool,
+    /// PLE width (`hidden_size_per_layer_input`); 0 = no per-layer embeddings.
+    pub ple_dim: usize,
+    pub ple_vocab_size: usize,
+    pub num_kv_shared_layers: usize,
+    pub use_double_wide_mlp: bool,
+    pub attention_k_eq_v: bool,
+    pub moe: Option<MoeConfig>,
+    /// Attention score scale: 1.0 for Gemma 4, `query_pre_attn_scalar^-0.5` for Gemma 3.
+    pub attn_scale: f64,
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    pub pad_token_id: Option<u32>,
+    /// MLX-style `quantization` entry, when present (group size, bits, per-module overrides).
+    pub quantization: Option<Value>,
+}
+
+/// Read and validate `DIR/config.json`.
+pub fn load_config(dir: &Path) -> Result<ModelConfig> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| Error::msg(format!("cannot read {}: {e}", path.display())))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::msg(format!("{} is not valid JSON: {e}", path.display())))?;
+    ModelConfig::from_json(&json).map_err(|e| Error::msg(format!("{}: {e}", path.display())))
+}
+
+/// Typed access to one JSON object with errors that name the key.
+struct Obj<'a>(&'a serde_json::Map<String, Value>);
+
+impl<'a> Obj<'a> {
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+    fn usize_req(&self, k: &str) -> Result<usize> {
+        self.usize_opt(k)?.ok_or_else(|| Error::msg(format!("missing required key `{k}`")))
+    }
+    fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| Error::msg(format!("key `{k}` must be a non-negative integer, got {v}"))),
+        }
+    }
+    fn f64_opt(&self, k: &str) -> Result<Option<f64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| Error::msg(format!("key `{k}` must be a number, got {v}"))),
+        }
+    }
+    fn bool_or(&self, k: &str, default: bool) -> Result<bool> {
+        match self.get(k) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| Error::msg(format!("key `{k}` must be a boolean, got {v}"))),
+        }
+    }
+    fn str_opt(&self, k: &str) -> Option<&'a str> {
+        self.get(k).and_then(|v| v.as_str())
+    }
+}
+
+/// `eos_token_id` may be one id or a list.
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => vec![],
+    }
+}
+
+impl ModelConfig {
+    pub fn from_json(root: &Value) -> Result<Self> {
+        let root_obj = root.as_object().ok_or_else(|| Error::msg("config is not a JSON object"))?;
+        let architecture = root_obj
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .and_then(|a| a.first())
+            .and_then(|a| a.as_str())
+            .unwrap_or("")
+            .to_string();
+        let model_type = root_obj.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+        let (family, nested) = match (architecture.as_str(), model_type) {
+            ("Gemma4ForCausalLM", _) | ("", "gemma4_text") => (Family::Gemma4, false),
+            ("Gemma4ForConditionalGeneration", _) | ("", "gemma4") => (Family::Gemma4, true),
+            ("Gemma3ForCausalLM", _) | ("", "gemma3_text") => (Family::Gemma3, false),
+            ("Gemma3ForConditionalGeneration", _) | ("", "gemma3") => (Family::Gemma3, true),
+            ("", _) => bail!("unknown model_type `{model_type}` (supported: gemma4, gemma4_text, gemma3, gemma3_text)"),
+            (a, _) => bail!(
+                "unsupported architecture `{a}` (supported: Gemma4ForCausalLM, Gemma4ForConditionalGeneration, \
+                 Gemma3ForCausalLM, Gemma3ForConditionalGeneration)"
+            ),
+        };
+        let text = if nested {
+            root_obj
+                .get("text_config")
+                .and_then(|v| v.as_object())
+                .ok_or_else(|| Error::msg(format!("{architecture} config has no `text_config` object")))?
+        } else {
+            root_obj
+        };
+        let c = Obj(text);
+        let top = Obj(root_obj);
+        let tensor_prefix = if nested { "model.language_model." } else { "model." }.to_string();
+
+        let vocab_size = c.usize_req("vocab_size")?;
+        let hidden_size = c.usize_req("hidden_size")?;
+        let intermediate_size = c.usize_req("intermediate_size")?;
+        let num_layers = c.usize_req("num_hidden_layers")?;
+        let num_heads = c.usize_req("num_attention_heads")?;
+        let num_kv_heads = c.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
+        let head_dim = c.usize_opt("head_dim")?.unwrap_or(hidden_size / num_heads.max(1));
+        if num_layers == 0 || hidden_size == 0 || num_heads == 0 || vocab_size == 0 {
+            bail!("num_hidden_layers, hidden_size, num_attention_heads and vocab_size must be positive");
+        }
+        let rms_norm_eps = c.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
+        let sliding_window = c.usize_opt("sliding_window")?.unwrap_or(if family == Family::Gemma4 { 512 } else { 4096 });
+        if let Some(act) = c.str_opt("hidden_activation").or_else(|| c.str_opt("hidden_act")) {
+            if act != "gelu_pytorch_tanh" && act != "gelu_tanh" {
+                bail!("unsupported hidden_activation `{act}` (only gelu_pytorch_tanh)");
+            }
+        }
+
+        let layer_types = parse_layer_types(&c, family, num_layers)?;
+
+        // Per-layer head dim / kv heads.
+        let mut head_dims = vec![head_dim; num_layers];
+        let mut kv_heads = vec![num_kv_heads; num_layers];
+        let attention_k_eq_v = c.bool_or("attention_k_eq_v", false)?;
+        if family == Family::Gemma4 {
+            if let Some(plc) = c.get("per_layer_config") {
+                let plc = plc.as_object().ok_or_else(|| Error::msg("`per_layer_config` must be an object"))?;
+                for (key, ov) in plc {
+                    let Ok(i) = key.parse::<usize>() else { continue }; // keyed by layer index
+                    if i >= num_layers {
+                        bail!("per_layer_config names layer {i} but the model has {num_layers} layers");
+                    }
+                    let ov = Obj(ov.as_object().ok_or_else(|| Error::msg(format!("per_layer_config[{i}] must be an object")))?);
+                    if let Some(h) = ov.usize_opt("head_dim")? {
+                        head_dims[i] = h;
+                    }
+                    if let Some(k) = ov.usize_opt("num_key_value_heads")? {
+                        kv_heads[i] = k;
+                    }
+                }
+            } else {
+                // Hub-style config: global layers take global_head_dim (default 512) and, only with
+                // attention_k_eq_v, num_global_key_value_heads.
+                let global_head_dim = c.usize_opt("global_head_dim")?.unwrap_or(512);
+                let global_kv = c.usize_opt("num_global_key_value_heads")?;
+                for i in 0..num_layers {
+                    if layer_types[i] == AttnKind::Full {
+                        head_dims[i] = global_head_dim;
+                        if attention_k_eq_v {
+                            if let Some(g) = global_kv {
+                                kv_heads[i] = g;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for i in 0..num_layers {
+            if kv_heads[i] == 0 || num_heads % kv_heads[i] != 0 {
+                bail!("layer {i}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {}", kv_heads[i]);
+            }
+            if head_dims[i] == 0 || head_dims[i] % 2 != 0 {
+                bail!("layer {i}: head_dim {} must be even and positive", head_dims[i]);
+            }
+        }
+
+        let (rope_sliding, rope_full) = parse_rope(&c, family)?;
+
+        let moe = if c.bool_or("enable_moe_block", false)? {
+            Some(MoeConfig {
+                num_experts: c.usize_req("num_experts")?,
+                top_k: c.usize_req("top_k_experts")?,
+                intermediate_size: c.usize_req("moe_intermediate_size")?,
+            })
+        } else {
+            None
+        };
+        if let Some(m) = &moe {
+            if m.top_k == 0 || m.top_k > m.num_experts {
+                bail!("top_k_experts {} must be in 1..={}", m.top_k, m.num_experts);
+            }
+        }
+
+        let num_kv_shared_layers = if family == Family::Gemma4 { c.usize_opt("num_kv_shared_layers")?.unwrap_or(0) } else { 0 };
+        if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
+            bail!("num_kv_shared_layers {num_kv_shared_layers} leaves no layer to own a KV cache ({num_layers} layers)");
+        }
+        let ple_dim = if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(0) } else { 0 };
+
+        let attn_scale = match family {
+            Family::Gemma4 => 1.0,
+            Family::Gemma3 => {
+                let q = c.f64_opt("query_pre_attn_scalar")?.unwrap_or(head_dim as f64);
+                q.powf(-0.5)
+            }
+        };
+        let final_logit_softcapping = c.f64_opt("final_logit_softcapping")?;
+        let attn_logit_softcapping = if family == Family::Gemma3 { c.f64_opt("attn_logit_softcapping")? } else { None };
+        // `tie_word_embeddings` may live at the top level of multimodal configs.
+        let tie_word_embeddings = match c.get("tie_word_embeddings") {
+            Some(_) => c.bool_or("tie_word_embeddings", true)?,
+            None => top.bool_or("tie_word_embeddings", true)?,
+        };
+        let mut eos_token_ids = token_ids(c.get("eos_token_id"));
+        if eos_token_ids.is_empty() {
+            eos_token_ids = token_ids(top.get("eos_token_id"));
+        }
+        let bos_token_id = c.usize_opt("bos_token_id").ok().flatten().or(top.usize_opt("bos_token_id").ok().flatten()).map(|x| x as u32);
+        let pad_token_id = c.usize_opt("pad_token_id").ok().flatten().or(top.usize_opt("pad_token_id").ok().flatten()).map(|x| x as u32);
+        let quantization = top.get("quantization").or_else(|| top.get("quantization_config")).cloned();
+
+        Ok(ModelConfig {
+            family,
+            architecture,
+            tensor_prefix,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            num_heads,
+            layer_types,
+            head_dims,
+            kv_heads,
+            sliding_window,
+            rope_sliding,
+            rope_full,
+            rms_norm_eps,
+            final_logit_softcapping,
+            attn_logit_softcapping,
+            tie_word_embeddings,
+            ple_dim,
+            ple_vocab_size: c.usize_opt("vocab_size_per_layer_input")?.unwrap_or(vocab_size),
+            num_kv_shared_layers,
+            use_double_wide_mlp: family == Family::Gemma4 && c.bool_or("use_double_wide_mlp", false)?,
+            attention_k_eq_v,
+            moe,
+            attn_scale,
+            eos_token_ids,
+            bos_token_id,
+            pad_token_id,
+            quantization,
+        })
+    }
+}
+
+fn parse_layer_types(c: &Obj, family: Family, num_layers: usize) -> Result<Vec<AttnKind>> {
+    let mut types = match c.get("layer_types") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(AttnKind::Sliding),
+                Some("full_attention") => Ok(AttnKind::Full),
+                _ => Err(Error::msg(format!("unknown layer type {t} in `layer_types`"))),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        Some(v) => bail!("`layer_types` must be a list, got {v}"),
+        None => {
+            // Gemma 4 default 5:1; Gemma 3 `sliding_window_pattern` (default 6).
+            let pattern = c.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+            (0..num_layers)
+                .map(|i| if (i + 1) % pattern == 0 { AttnKind::Full } else { AttnKind::Sliding })
+                .collect()
+        }
+    };
+    if types.len() != num_layers {
+        bail!("`layer_types` has {} entries but num_hidden_layers is {num_layers}", types.len());
+    }
+    // Gemma 4 forces the last layer to full attention.
+    if family == Family::Gemma4 {
+        types[num_layers - 1] = AttnKind::Full;
+    }
+    Ok(types)
+}
+
+fn rope_spec(p: &Obj, default_theta: f64) -> Result<RopeSpec> {
+    let rope_type = p.str_opt("rope_type").or_else(|| p.str_opt("type")).unwrap_or("default");
+    let proportional = match rope_type {
+        "default" | "linear" => false,
+        "proportional" => true,
+        other => bail!("unsupported rope_type `{other}` (supported: default, linear, proportional)"),
+    };
+    let factor = p.f64_opt("factor")?.unwrap_or(1.0);
+    if !(factor > 0.0) {
+        bail!("rope factor must be positive, got {factor}");
+    }
+    let partial = p.f64_opt("partial_rotary_factor")?.unwrap_or(1.0);
+    if !(partial > 0.0 && partial <= 1.0) {
+        bail!("partial_rotary_factor must be in (0, 1], got {partial}");
+    }
+    Ok(RopeSpec { theta: p.f64_opt("rope_theta")?.unwrap_or(default_theta), proportional, partial_rotary_factor: partial, factor })
+}
+
+fn parse_rope(c: &Obj, family: Family) -> Result<(RopeSpec, RopeSpec)> {
+    match family {
+        Family::Gemma4 => {
+            let default_sliding = RopeSpec { theta: 10_000.0, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
+            let default_full = RopeSpec { theta: 1_000_000.0, proportional: true, partial_rotary_factor: 0.25, factor: 1.0 };
+            let Some(rp) = c.get("rope_parameters") else { return Ok((default_sliding, default_full)) };
+            let rp = rp.as_object().ok_or_else(|| Error::msg("`rope_parameters` must be an object"))?;
+            let get = |k: &str, d: RopeSpec| -> Result<RopeSpec> {
+                match rp.get(k).and_then(|v| v.as_object()) {
+                    Some(o) => rope_spec(&Obj(o), d.theta),
+                    None => Ok(d),
+                }
+            };
+            Ok((get("sliding_attention", default_sliding)?, get("full_attention", default_full)?))
+        }
+        Family::Gemma3 => {
+            // Global layers: rope_theta with optional linear rope_scaling; local layers:
+            // rope_local_base_freq, never scaled.
+            let theta = c.f64_opt("rope_theta")?.unwrap_or(1_000_000.0);
+            let local = c.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0);
+            let mut full = RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
+            if let Some(Value::Object(rs)) = c.get("rope_scaling") {
+                let s = rope_spec(&Obj(rs), theta)?;
+                full.factor = s.factor;
+            }
+            let sliding = RopeSpec { theta: local, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
+            Ok((sliding, full))
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! The reference forward pass over a chunk of tokens (prefill, decode and verify are all
+//! chunks: T tokens at consecutive positions after the cache's committed length).
+//!
+//! Step numbers in comments follow the op-by-op layer description in the project's Gemma 4
+//! specification (§2 model, §3 layer). Activations are f32 `[T, width]`, row-major.
+
+use super::kv::KvCache;
+use super::ops::{gelu_tanh, rms_norm, rms_norm_chunks, rope, softcap, softmax};
+use crate::matrix::{matmul, RowDot};
+use crate::plan::{LayerPlan, ModelPlan};
+use crate::weights::{LayerWeights, MlpWeights, ModelWeights, MoeWeights};
+use rayon::prelude::*;
+
+/// What a chunk pass returns.
+pub struct ChunkOut {
+    /// `[n, vocab]` final logits (after softcap) of the last `n` positions of the chunk.
+    pub logits: Vec<f32>,
+    /// `[n, hidden]` final-normed hidden states of the same positions.
+    pub hidden: Vec<f32>,
+}
+
+fn linear(w: &dyn RowDot, x: &[f32], t: usize) -> Vec<f32> {
+    let mut y = vec![0f32; t * w.rows()];
+    matmul(w, x, &mut y);
+    debug_assert_eq!(x.len(), t * w.cols());
+    y
+}
+
+fn norm_rows(x: &[f32], width: usize, w: &[f32], eps: f32) -> Vec<f32> {
+    let mut y = x.to_vec();
+    rms_norm_chunks(&mut y, width, Some(w), eps);
+    y
+}
+
+/// Run `tokens` at positions `kv.len() ..`, staging their K/V rows in `kv`, and return logits
+/// and hidden states for the last `keep` positions.
+pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, tokens: &[u32], keep: usize) -> ChunkOut {
+    let t = tokens.len();
+    let h = plan.hidden;
+    let p0 = kv.len();
+    kv.begin_stage(t);
+
+    // §2.1 token embedding, scaled by sqrt(H).
+    let mut x = vec![0f32; t * h];
+    for (i, &tok) in tokens.iter().enumerate() {
+        let row = &mut x[i * h..(i + 1) * h];
+        w.embed.row_to_f32(tok as usize, row);
+        row.iter_mut().for_each(|v| *v *= plan.embed_scale);
+    }
+
+    // §2.2 per-layer inputs: [T, L, P].
+    let pli = w.ple.as_ref().map(|ple| per_layer_inputs(plan, ple, &x, tokens));
+
+    for (lp, lw) in plan.layers.iter().zip(&w.layers) {
+        layer(plan, lp, lw, kv, &mut x, pli.as_deref(), t, p0);
+    }
+
+    // §2.4 final norm and LM head on the kept positions.
+    let keep = keep.min(t);
+    let mut hidden = x[(t - keep) * h..].to_vec();
+    rms_norm_chunks(&mut hidden, h, Some(&w.final_norm), plan.eps);
+    let head = w.lm_head.as_deref().unwrap_or(w.embed.as_ref());
+    let mut logits = linear(head, &hidden, keep);
+    if let Some(cap) = plan.final_softcap {
+        logits.par_iter_mut().for_each(|v| *v = softcap(*v, cap));
+    }
+    ChunkOut { logits, hidden }
+}
+
+fn per_layer_inputs(plan: &ModelPlan, ple: &crate::weights::PleInputWeights, x: &[f32], tokens: &[u32]) -> Vec<f32> {
+    let (t, h, p) = (tokens.len(), plan.hidden, plan.ple_dim);
+    let lp = plan.layers.len() * p;
+    // Context component: project the scaled embedding, scale by H^-1/2, RMS-normalise per layer.
+    let mut c = linear(ple.proj.as_ref(), x, t);
+    let proj_scale = (h as f64).powf(-0.5) as f32;
+    c.iter_mut().for_each(|v| *v *= proj_scale);
+    rms_norm_chunks(&mut c, p, Some(&ple.norm), plan.eps);
+    // Token-identity component: the PLE table row scaled by sqrt(P); combine and scale by 2^-1/2.
+    let embed_scale = (p as f64).sqrt() as f32;
+    let input_scale = std::f64::consts::FRAC_1_SQRT_2 as f32;
+    let mut y = vec![0f32; lp];
+    for (i, &tok) in tokens.iter().enumerate() {
+        ple.embed.row_to_f32(tok as usize, &mut y);
+        for (cv, yv) in c[i * lp..(i + 1) * lp].iter_mut().zip(&y) {
+            *cv = (*cv + yv * embed_scale) * input_scale;
+        }
+    }
+    c
+}
+
+#[allow(clippy::too_many_arguments)]
+fn layer(plan: &ModelPlan, lp: &LayerPlan, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32], pli: Option<&[f32]>, t: usize, p0: usize) {
+    let h = plan.hidden;
+    let (hd, eps) = (lp.head_dim, plan.eps);
+
+    // 2–5: pre-attention norm, Q projection, per-head q_norm, RoPE.
+    let a = norm_rows(x, h, &lw.input_norm, eps);
+    let mut q = linear(lw.attn.q.as_ref(), &a, t);
+    rms_norm_chunks(&mut q, hd, Some(&lw.attn.q_norm), eps);
+    for (ti, row) in q.chunks_exact_mut(lp.q_width()).enumerate() {
+        row.chunks_exact_mut(hd).for_each(|head| rope(head, p0 + ti, &lp.inv_freq));
+    }
+
+    // 6–11: this layer's own K/V (skipped on KV-shared layers), staged in the cache.
+    if let (Some(wk), Some(k_norm)) = (&lw.attn.k, &lw.attn.k_norm) {
+        let mut k = linear(wk.as_ref(), &a, t);
+        // k_eq_v: values are the raw key projection (taken before k_norm and RoPE).
+        let mut v = match &lw.attn.v {
+            Some(wv) => linear(wv.as_ref(), &a, t),
+            None => k.clone(),
+        };
+        rms_norm_chunks(&mut k, hd, Some(k_norm), eps);
+        for (ti, row) in k.chunks_exact_mut(lp.kv_width()).enumerate() {
+            row.chunks_exact_mut(hd).for_each(|head| rope(head, p0 + ti, &lp.inv_freq));
+        }
+        if plan.v_norm {
+            rms_norm_chunks(&mut v, hd, None, eps);
+        }
+        kv.stage_rows(lp.index, &k, &v);
+    }
+
+    // 12–15: attention over the source layer's cache, output projection, post-attention norm.
+    let o = attention(plan, lp, kv, &q, t, p0);
+    let mut o = linear(lw.attn.o.as_ref(), &o, t);
+    rms_norm_chunks(&mut o, h, Some(&lw.post_attn_norm), eps);
+    x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+    // 16–19: feed-forward (dense MLP, plus the MoE branch when present).
+    let f_in = norm_rows(x, h, &lw.pre_ffn_norm, eps);
+    let mut f = mlp(&lw.mlp, &f_in, t);
+    if let Some(moe) = &lw.moe {
+        rms_norm_chunks(&mut f, h, Some(&moe.post_norm_1), eps);
+        let e = moe_block(plan, moe, x, t);
+        f.iter_mut().zip(&e).for_each(|(f, e)| *f += e);
+    }
+    rms_norm_chunks(&mut f, h, Some(&lw.post_ffn_norm), eps);
+    x.iter_mut().zip(&f).for_each(|(x, f)| *x += f);
+
+    // 20–24: per-layer embedding injection.
+    if let (Some(ple), Some(pli)) = (&lw.ple, pli) {
+        let p = plan.ple_dim;
+        let lpw = plan.layers.len() * p;
+        let mut g = linear(ple.gate.as_ref(), x, t);
+        for ti in 0..t {
+            let inp = &pli[ti * lpw + lp.index * p..ti * lpw + (lp.index + 1) * p];
+            for (gv, iv) in g[ti * p..(ti + 1) * p].iter_mut().zip(inp) {
+                *gv = gelu_tanh(*gv) * iv;
+            }
+        }
+        let mut g = linear(ple.proj.as_ref(), &g, t);
+        rms_norm_chunks(&mut g, h, Some(&ple.post_norm), eps);
+        x.iter_mut().zip(&g).for_each(|(x, g)| *x += g);
+    }
+
+    // 25: learned per-layer scalar on the whole residual stream.
+    if lw.layer_scalar != 1.0 {
+        x.iter_mut().for_each(|v| *v *= lw.layer_scalar);
+    }
+}
+
+/// Scaled dot-product attention for every (token, head), keys in chronological order: the
+/// committed cache (inside the window) followed by this chunk's staged rows up to the query.
+fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], t: usize, p0: usize) -> Vec<f32> {
+    let hd = lp.head_dim;
+    let group = lp.num_heads / lp.num_kv_heads;
+    let src = kv.layer(lp.kv_source);
+    let mut out = vec![0f32; t * lp.q_width()];
+    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let (ti, head) = (idx / lp.num_heads, idx % lp.num_heads);
+        let pos = p0 + ti;
+        let kvh = head / group;
+        let qv = &q[ti * lp.q_width() + head * hd..ti * lp.q_width() + (head + 1) * hd];
+        let lo = lp.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let key = |j: usize| -> &[f32] {
+            let row = if j < p0 { src.key(j) } else { src.staged_key(j - p0) };
+            &row[kvh * hd..(kvh + 1) * hd]
+        };
+        let value = |j: usize| -> &[f32] {
+            let row = if j < p0 { src.value(j) } else { src.staged_value(j - p0) };
+            &row[kvh * hd..(kvh + 1) * hd]
+        };
+        let mut scores: Vec<f32> = (lo..=pos)
+            .map(|j| {
+                let s = crate::simd::dot_f32(qv, key(j)) * plan.attn_scale;
+                match plan.attn_softcap {
+                    Some(cap) => softcap(s, cap),
+                    None => s,
+                }
+            })
+            .collect();
+        softmax(&mut scores);
+        o.fill(0.0);
+        for (j, p) in (lo..=pos).zip(&scores) {
+            for (ov, vv) in o.iter_mut().zip(value(j)) {
+                *ov += p * vv;
+            }
+        }
+    });
+    out
+}
+
+/// Gated GELU MLP: `down(gelu(gate(x)) · up(x))`.
+fn mlp(m: &MlpWeights, x: &[f32], t: usize) -> Vec<f32> {
+    let mut g = linear(m.gate.as_ref(), x, t);
+    let u = linear(m.up.as_ref(), x, t);
+    g.iter_mut().zip(&u).for_each(|(g, u)| *g = gelu_tanh(*g) * u);
+    linear(m.down.as_ref(), &g, t)
+}
+
+/// The MoE branch, token by token: route the residual stream, run the top-k experts on the
+/// pre-normed input, and return their weighted sum after `post_feedforward_layernorm_2`.
+fn moe_block(plan: &ModelPlan, m: &MoeWeights, resid: &[f32], t: usize) -> Vec<f32> {
+    let h = plan.hidden;
+    let e_count = m.experts.len();
+    let top_k = plan_top_k(m, plan);
+    let root = (h as f64).powf(-0.5) as f32;
+    let mut out = vec![0f32; t * h];
+    for ti in 0..t {
+        let r = &resid[ti * h..(ti + 1) * h];
+        // Router: weightless RMSNorm, learned per-channel scale, H^-1/2, projection, softmax.
+        let mut z = r.to_vec();
+        rms_norm(&mut z, None, plan.eps);
+        z.iter_mut().zip(&m.router_scale).for_each(|(z, s)| *z = *z * s * root);
+        let mut probs = linear(m.router_proj.as_ref(), &z, 1);
+        softmax(&mut probs);
+        // Top-k by probability (stable: lower expert index first among equals).
+        let mut order: Vec<usize> = (0..e_count).collect();
+        order.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap_or(std::cmp::Ordering::Equal));
+        let chosen = &order[..top_k];
+        let total: f32 = chosen.iter().map(|&e| probs[e]).sum();
+        let e_in = norm_rows(r, h, &m.pre_norm_2, plan.eps);
+        let acc = &mut out[ti * h..(ti + 1) * h];
+        for &e in chosen {
+            let weight = probs[e] / total * m.per_expert_scale[e];
+            let y = mlp(&m.experts[e], &e_in, 1);
+            acc.iter_mut().zip(&y).for_each(|(a, y)| *a += weight * y);
+        }
+    }
+    rms_norm_chunks(&mut out, h, Some(&m.post_norm_2), plan.eps);
+    out
+}
+
+fn plan_top_k(m: &MoeWeights, plan: &ModelPlan) -> usize {
+    plan.moe_top_k.min(m.experts.len())
+}

@@ -1,0 +1,60 @@
+//! Weight matrices as the CPU forward sees them: `[rows, cols]` in PyTorch `Linear` convention
+//! (`y = W·x`, one output per row), stored in whatever format the checkpoint brought.
+//!
+//! Every product — single-token decode, multi-token prefill, speculative verify — goes through
+//! [`RowDot::dot_rows`], one row at a time against one activation vector. Using the same dot kernel
+//! whatever the number of tokens makes column `t` of a multi-token pass bit-identical to a
+//! single-token pass on the same input (batch invariance by construction), which lossless
+//! speculative decoding relies on.
+
+use rayon::prelude::*;
+
+/// A `[rows, cols]` weight matrix whose rows can be dotted with f32 vectors.
+pub trait RowDot: Send + Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// `out[i] = dot(row(start + i), x)` for every `i < out.len()`; `x.len() == cols()`.
+    fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]);
+    /// Dequantize / convert one row into `out` (`out.len() == cols()`), exactly.
+    fn row_to_f32(&self, row: usize, out: &mut [f32]);
+    /// Bytes of weight data streamed by one full matvec (for bandwidth figures).
+    fn stored_bytes(&self) -> usize;
+}
+
+/// Rows handled per parallel task: large enough to amortise scheduling, small enough to balance.
+const ROW_BLOCK: usize = 64;
+
+/// `ys[t] = W · xs[t]` for every token `t`. `xs` is `[T, cols]`, `ys` is `[T, rows]`, row-major.
+/// Work is split over row blocks (each block's weights are read once, then reused across tokens).
+pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
+    let (rows, cols) = (w.rows(), w.cols());
+    let t = xs.len() / cols;
+    assert_eq!(xs.len(), t * cols, "matmul: input is not [T, {cols}]");
+    assert_eq!(ys.len(), t * rows, "matmul: output is not [T, {rows}]");
+    if t == 1 {
+        ys.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(b, out)| {
+            w.dot_rows(b * ROW_BLOCK, xs, out);
+        });
+        return;
+    }
+    // Row-block-major so each block of weights is hot in cache for all T tokens.
+    let blocks = rows.div_ceil(ROW_BLOCK);
+    let partial: Vec<(usize, Vec<f32>)> = (0..blocks)
+        .into_par_iter()
+        .map(|b| {
+            let start = b * ROW_BLOCK;
+            let n = ROW_BLOCK.min(rows - start);
+            let mut block_out = vec![0f32; t * n];
+            for (ti, out) in block_out.chunks_exact_mut(n).enumerate() {
+                w.dot_rows(start, &xs[ti * cols..(ti + 1) * cols], out);
+            }
+            (start, block_out)
+        })
+        .collect();
+    for (start, block_out) in partial {
+        let n = block_out.len() / t;
+        for ti in 0..t {
+            ys[ti * rows + start..ti * rows + start + n].copy_from_slice(&block_out[ti * n..(ti + 1) * n]);
+        }
+    }
+}

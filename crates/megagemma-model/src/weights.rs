@@ -1,0 +1,234 @@
+//! Checkpoint tensors → typed per-layer weights, every shape checked against the layer plan.
+//!
+//! Norm weights are returned as the factor the forward multiplies by: Gemma 4 stores `w`,
+//! Gemma 3's HF checkpoints store `w − 1` (the model computes `x̂·(1 + w)`), so 1 is added here
+//! once and the forward never needs to know.
+
+use crate::checkpoint::Checkpoint;
+use crate::config::{Family, ModelConfig};
+use crate::dense::DenseMatrix;
+use crate::matrix::RowDot;
+use crate::plan::ModelPlan;
+use crate::{bail, Result};
+
+pub type Matrix = Box<dyn RowDot>;
+
+pub struct AttentionWeights {
+    pub q: Matrix,
+    pub q_norm: Vec<f32>,
+    /// `None` on KV-shared layers (they read their donor's cache).
+    pub k: Option<Matrix>,
+    /// `None` on KV-shared layers and on k_eq_v layers.
+    pub v: Option<Matrix>,
+    pub k_norm: Option<Vec<f32>>,
+    pub o: Matrix,
+}
+
+pub struct MlpWeights {
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+}
+
+pub struct PleWeights {
+    pub gate: Matrix,
+    pub proj: Matrix,
+    pub post_norm: Vec<f32>,
+}
+
+pub struct MoeWeights {
+    pub router_proj: Matrix,
+    pub router_scale: Vec<f32>,
+    pub per_expert_scale: Vec<f32>,
+    /// Per expert: gate and up halves of `gate_up_proj`, and `down_proj`.
+    pub experts: Vec<MlpWeights>,
+    pub pre_norm_2: Vec<f32>,
+    pub post_norm_1: Vec<f32>,
+    pub post_norm_2: Vec<f32>,
+}
+
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub attn: AttentionWeights,
+    pub post_attn_norm: Vec<f32>,
+    pub pre_ffn_norm: Vec<f32>,
+    pub mlp: MlpWeights,
+    pub post_ffn_norm: Vec<f32>,
+    pub ple: Option<PleWeights>,
+    pub moe: Option<MoeWeights>,
+    pub layer_scalar: f32,
+}
+
+pub struct PleInputWeights {
+    /// `[ple_vocab, L·P]` token-identity table.
+    pub embed: Matrix,
+    /// `[L·P, H]` context projection.
+    pub proj: Matrix,
+    pub norm: Vec<f32>,
+}
+
+pub struct ModelWeights {
+    pub embed: Matrix,
+    pub ple: Option<PleInputWeights>,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `None` when the LM head is tied to `embed`.
+    pub lm_head: Option<Matrix>,
+}
+
+impl ModelWeights {
+    /// Bytes of weights one decode step streams (everything but the embedding gathers).
+    pub fn decode_bytes(&self) -> usize {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed).stored_bytes();
+        let mut b = head;
+        if let Some(p) = &self.ple {
+            b += p.proj.stored_bytes();
+        }
+        for l in &self.layers {
+            b += l.attn.q.stored_bytes() + l.attn.o.stored_bytes();
+            b += l.attn.k.as_ref().map_or(0, |m| m.stored_bytes()) + l.attn.v.as_ref().map_or(0, |m| m.stored_bytes());
+            b += l.mlp.gate.stored_bytes() + l.mlp.up.stored_bytes() + l.mlp.down.stored_bytes();
+            if let Some(p) = &l.ple {
+                b += p.gate.stored_bytes() + p.proj.stored_bytes();
+            }
+            if let Some(m) = &l.moe {
+                b += m.router_proj.stored_bytes();
+                // Only the routed experts are read; count top-k of them on average.
+                let per_expert = m.experts.first().map_or(0, |e| e.gate.stored_bytes() + e.up.stored_bytes() + e.down.stored_bytes());
+                b += per_expert * m.experts.len().min(8);
+            }
+        }
+        b
+    }
+}
+
+/// Loads tensors by name with the model's prefix and the family's norm convention.
+struct Loader<'a> {
+    ck: &'a Checkpoint,
+    prefix: &'a str,
+    norm_offset: f32,
+}
+
+impl Loader<'_> {
+    fn name(&self, rel: &str) -> String {
+        format!("{}{}", self.prefix, rel)
+    }
+    fn matrix(&self, rel: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        let name = self.name(rel);
+        let t = self.ck.require(&name, &[rows, cols])?;
+        Ok(Box::new(DenseMatrix::from_tensor(t, rows, cols)?))
+    }
+    fn vector(&self, rel: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.ck.require(&self.name(rel), &[len])?;
+        t.to_f32_vec()
+    }
+    fn norm(&self, rel: &str, len: usize) -> Result<Vec<f32>> {
+        let mut w = self.vector(rel, len)?;
+        if self.norm_offset != 0.0 {
+            w.iter_mut().for_each(|x| *x += self.norm_offset);
+        }
+        Ok(w)
+    }
+}
+
+pub fn load_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &ModelPlan) -> Result<ModelWeights> {
+    let ld = Loader { ck, prefix: &cfg.tensor_prefix, norm_offset: if cfg.family == Family::Gemma3 { 1.0 } else { 0.0 } };
+    let h = cfg.hidden_size;
+    let embed = ld.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
+
+    let ple = if cfg.ple_dim > 0 {
+        let lp = cfg.num_layers * cfg.ple_dim;
+        Some(PleInputWeights {
+            embed: ld.matrix("embed_tokens_per_layer.weight", cfg.ple_vocab_size, lp)?,
+            proj: ld.matrix("per_layer_model_projection.weight", lp, h)?,
+            norm: ld.norm("per_layer_projection_norm.weight", cfg.ple_dim)?,
+        })
+    } else {
+        None
+    };
+
+    let mut layers = Vec::with_capacity(cfg.num_layers);
+    for lp in &plan.layers {
+        let p = |s: &str| format!("layers.{}.{s}", lp.index);
+        let (qw, kvw) = (lp.q_width(), lp.kv_width());
+        let owns_kv = !lp.is_kv_shared();
+        let attn = AttentionWeights {
+            q: ld.matrix(&p("self_attn.q_proj.weight"), qw, h)?,
+            q_norm: ld.norm(&p("self_attn.q_norm.weight"), lp.head_dim)?,
+            k: if owns_kv { Some(ld.matrix(&p("self_attn.k_proj.weight"), kvw, h)?) } else { None },
+            v: if owns_kv && !lp.k_eq_v { Some(ld.matrix(&p("self_attn.v_proj.weight"), kvw, h)?) } else { None },
+            k_norm: if owns_kv { Some(ld.norm(&p("self_attn.k_norm.weight"), lp.head_dim)?) } else { None },
+            o: ld.matrix(&p("self_attn.o_proj.weight"), h, qw)?,
+        };
+        let i = lp.mlp_width;
+        let mlp = MlpWeights {
+            gate: ld.matrix(&p("mlp.gate_proj.weight"), i, h)?,
+            up: ld.matrix(&p("mlp.up_proj.weight"), i, h)?,
+            down: ld.matrix(&p("mlp.down_proj.weight"), h, i)?,
+        };
+        let ple = if lp.has_ple {
+            Some(PleWeights {
+                gate: ld.matrix(&p("per_layer_input_gate.weight"), cfg.ple_dim, h)?,
+                proj: ld.matrix(&p("per_layer_projection.weight"), h, cfg.ple_dim)?,
+                post_norm: ld.norm(&p("post_per_layer_input_norm.weight"), h)?,
+            })
+        } else {
+            None
+        };
+        let moe = match (&cfg.moe, lp.has_moe) {
+            (Some(m), true) => Some(load_moe(&ld, &p, m.num_experts, m.intermediate_size, h)?),
+            _ => None,
+        };
+        let layer_scalar = match ck.get(&ld.name(&p("layer_scalar"))) {
+            Some(t) => {
+                t.expect_shape(&[1])?;
+                t.to_f32_vec()?[0]
+            }
+            None if cfg.family == Family::Gemma4 => bail!("missing tensor `{}` (expected shape [1])", ld.name(&p("layer_scalar"))),
+            None => 1.0,
+        };
+        layers.push(LayerWeights {
+            input_norm: ld.norm(&p("input_layernorm.weight"), h)?,
+            attn,
+            post_attn_norm: ld.norm(&p("post_attention_layernorm.weight"), h)?,
+            pre_ffn_norm: ld.norm(&p("pre_feedforward_layernorm.weight"), h)?,
+            mlp,
+            post_ffn_norm: ld.norm(&p("post_feedforward_layernorm.weight"), h)?,
+            ple,
+            moe,
+            layer_scalar,
+        });
+    }
+
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        let t = ck.require("lm_head.weight", &[cfg.vocab_size, h])?;
+        Some(Box::new(DenseMatrix::from_tensor(t, cfg.vocab_size, h)?) as Matrix)
+    };
+
+    Ok(ModelWeights { embed, ple, layers, final_norm: ld.norm("norm.weight", h)?, lm_head })
+}
+
+fn load_moe(ld: &Loader, p: &dyn Fn(&str) -> String, experts: usize, inter: usize, h: usize) -> Result<MoeWeights> {
+    let gate_up = ld.ck.require(&ld.name(&p("experts.gate_up_proj")), &[experts, 2 * inter, h])?;
+    let down = ld.ck.require(&ld.name(&p("experts.down_proj")), &[experts, h, inter])?;
+    let mut ex = Vec::with_capacity(experts);
+    for e in 0..experts {
+        // gate_up_proj[e] is [2I, H]: the first I rows are the gate, the next I the up projection.
+        ex.push(MlpWeights {
+            gate: Box::new(DenseMatrix::from_tensor_rows(gate_up, e * 2 * inter, inter, h)?),
+            up: Box::new(DenseMatrix::from_tensor_rows(gate_up, e * 2 * inter + inter, inter, h)?),
+            down: Box::new(DenseMatrix::from_tensor_rows(down, e * h, h, inter)?),
+        });
+    }
+    Ok(MoeWeights {
+        router_proj: ld.matrix(&p("router.proj.weight"), experts, h)?,
+        router_scale: ld.vector(&p("router.scale"), h)?,
+        per_expert_scale: ld.vector(&p("router.per_expert_scale"), experts)?,
+        experts: ex,
+        pre_norm_2: ld.norm(&p("pre_feedforward_layernorm_2.weight"), h)?,
+        post_norm_1: ld.norm(&p("post_feedforward_layernorm_1.weight"), h)?,
+        post_norm_2: ld.norm(&p("post_feedforward_layernorm_2.weight"), h)?,
+    })
+}

@@ -1,0 +1,35 @@
+//! `megagemma`: run Gemma models from the command line.
+
+mod run;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "megagemma", version, about = "Gemma 4 inference engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt.
+    Run(run::RunArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the error and its causes, outermost first.
+            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("error: {}", msg.replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}

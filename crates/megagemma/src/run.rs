@@ -1,0 +1,228 @@
+//! `megagemma run`: one prompt in, generated tokens out.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
+use megagemma_engine::generate::{generate, GenerateParams};
+use megagemma_engine::sampling::{read_generation_config, SamplingParams};
+use megagemma_engine::tokenizer::Tokenizer;
+use megagemma_model::cpu::CpuBackend;
+use megagemma_model::Model;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    /// Generated text, streamed.
+    Text,
+    /// One line: generated ids, comma-separated.
+    Ids,
+    /// One JSON object: ids, text, prompt_tokens, tokens_per_second.
+    Json,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Model directory (Hugging Face layout). Defaults to the bundled demo model (random weights).
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// Prompt text; wrapped in the model's chat template unless --raw.
+    #[arg(short, long, conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Prompt as token ids, comma-separated (e.g. 2,17,99); used as is.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<String>>,
+    /// System message for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Tokenize the prompt as is (with BOS), without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Maximum number of tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Greedy decoding (same as --temperature 0).
+    #[arg(long)]
+    pub greedy: bool,
+    /// Sampling temperature (0 = greedy). Default: the checkpoint's generation_config, else greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Random seed for sampling (same seed, same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Do not stop at end-of-sequence ids: generate exactly --max-new-tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub output: OutputFormat,
+    /// Write the final logits of every generated step to FILE as JSON ([steps][vocab]).
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
+    /// Worker threads (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+}
+
+/// The bundled demo model: a tiny random Gemma 4 committed with the sources.
+fn demo_model_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo")
+}
+
+fn parse_ids(raw: &[String]) -> Result<Vec<u32>> {
+    raw.iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.trim().parse::<u32>().with_context(|| format!("invalid token id `{}` in --prompt-ids", s.trim())))
+        .collect()
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon_threads(n)?;
+    }
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => {
+            eprintln!("note: no --model given; using the bundled demo model, whose weights are random (its output is gibberish)");
+            demo_model_dir()
+        }
+    };
+    let t_load = Instant::now();
+    let model = Arc::new(Model::load(&dir)?);
+    let load_secs = t_load.elapsed().as_secs_f64();
+    let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_model_dir(&dir)?) } else { None };
+
+    let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
+        (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
+        (None, None) => bail!("no prompt: give --prompt TEXT or --prompt-ids 2,17,99"),
+        (None, Some(ids)) => parse_ids(ids)?,
+        (Some(text), None) => {
+            if text.trim().is_empty() {
+                bail!("empty prompt");
+            }
+            let tok = tokenizer.as_ref().with_context(|| format!("no tokenizer.json in {}: use --prompt-ids", dir.display()))?;
+            if args.raw {
+                tok.encode(text, true)?
+            } else {
+                let template = ChatTemplate::from_model_dir(&dir)?;
+                let mut messages = Vec::new();
+                if let Some(s) = &args.system {
+                    messages.push(ChatMessage::system(s.clone()));
+                }
+                messages.push(ChatMessage::user(text.clone()));
+                encode_chat(tok, &template, &messages)?
+            }
+        }
+    };
+    if prompt.is_empty() {
+        bail!("empty prompt: --prompt-ids has no ids");
+    }
+    let vocab = model.plan.vocab_size;
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} in the prompt is out of range (vocab_size is {vocab})");
+    }
+
+    let defaults = read_generation_config(&dir).unwrap_or_default();
+    let sampling = sampling_params(&args, &defaults)?;
+    let mut stop_ids = defaults.eos_token_ids.clone();
+    if stop_ids.is_empty() {
+        stop_ids = model.config.eos_token_ids.clone();
+    }
+    let params = GenerateParams {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        stop_ids,
+        ignore_eos: args.ignore_eos,
+        keep_logits: args.dump_logits.is_some(),
+    };
+
+    let mut backend = CpuBackend::new(model.clone());
+    let stdout = std::io::stdout();
+    let mut stream = match (args.output, &tokenizer) {
+        (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),
+        (OutputFormat::Text, None) => bail!("no tokenizer.json in {}: use --output ids", dir.display()),
+        _ => None,
+    };
+    let gen = generate(&mut backend, &prompt, &params, |tok| {
+        if let Some(s) = stream.as_mut() {
+            if let Ok(Some(piece)) = s.step(tok) {
+                let mut out = stdout.lock();
+                let _ = out.write_all(piece.as_bytes());
+                let _ = out.flush();
+            }
+        }
+        true
+    })?;
+
+    if let Some(path) = &args.dump_logits {
+        let json = serde_json::to_string(&gen.logits)?;
+        std::fs::write(path, json).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    let text = match &tokenizer {
+        Some(t) => Some(t.decode(&gen.ids, true)?),
+        None => None,
+    };
+    match args.output {
+        OutputFormat::Text => println!(),
+        OutputFormat::Ids => {
+            println!("{}", gen.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
+        }
+        OutputFormat::Json => {
+            let obj = serde_json::json!({
+                "ids": gen.ids,
+                "text": text,
+                "prompt_tokens": gen.prompt_tokens,
+                "tokens_per_second": gen.decode_tokens_per_second(),
+                "finish_reason": match gen.finish_reason {
+                    megagemma_engine::generate::FinishReason::Stop => "stop",
+                    megagemma_engine::generate::FinishReason::Length => "length",
+                },
+            });
+            println!("{obj}");
+        }
+    }
+    eprintln!(
+        "load {:.2}s | prompt {} tokens in {:.3}s ({:.1} tok/s) | generated {} tokens, decode {:.1} tok/s",
+        load_secs,
+        gen.prompt_tokens,
+        gen.prefill_seconds,
+        gen.prompt_tokens as f64 / gen.prefill_seconds.max(1e-9),
+        gen.ids.len(),
+        gen.decode_tokens_per_second()
+    );
+    Ok(())
+}
+
+fn sampling_params(args: &RunArgs, defaults: &megagemma_engine::sampling::GenerationDefaults) -> Result<SamplingParams> {
+    let explicit = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some();
+    if args.greedy {
+        if explicit {
+            bail!("--greedy cannot be combined with --temperature/--top-k/--top-p/--min-p");
+        }
+        return Ok(SamplingParams::greedy());
+    }
+    let base = defaults.sampling_params(args.seed);
+    let p = SamplingParams {
+        temperature: args.temperature.unwrap_or(base.temperature),
+        top_k: args.top_k.unwrap_or(base.top_k),
+        top_p: args.top_p.unwrap_or(base.top_p),
+        min_p: args.min_p.unwrap_or(base.min_p),
+        seed: args.seed,
+    };
+    p.validate()?;
+    Ok(p)
+}
+
+fn rayon_threads(n: usize) -> Result<()> {
+    if n == 0 {
+        bail!("--threads must be at least 1");
+    }
+    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot set the thread count")
+}

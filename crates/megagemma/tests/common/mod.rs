@@ -1,0 +1,56 @@
+//! Helpers shared by the CLI integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    repo_root().join("tests/fixtures")
+}
+
+/// Every committed fixture directory (those with an expected.json).
+pub fn fixtures() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.json").exists())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 5, "expected at least 5 fixtures, found {}", v.len());
+    v
+}
+
+pub fn megagemma(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_megagemma")).args(args).output().expect("failed to start megagemma")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Relative L2 distance ‖a − b‖ / ‖b‖.
+pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "logit vectors differ in length");
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+/// A user error: non-zero exit, exactly one line on stderr starting with `error:`, no panic.
+pub fn assert_user_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("note:")).collect();
+    assert_eq!(lines.len(), 1, "expected one error line, got: {err:?}");
+    assert!(lines[0].starts_with("error: "), "error line should start with `error: `: {err:?}");
+    assert!(lines[0].to_lowercase().contains(&needle.to_lowercase()), "error line {:?} should mention {needle:?}", lines[0]);
+}
