@@ -8,8 +8,39 @@ use crate::{bail, Result};
 
 enum Storage {
     F32(Vec<f32>),
-    Bf16(MappedBytes),
-    F16(MappedBytes),
+    Bf16(Halves),
+    F16(Halves),
+}
+
+/// 16-bit elements: viewed in place in the mapped file when 2-byte aligned (always, for files
+/// written by safetensors), otherwise copied out once.
+enum Halves {
+    Mapped(MappedBytes),
+    Owned(Vec<u16>),
+}
+
+impl Halves {
+    fn new(bytes: MappedBytes) -> Halves {
+        if bytes.bytes().as_ptr().align_offset(2) == 0 {
+            Halves::Mapped(bytes)
+        } else {
+            Halves::Owned(bytes.bytes().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+        }
+    }
+    fn as_slice(&self) -> &[u16] {
+        match self {
+            Halves::Mapped(b) => {
+                let bytes = b.bytes();
+                // SAFETY: alignment checked in `new`; u16 has no invalid bit patterns; the
+                // mapping outlives the borrow. (Little-endian hosts only, like the file format.)
+                unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2) }
+            }
+            Halves::Owned(v) => v,
+        }
+    }
+    fn byte_len(&self) -> usize {
+        self.as_slice().len() * 2
+    }
 }
 
 pub struct DenseMatrix {
@@ -30,8 +61,8 @@ impl DenseMatrix {
         let es = t.dtype.size();
         let bytes = t.data.slice(row0 * cols * es, rows * cols * es);
         let storage = match t.dtype {
-            DType::BF16 => Storage::Bf16(bytes),
-            DType::F16 => Storage::F16(bytes),
+            DType::BF16 => Storage::Bf16(Halves::new(bytes)),
+            DType::F16 => Storage::F16(Halves::new(bytes)),
             DType::F32 => Storage::F32(bytes.bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
             other => bail!("tensor `{}` has dtype {}; dense weights must be F32, F16 or BF16", t.name, other.name()),
         };
@@ -61,17 +92,17 @@ impl RowDot for DenseMatrix {
                 }
             }
             Storage::Bf16(b) => {
-                let w = b.bytes();
+                let w = b.as_slice();
                 for (i, o) in out.iter_mut().enumerate() {
                     let r = start + i;
-                    *o = simd::dot_bf16(&w[2 * r * c..2 * (r + 1) * c], x);
+                    *o = simd::dot_bf16(&w[r * c..(r + 1) * c], x);
                 }
             }
             Storage::F16(b) => {
-                let w = b.bytes();
+                let w = b.as_slice();
                 for (i, o) in out.iter_mut().enumerate() {
                     let r = start + i;
-                    *o = simd::dot_f16(&w[2 * r * c..2 * (r + 1) * c], x);
+                    *o = simd::dot_f16(&w[r * c..(r + 1) * c], x);
                 }
             }
         }
@@ -81,13 +112,13 @@ impl RowDot for DenseMatrix {
         match &self.storage {
             Storage::F32(w) => out.copy_from_slice(&w[row * c..(row + 1) * c]),
             Storage::Bf16(b) => {
-                for (o, p) in out.iter_mut().zip(b.bytes()[2 * row * c..2 * (row + 1) * c].chunks_exact(2)) {
-                    *o = simd::bf16_to_f32(u16::from_le_bytes([p[0], p[1]]));
+                for (o, &p) in out.iter_mut().zip(&b.as_slice()[row * c..(row + 1) * c]) {
+                    *o = simd::bf16_to_f32(p);
                 }
             }
             Storage::F16(b) => {
-                for (o, p) in out.iter_mut().zip(b.bytes()[2 * row * c..2 * (row + 1) * c].chunks_exact(2)) {
-                    *o = half::f16::from_bits(u16::from_le_bytes([p[0], p[1]])).to_f32();
+                for (o, &p) in out.iter_mut().zip(&b.as_slice()[row * c..(row + 1) * c]) {
+                    *o = half::f16::from_bits(p).to_f32();
                 }
             }
         }
@@ -95,7 +126,7 @@ impl RowDot for DenseMatrix {
     fn stored_bytes(&self) -> usize {
         match &self.storage {
             Storage::F32(w) => w.len() * 4,
-            Storage::Bf16(b) | Storage::F16(b) => b.len(),
+            Storage::Bf16(b) | Storage::F16(b) => b.byte_len(),
         }
     }
 }

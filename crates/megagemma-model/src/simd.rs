@@ -27,43 +27,41 @@ fn dot_f32_generic(a: &[f32], b: &[f32]) -> f32 {
     reduce(&acc) + tail
 }
 
-/// bf16 weights stored little-endian as raw bytes (2 per element), converted exactly on the fly.
+/// bf16 weights (bit patterns), converted exactly on the fly: bf16 is the top half of an f32.
 #[inline(always)]
-fn dot_bf16_generic(w: &[u8], x: &[f32]) -> f32 {
-    debug_assert_eq!(w.len(), 2 * x.len());
+fn dot_bf16_generic(w: &[u16], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
     let mut acc = [0f32; LANES];
     let chunks = x.len() / LANES;
     for c in 0..chunks {
-        let wb = &w[c * 2 * LANES..(c + 1) * 2 * LANES];
+        let ws = &w[c * LANES..(c + 1) * LANES];
         let xs = &x[c * LANES..(c + 1) * LANES];
         for l in 0..LANES {
-            let bits = u16::from_le_bytes([wb[2 * l], wb[2 * l + 1]]);
-            acc[l] += bf16_to_f32(bits) * xs[l];
+            acc[l] += bf16_to_f32(ws[l]) * xs[l];
         }
     }
     let mut tail = 0f32;
     for i in chunks * LANES..x.len() {
-        tail += bf16_to_f32(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])) * x[i];
+        tail += bf16_to_f32(w[i]) * x[i];
     }
     reduce(&acc) + tail
 }
 
 #[inline(always)]
-fn dot_f16_generic(w: &[u8], x: &[f32]) -> f32 {
-    debug_assert_eq!(w.len(), 2 * x.len());
+fn dot_f16_generic(w: &[u16], x: &[f32]) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
     let mut acc = [0f32; LANES];
     let chunks = x.len() / LANES;
     for c in 0..chunks {
-        let wb = &w[c * 2 * LANES..(c + 1) * 2 * LANES];
+        let ws = &w[c * LANES..(c + 1) * LANES];
         let xs = &x[c * LANES..(c + 1) * LANES];
         for l in 0..LANES {
-            let h = half::f16::from_bits(u16::from_le_bytes([wb[2 * l], wb[2 * l + 1]]));
-            acc[l] += h.to_f32() * xs[l];
+            acc[l] += half::f16::from_bits(ws[l]).to_f32() * xs[l];
         }
     }
     let mut tail = 0f32;
     for i in chunks * LANES..x.len() {
-        tail += half::f16::from_bits(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])).to_f32() * x[i];
+        tail += half::f16::from_bits(w[i]).to_f32() * x[i];
     }
     reduce(&acc) + tail
 }
@@ -107,8 +105,8 @@ macro_rules! dispatch {
 }
 
 dispatch!(dot_f32, dot_f32_generic, dot_f32_avx2, &[f32]);
-dispatch!(dot_bf16, dot_bf16_generic, dot_bf16_avx2, &[u8]);
-dispatch!(dot_f16, dot_f16_generic, dot_f16_avx2, &[u8]);
+dispatch!(dot_bf16, dot_bf16_generic, dot_bf16_avx2, &[u16]);
+dispatch!(dot_f16, dot_f16_generic, dot_f16_avx2, &[u16]);
 
 /// True when AVX2 and FMA are available (cached). `MEGAGEMMA_NO_AVX2=1` forces the portable path.
 pub fn has_avx2_fma() -> bool {
@@ -140,8 +138,8 @@ mod tests {
         assert!((dot_f32(&a, &b) as f64 - exact).abs() < 1e-3 * exact.abs().max(1.0));
         // bf16 / f16 encodings of `a` (values chosen to be exactly representable).
         let a16: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0).collect();
-        let bf: Vec<u8> = a16.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
-        let hf: Vec<u8> = a16.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect();
+        let bf: Vec<u16> = a16.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let hf: Vec<u16> = a16.iter().map(|v| half::f16::from_f32(*v).to_bits()).collect();
         let exact16: f64 = a16.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot_bf16(&bf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));
         assert!((dot_f16(&hf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));

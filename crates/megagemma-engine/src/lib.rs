@@ -1,0 +1,4 @@
+pub mod tokenizer;
+pub mod chat_template;
+pub mod sampling;
+pub mod generate;

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Write a random ~128M-parameter Gemma 4 text checkpoint (bf16) for CPU speed checks.
+
+Not an oracle fixture (nothing is compared against it): it only gives `megagemma run` a model
+of realistic size. Needs numpy and safetensors. Usage: make_bench_model.py OUT_DIR
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+H, L, NQ, NKV, HD, I, V = 768, 12, 8, 2, 96, 3072, 32768
+
+
+def bf16(a):
+    """float32 array -> bf16 bit pattern stored as uint16 (round to nearest even)."""
+    b = a.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def main(out):
+    rng = np.random.default_rng(0)
+    t = {}
+
+    def w(name, *shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        t[name] = rng.standard_normal(shape, dtype=np.float32) * scale
+
+    w("model.embed_tokens.weight", V, H, scale=1.0)
+    t["model.norm.weight"] = np.ones(H, np.float32)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        w(p + "self_attn.q_proj.weight", NQ * HD, H)
+        w(p + "self_attn.k_proj.weight", NKV * HD, H)
+        w(p + "self_attn.v_proj.weight", NKV * HD, H)
+        w(p + "self_attn.o_proj.weight", H, NQ * HD)
+        w(p + "mlp.gate_proj.weight", I, H)
+        w(p + "mlp.up_proj.weight", I, H)
+        w(p + "mlp.down_proj.weight", H, I)
+        for n in ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]:
+            t[p + n + ".weight"] = np.ones(H, np.float32)
+        t[p + "self_attn.q_norm.weight"] = np.ones(HD, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.ones(HD, np.float32)
+        t[p + "layer_scalar"] = np.ones(1, np.float32)
+    tensors = {k: bf16(v) for k, v in t.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # safetensors.numpy has no bf16: save as uint16 and patch the dtype in the header.
+    save_file(tensors, str(out / "model.safetensors"))
+    raw = (out / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    for k, v in header.items():
+        if k != "__metadata__":
+            v["dtype"] = "BF16"
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    (out / "model.safetensors").write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n:])
+    config = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+        "vocab_size": V, "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
+        "num_attention_heads": NQ, "num_key_value_heads": NKV, "head_dim": HD,
+        "per_layer_config": {str(i): {"head_dim": HD} for i in range(L)},
+        "hidden_size_per_layer_input": 0, "sliding_window": 512, "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True, "eos_token_id": [1], "bos_token_id": 2, "pad_token_id": 0,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    params = sum(v.size for v in t.values())
+    print(f"wrote {out} ({params / 1e6:.1f}M parameters)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".cache/bench-128m")
