@@ -266,3 +266,45 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<TensorRef>> {
     }
     Ok(out)
 }
+
+/// A safetensors checkpoint seen through the text decoder's tensor prefix.
+pub struct SafetensorsSource<'a> {
+    pub ck: &'a Checkpoint,
+    /// `model.` or `model.language_model.`; `lm_head.weight` is always top-level.
+    pub prefix: &'a str,
+}
+
+impl SafetensorsSource<'_> {
+    fn full_name(&self, rel: &str) -> String {
+        if rel == "lm_head.weight" {
+            rel.to_string()
+        } else {
+            format!("{}{rel}", self.prefix)
+        }
+    }
+}
+
+impl crate::weights::TensorSource for SafetensorsSource<'_> {
+    fn matrix(&self, rel: &str, rows: usize, cols: usize) -> Result<crate::weights::Matrix> {
+        let t = self.ck.require(&self.full_name(rel), &[rows, cols])?;
+        Ok(Box::new(crate::dense::DenseMatrix::from_tensor(t, rows, cols)?))
+    }
+    fn matrices(&self, rel: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<crate::weights::Matrix>> {
+        // Stored as [n', rows', cols] with n'·rows' = n·rows (gate_up halves fold into n).
+        let t = self.ck.get(&self.full_name(rel)).ok_or_else(|| {
+            Error::msg(format!("missing tensor `{}` in {}", self.full_name(rel), self.ck.dir.display()))
+        })?;
+        if t.shape.len() != 3 || t.shape[0] * t.shape[1] != n * rows || t.shape[2] != cols {
+            bail!("tensor `{}` has shape {:?}, expected {n}×{rows} rows of {cols}", t.name, t.shape);
+        }
+        (0..n)
+            .map(|i| Ok(Box::new(crate::dense::DenseMatrix::from_tensor_rows(t, i * rows, rows, cols)?) as crate::weights::Matrix))
+            .collect()
+    }
+    fn vector(&self, rel: &str, len: usize) -> Result<Vec<f32>> {
+        self.ck.require(&self.full_name(rel), &[len])?.to_f32_vec()
+    }
+    fn contains(&self, rel: &str) -> bool {
+        self.ck.get(&self.full_name(rel)).is_some()
+    }
+}

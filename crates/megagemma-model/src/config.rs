@@ -364,32 +364,31 @@ fn rope_spec(p: &Obj, default_theta: f64) -> Result<RopeSpec> {
 }
 
 fn parse_rope(c: &Obj, family: Family) -> Result<(RopeSpec, RopeSpec)> {
-    match family {
-        Family::Gemma4 => {
-            let default_sliding = RopeSpec { theta: 10_000.0, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-            let default_full = RopeSpec { theta: 1_000_000.0, proportional: true, partial_rotary_factor: 0.25, factor: 1.0 };
-            let Some(rp) = c.get("rope_parameters") else { return Ok((default_sliding, default_full)) };
-            let rp = rp.as_object().ok_or_else(|| Error::msg("`rope_parameters` must be an object"))?;
-            let get = |k: &str, d: RopeSpec| -> Result<RopeSpec> {
-                match rp.get(k).and_then(|v| v.as_object()) {
-                    Some(o) => rope_spec(&Obj(o), d.theta),
-                    None => Ok(d),
-                }
-            };
-            Ok((get("sliding_attention", default_sliding)?, get("full_attention", default_full)?))
-        }
-        Family::Gemma3 => {
-            // Global layers: rope_theta with optional linear rope_scaling; local layers:
-            // rope_local_base_freq, never scaled.
-            let theta = c.f64_opt("rope_theta")?.unwrap_or(1_000_000.0);
-            let local = c.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0);
-            let mut full = RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-            if let Some(Value::Object(rs)) = c.get("rope_scaling") {
-                let s = rope_spec(&Obj(rs), theta)?;
-                full.factor = s.factor;
+    let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
+    let (default_sliding, default_full) = match family {
+        Family::Gemma4 => (plain(10_000.0), RopeSpec { proportional: true, partial_rotary_factor: 0.25, ..plain(1_000_000.0) }),
+        Family::Gemma3 => (plain(10_000.0), plain(1_000_000.0)),
+    };
+    // Current configs: `rope_parameters` keyed by layer type.
+    if let Some(rp) = c.get("rope_parameters") {
+        let rp = rp.as_object().ok_or_else(|| Error::msg("`rope_parameters` must be an object"))?;
+        let get = |k: &str, d: RopeSpec| -> Result<RopeSpec> {
+            match rp.get(k).and_then(|v| v.as_object()) {
+                Some(o) => rope_spec(&Obj(o), d.theta),
+                None => Ok(d),
             }
-            let sliding = RopeSpec { theta: local, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-            Ok((sliding, full))
-        }
+        };
+        return Ok((get("sliding_attention", default_sliding)?, get("full_attention", default_full)?));
     }
+    if family == Family::Gemma4 {
+        return Ok((default_sliding, default_full));
+    }
+    // Older Gemma 3 configs: global `rope_theta` with optional linear `rope_scaling`; local
+    // layers use `rope_local_base_freq`, never scaled.
+    let mut full = plain(c.f64_opt("rope_theta")?.unwrap_or(default_full.theta));
+    if let Some(Value::Object(rs)) = c.get("rope_scaling") {
+        full.factor = rope_spec(&Obj(rs), full.theta)?.factor;
+    }
+    let sliding = plain(c.f64_opt("rope_local_base_freq")?.unwrap_or(default_sliding.theta));
+    Ok((sliding, full))
 }

@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod dense;
 pub mod error;
 pub mod gguf;
+pub mod gguf_model;
 pub mod matrix;
 pub mod model;
 pub mod plan;

@@ -4,12 +4,10 @@
 //! Gemma 3's HF checkpoints store `w − 1` (the model computes `x̂·(1 + w)`), so 1 is added here
 //! once and the forward never needs to know.
 
-use crate::checkpoint::Checkpoint;
 use crate::config::{Family, ModelConfig};
-use crate::dense::DenseMatrix;
 use crate::matrix::RowDot;
 use crate::plan::ModelPlan;
-use crate::{bail, Result};
+use crate::Result;
 
 pub type Matrix = Box<dyn RowDot>;
 
@@ -102,25 +100,35 @@ impl ModelWeights {
     }
 }
 
-/// Loads tensors by name with the model's prefix and the family's norm convention.
+/// Where weights come from, addressed by their Hugging Face names relative to the text
+/// decoder (`layers.3.mlp.up_proj.weight`). Safetensors checkpoints and GGUF files implement it;
+/// each checks shapes and reports a missing or mis-shaped tensor by its own name.
+pub trait TensorSource {
+    /// A `[rows, cols]` matrix.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix>;
+    /// A 3-D `[n, rows, cols]` tensor as `n` matrices (MoE experts).
+    fn matrices(&self, name: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>>;
+    /// A 1-D tensor of `len` floats.
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    fn contains(&self, name: &str) -> bool;
+    /// Whether stored norm weights already include Gemma 3's `+1` (GGUF does; HF does not).
+    fn norms_include_one(&self) -> bool {
+        false
+    }
+}
+
+/// Loads tensors with the family's norm convention.
 struct Loader<'a> {
-    ck: &'a Checkpoint,
-    prefix: &'a str,
+    src: &'a dyn TensorSource,
     norm_offset: f32,
 }
 
 impl Loader<'_> {
-    fn name(&self, rel: &str) -> String {
-        format!("{}{}", self.prefix, rel)
-    }
     fn matrix(&self, rel: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        let name = self.name(rel);
-        let t = self.ck.require(&name, &[rows, cols])?;
-        Ok(Box::new(DenseMatrix::from_tensor(t, rows, cols)?))
+        self.src.matrix(rel, rows, cols)
     }
     fn vector(&self, rel: &str, len: usize) -> Result<Vec<f32>> {
-        let t = self.ck.require(&self.name(rel), &[len])?;
-        t.to_f32_vec()
+        self.src.vector(rel, len)
     }
     fn norm(&self, rel: &str, len: usize) -> Result<Vec<f32>> {
         let mut w = self.vector(rel, len)?;
@@ -131,8 +139,9 @@ impl Loader<'_> {
     }
 }
 
-pub fn load_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &ModelPlan) -> Result<ModelWeights> {
-    let ld = Loader { ck, prefix: &cfg.tensor_prefix, norm_offset: if cfg.family == Family::Gemma3 { 1.0 } else { 0.0 } };
+pub fn load_weights(src: &dyn TensorSource, cfg: &ModelConfig, plan: &ModelPlan) -> Result<ModelWeights> {
+    let gemma3_hf = cfg.family == Family::Gemma3 && !src.norms_include_one();
+    let ld = Loader { src, norm_offset: if gemma3_hf { 1.0 } else { 0.0 } };
     let h = cfg.hidden_size;
     let embed = ld.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
 
@@ -179,14 +188,8 @@ pub fn load_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &ModelPlan) -> Res
             (Some(m), true) => Some(load_moe(&ld, &p, m.num_experts, m.intermediate_size, h)?),
             _ => None,
         };
-        let layer_scalar = match ck.get(&ld.name(&p("layer_scalar"))) {
-            Some(t) => {
-                t.expect_shape(&[1])?;
-                t.to_f32_vec()?[0]
-            }
-            None if cfg.family == Family::Gemma4 => bail!("missing tensor `{}` (expected shape [1])", ld.name(&p("layer_scalar"))),
-            None => 1.0,
-        };
+        // Gemma 3 has no per-layer scalar.
+        let layer_scalar = if cfg.family == Family::Gemma4 || src.contains(&p("layer_scalar")) { ld.vector(&p("layer_scalar"), 1)?[0] } else { 1.0 };
         layers.push(LayerWeights {
             input_norm: ld.norm(&p("input_layernorm.weight"), h)?,
             attn,
@@ -203,25 +206,21 @@ pub fn load_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &ModelPlan) -> Res
     let lm_head = if cfg.tie_word_embeddings {
         None
     } else {
-        let t = ck.require("lm_head.weight", &[cfg.vocab_size, h])?;
-        Some(Box::new(DenseMatrix::from_tensor(t, cfg.vocab_size, h)?) as Matrix)
+        Some(ld.matrix("lm_head.weight", cfg.vocab_size, h)?)
     };
 
     Ok(ModelWeights { embed, ple, layers, final_norm: ld.norm("norm.weight", h)?, lm_head })
 }
 
 fn load_moe(ld: &Loader, p: &dyn Fn(&str) -> String, experts: usize, inter: usize, h: usize) -> Result<MoeWeights> {
-    let gate_up = ld.ck.require(&ld.name(&p("experts.gate_up_proj")), &[experts, 2 * inter, h])?;
-    let down = ld.ck.require(&ld.name(&p("experts.down_proj")), &[experts, h, inter])?;
-    let mut ex = Vec::with_capacity(experts);
-    for e in 0..experts {
-        // gate_up_proj[e] is [2I, H]: the first I rows are the gate, the next I the up projection.
-        ex.push(MlpWeights {
-            gate: Box::new(DenseMatrix::from_tensor_rows(gate_up, e * 2 * inter, inter, h)?),
-            up: Box::new(DenseMatrix::from_tensor_rows(gate_up, e * 2 * inter + inter, inter, h)?),
-            down: Box::new(DenseMatrix::from_tensor_rows(down, e * h, h, inter)?),
-        });
-    }
+    // gate_up_proj[e] is [2I, H]: the first I rows are the gate, the next I the up projection.
+    let gate_up = ld.src.matrices(&p("experts.gate_up_proj"), 2 * experts, inter, h)?;
+    let down = ld.src.matrices(&p("experts.down_proj"), experts, h, inter)?;
+    let mut halves = gate_up.into_iter();
+    let ex = down
+        .into_iter()
+        .map(|down| MlpWeights { gate: halves.next().unwrap(), up: halves.next().unwrap(), down })
+        .collect();
     Ok(MoeWeights {
         router_proj: ld.matrix(&p("router.proj.weight"), experts, h)?,
         router_scale: ld.vector(&p("router.scale"), h)?,
