@@ -1,5 +1,6 @@
 //! `megagemma`: run Gemma models from the command line.
 
+mod pull;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -16,12 +17,15 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt.
     Run(run::RunArgs),
+    /// Download a known model into the local cache and print its path.
+    Pull(pull::PullArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Pull(args) => pull::pull(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -25,7 +25,8 @@ pub enum OutputFormat {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Model directory (Hugging Face layout). Defaults to the bundled demo model (random weights).
+    /// Model: a Hugging Face checkpoint directory, a .gguf file, or a name `megagemma pull`
+    /// knows (fetched on first use). Defaults to the bundled demo model (random weights).
     #[arg(short, long)]
     pub model: Option<PathBuf>,
     /// Prompt text; wrapped in the model's chat template unless --raw.
@@ -88,7 +89,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         rayon_threads(n)?;
     }
     let dir = match &args.model {
-        Some(d) => d.clone(),
+        Some(d) => resolve_model(d)?,
         None => {
             eprintln!("note: no --model given; using the bundled demo model, whose weights are random (its output is gibberish)");
             demo_model_dir()
@@ -225,4 +226,15 @@ fn rayon_threads(n: usize) -> Result<()> {
         bail!("--threads must be at least 1");
     }
     rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot set the thread count")
+}
+
+/// A path as given, or a known model name resolved to its cached file (pulled if missing).
+fn resolve_model(arg: &Path) -> Result<PathBuf> {
+    if arg.exists() {
+        return Ok(arg.to_path_buf());
+    }
+    match arg.to_str().and_then(crate::pull::find) {
+        Some(known) => crate::pull::ensure(known),
+        None => Ok(arg.to_path_buf()), // Model::load reports the missing path
+    }
 }

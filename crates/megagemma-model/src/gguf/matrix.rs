@@ -1,0 +1,121 @@
+//! A GGUF tensor used directly as a CPU weight matrix: rows are dotted straight out of the
+//! memory map with the fused kernels, so quantized weights are never expanded in memory.
+
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use super::blocks::{dequant_fn, DequantFn, GgmlType};
+use super::dot::{dot_kernel, DotFn};
+use super::reader::{GgufFile, GgufTensorInfo};
+use crate::bail;
+use crate::error::Result;
+use crate::matrix::RowDot;
+
+/// `[rows, cols]` view of a GGUF tensor with `dims = [cols, rows, ...]` (higher dims fold into
+/// rows). Holds the mmap alive, so it outlives the [`GgufFile`] it came from.
+pub struct GgufMatrix {
+    mmap: Arc<Mmap>,
+    /// Absolute file offset of row 0.
+    start: usize,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    ggml_type: GgmlType,
+    dot: DotFn,
+    dequant: DequantFn,
+}
+
+impl GgufMatrix {
+    pub fn from_tensor(file: &GgufFile, info: &GgufTensorInfo) -> Result<GgufMatrix> {
+        let ty = info.ggml_type;
+        let (Some(dot), Some(dequant)) = (dot_kernel(ty), dequant_fn(ty)) else {
+            bail!(
+                "tensor '{}' has ggml type {ty}, which has no CPU kernel (supported: {})",
+                info.name,
+                super::blocks::supported_list()
+            );
+        };
+        if info.dims.is_empty() {
+            bail!("tensor '{}' is a scalar, not a matrix", info.name);
+        }
+        let cols = info.dims[0] as usize;
+        let rows = info.dims[1..].iter().product::<u64>() as usize;
+        let row_bytes = ty.row_bytes(cols)?;
+        let start = file.data_offset() + info.offset as usize;
+        Ok(GgufMatrix {
+            mmap: file.mmap().clone(),
+            start,
+            rows,
+            cols,
+            row_bytes,
+            ggml_type: ty,
+            dot,
+            dequant,
+        })
+    }
+
+    pub fn ggml_type(&self) -> GgmlType {
+        self.ggml_type
+    }
+
+    /// The encoded bytes of row `r`.
+    pub fn row_bytes(&self, r: usize) -> &[u8] {
+        assert!(r < self.rows, "row {r} out of range for a {}-row matrix", self.rows);
+        let s = self.start + r * self.row_bytes;
+        &self.mmap[s..s + self.row_bytes]
+    }
+}
+
+impl GgufFile {
+    /// The tensor `name` as a [`GgufMatrix`].
+    pub fn matrix(&self, name: &str) -> Result<GgufMatrix> {
+        match self.tensor(name) {
+            Some(info) => GgufMatrix::from_tensor(self, info),
+            None => bail!("{}: no tensor named '{name}'", self.path().display()),
+        }
+    }
+}
+
+impl RowDot for GgufMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
+        assert_eq!(
+            x.len(),
+            self.cols,
+            "dot_rows: x has {} values, matrix has {} cols",
+            x.len(),
+            self.cols
+        );
+        assert!(
+            start + out.len() <= self.rows,
+            "dot_rows: rows {start}..{} out of range",
+            start + out.len()
+        );
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (self.dot)(self.row_bytes(start + i), x);
+        }
+    }
+
+    fn row_to_f32(&self, row: usize, out: &mut [f32]) {
+        assert_eq!(
+            out.len(),
+            self.cols,
+            "row_to_f32: out has {} values, matrix has {} cols",
+            out.len(),
+            self.cols
+        );
+        (self.dequant)(self.row_bytes(row), out);
+    }
+
+    fn stored_bytes(&self) -> usize {
+        self.rows * self.row_bytes
+    }
+}

@@ -1,0 +1,16 @@
+//! GGUF (llama.cpp's model container) support: a validating memory-mapped reader, ggml block
+//! formats with exact dequantization and fused dot kernels, and [`GgufMatrix`], which lets the
+//! CPU forward run directly on quantized GGUF weights.
+//!
+//! Written from the public format description (ggml `docs/gguf.md`, block structs in
+//! `ggml-common.h`, `dequantize_row_*` in `ggml-quants.c`).
+
+mod blocks;
+mod dot;
+mod matrix;
+mod reader;
+
+pub use blocks::{dequantize_row, f16_to_f32, GgmlType, SUPPORTED_TYPES};
+pub use dot::{dot_row, dot_row_portable};
+pub use matrix::GgufMatrix;
+pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC};

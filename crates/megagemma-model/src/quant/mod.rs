@@ -1,0 +1,270 @@
+//! 4-bit affine quantized weight matrices: one in-memory representation, [`QuantMatrix`], onto which
+//! both MLX affine checkpoints and GGUF `Q4_0` (Google's QAT checkpoints) map losslessly.
+//!
+//! # Representation
+//!
+//! A `[rows, cols]` matrix (PyTorch `Linear` convention, one output per row) cut along `cols` into
+//! groups of `group_size` ∈ {32, 64, 128} consecutive inputs. Each group of each row has one f32
+//! `scale` and one f32 `bias`; each weight is a 4-bit code `q ∈ 0..=15` and stands for
+//!
+//! ```text
+//!     w = scale · q + bias          (evaluated in f32: one rounded multiply, then one rounded add)
+//! ```
+//!
+//! * `packed: Vec<u32>`, `rows · cols/8` words, rows contiguous. Weight `j` of a row is nibble
+//!   `j % 8` of word `j / 8`, at bits `4·(j % 8)`, least-significant nibble first — exactly the MLX
+//!   `weight` tensor (U32, shape `[rows, cols/8]`), so MLX words are copied as they are.
+//! * `scales`, `biases: Vec<f32>`, `rows · cols/group_size` each, row-major `[rows, n_groups]`.
+//!   f32 in memory so that every source dtype is held exactly (MLX writes bf16, GGUF `Q4_0` f16).
+//!
+//! # Sources that map onto it
+//!
+//! * **MLX affine** (`bits = 4`, any of the three group sizes): `weight`/`scales`/`biases` as stored,
+//!   scales and biases widened from bf16 (see [`QuantMatrix::from_mlx`]). Note that MLX scales may be
+//!   negative (see [`quantize_affine`]); nothing here assumes otherwise.
+//! * **GGUF `Q4_0`** (group 32, symmetric): `w = d·(q − 8)` is the affine form with `scale = d`,
+//!   `bias = −8·d`; multiplying an f16/bf16 `d` by 8 is exact in f32, so nothing is lost
+//!   (see [`QuantMatrix::from_ggml_q4_0`] for the raw block layout and [`quantize_q4_0`]).
+//!
+//! # Products
+//!
+//! [`QuantMatrix`] implements [`RowDot`]: the dot kernel never materialises weights but computes
+//! `Σ_g (scale_g·Σ_{j∈g} q_j·x_j + bias_g·Σ_{j∈g} x_j)` in f32, with the per-group input sums
+//! `Σ x_j` computed once per `dot_rows` call and reused for every row. The result for a row depends
+//! only on that row and `x` (never on which other rows or tokens share the call), so
+//! [`crate::matrix::matmul`] stays batch-invariant. The kernel (AVX-512F, AVX2+FMA or portable) is
+//! picked once per process from the CPU's features ([`Kernel::detect`]); different kernels agree to
+//! rounding, not bitwise. Memory: 0.5 byte per weight plus 8 bytes (f32 scale and bias) per group;
+//! [`RowDot::stored_bytes`] reports the on-disk size (bf16 scale and bias).
+
+mod kernel;
+mod quantize;
+
+pub use kernel::Kernel;
+pub use quantize::{quantize_affine, quantize_q4_0};
+
+use rayon::prelude::*;
+
+use crate::bail;
+use crate::error::Result;
+use crate::matrix::RowDot;
+
+/// A 4-bit affine quantized `[rows, cols]` matrix; see the [module docs](self) for the layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantMatrix {
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    /// `[rows, cols/8]`, MLX nibble order.
+    packed: Vec<u32>,
+    /// `[rows, cols/group_size]`.
+    scales: Vec<f32>,
+    /// `[rows, cols/group_size]`.
+    biases: Vec<f32>,
+}
+
+/// Group sizes the kernels handle (MLX's three; `Q4_0` uses 32).
+pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
+
+impl QuantMatrix {
+    /// Builds a matrix from MLX affine parts: `weight` is `[rows, cols/8]` u32 words (8 nibbles per
+    /// word, least-significant first), `scales`/`biases` are `[rows, cols/group_size]` (the bf16
+    /// checkpoint values widened to f32). Only `bits == 4` is supported.
+    pub fn from_mlx(
+        weight: &[u32],
+        scales: &[f32],
+        biases: &[f32],
+        rows: usize,
+        cols: usize,
+        group_size: usize,
+        bits: usize,
+    ) -> Result<Self> {
+        let what = format!("MLX quantized matrix [{rows}, {cols}] (group_size {group_size}, bits {bits})");
+        if bits != 4 {
+            bail!("{what}: bits = {bits} is not supported (only 4-bit affine)");
+        }
+        check_shape(&what, rows, cols, group_size)?;
+        let words = rows * (cols / 8);
+        if weight.len() != words {
+            bail!(
+                "{what}: weight has {} u32 words, expected [{rows}, {}] = {words}",
+                weight.len(),
+                cols / 8
+            );
+        }
+        let groups = rows * (cols / group_size);
+        for (name, v) in [("scales", scales), ("biases", biases)] {
+            if v.len() != groups {
+                bail!("{what}: {name} has {} values, expected [{rows}, {}] = {groups}", v.len(), cols / group_size);
+            }
+            if let Some(i) = v.iter().position(|s| !s.is_finite()) {
+                bail!("{what}: {name}[{}, {}] = {} is not finite", i / (cols / group_size), i % (cols / group_size), v[i]);
+            }
+        }
+        Ok(Self::from_parts_unchecked(rows, cols, group_size, weight.to_vec(), scales.to_vec(), biases.to_vec()))
+    }
+
+    /// Builds a matrix from raw GGUF `Q4_0` data: `rows · cols/32` blocks of 18 bytes, row-major,
+    /// each `d` (f16, little-endian) followed by 16 bytes `qs`, where weight `j < 16` of the block is
+    /// `qs[j] & 0xF` and weight `j + 16` is `qs[j] >> 4`; `w = d·(q − 8)`. Mapped losslessly to
+    /// `scale = d`, `bias = −8·d`, nibbles re-packed into the MLX order.
+    pub fn from_ggml_q4_0(blocks: &[u8], rows: usize, cols: usize) -> Result<Self> {
+        const BLOCK: usize = 18;
+        let what = format!("Q4_0 matrix [{rows}, {cols}]");
+        check_shape(&what, rows, cols, 32)?;
+        let n_blocks = rows * (cols / 32);
+        if blocks.len() != n_blocks * BLOCK {
+            bail!(
+                "{what}: data has {} bytes, expected {n_blocks} blocks of {BLOCK} bytes = {}",
+                blocks.len(),
+                n_blocks * BLOCK
+            );
+        }
+        let mut packed = vec![0u32; n_blocks * 4];
+        let mut scales = vec![0f32; n_blocks];
+        let mut biases = vec![0f32; n_blocks];
+        for (b, block) in blocks.chunks_exact(BLOCK).enumerate() {
+            let d = half::f16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f32();
+            if !d.is_finite() {
+                bail!("{what}: block {b} (row {}) has a non-finite scale {d}", b / (cols / 32));
+            }
+            scales[b] = d;
+            biases[b] = -8.0 * d;
+            let qs = &block[2..BLOCK];
+            let mut q = [0u8; 32];
+            for j in 0..16 {
+                q[j] = qs[j] & 0xF;
+                q[j + 16] = qs[j] >> 4;
+            }
+            for (w, nib) in packed[b * 4..b * 4 + 4].iter_mut().zip(q.chunks_exact(8)) {
+                *w = pack8(nib);
+            }
+        }
+        Ok(Self::from_parts_unchecked(rows, cols, 32, packed, scales, biases))
+    }
+
+    pub(crate) fn from_parts_unchecked(
+        rows: usize,
+        cols: usize,
+        group_size: usize,
+        packed: Vec<u32>,
+        scales: Vec<f32>,
+        biases: Vec<f32>,
+    ) -> Self {
+        debug_assert_eq!(packed.len(), rows * cols / 8);
+        debug_assert_eq!(scales.len(), rows * cols / group_size);
+        debug_assert_eq!(biases.len(), scales.len());
+        QuantMatrix { rows, cols, group_size, packed, scales, biases }
+    }
+
+    /// The MLX parts `(weight, scales, biases)`; inverse of [`QuantMatrix::from_mlx`] (exact). Scales
+    /// and biases are f32; they are bf16 values whenever the matrix came from MLX or
+    /// [`quantize_affine`].
+    pub fn to_mlx_parts(&self) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+        (self.packed.clone(), self.scales.clone(), self.biases.clone())
+    }
+
+    pub fn group_size(&self) -> usize {
+        self.group_size
+    }
+    /// Groups per row (`cols / group_size`).
+    pub fn groups_per_row(&self) -> usize {
+        self.cols / self.group_size
+    }
+    /// `[rows, cols/8]` packed words, MLX nibble order.
+    pub fn packed(&self) -> &[u32] {
+        &self.packed
+    }
+    /// `[rows, cols/group_size]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+    /// `[rows, cols/group_size]`.
+    pub fn biases(&self) -> &[f32] {
+        &self.biases
+    }
+    /// The 4-bit code of weight `(row, col)`.
+    pub fn code(&self, row: usize, col: usize) -> u8 {
+        let w = self.packed[row * (self.cols / 8) + col / 8];
+        ((w >> (4 * (col % 8))) & 0xF) as u8
+    }
+    /// Bytes this matrix occupies in memory (packed words + f32 scales and biases).
+    pub fn memory_bytes(&self) -> usize {
+        self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 4
+    }
+
+    /// The whole matrix in f32, row-major: `w = scale·q + bias` (f32 multiply, then f32 add).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        out.par_chunks_mut(self.cols).enumerate().for_each(|(r, row)| self.row_to_f32(r, row));
+        out
+    }
+
+    /// `out[i] = dot(row(start + i), x)` with an explicitly chosen kernel (for tests and benches;
+    /// [`RowDot::dot_rows`] uses [`Kernel::detect`]). Panics if the kernel is not available here.
+    pub fn dot_rows_with(&self, kernel: Kernel, start: usize, x: &[f32], out: &mut [f32]) {
+        assert_eq!(x.len(), self.cols, "QuantMatrix::dot_rows: x has {} values, expected {}", x.len(), self.cols);
+        assert!(
+            start + out.len() <= self.rows,
+            "QuantMatrix::dot_rows: rows {start}..{} out of range (matrix has {})",
+            start + out.len(),
+            self.rows
+        );
+        kernel::dot_rows(self, kernel, start, x, out);
+    }
+}
+
+impl RowDot for QuantMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
+        self.dot_rows_with(Kernel::detect(), start, x, out);
+    }
+    fn row_to_f32(&self, row: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols, "QuantMatrix::row_to_f32: out has {} values, expected {}", out.len(), self.cols);
+        let ng = self.groups_per_row();
+        let words = &self.packed[row * (self.cols / 8)..(row + 1) * (self.cols / 8)];
+        for (g, out_g) in out.chunks_exact_mut(self.group_size).enumerate() {
+            let (s, b) = (self.scales[row * ng + g], self.biases[row * ng + g]);
+            let gw = &words[g * self.group_size / 8..(g + 1) * self.group_size / 8];
+            for (o8, &w) in out_g.chunks_exact_mut(8).zip(gw) {
+                for (k, o) in o8.iter_mut().enumerate() {
+                    *o = s * ((w >> (4 * k)) & 0xF) as f32 + b;
+                }
+            }
+        }
+    }
+    /// On-disk size: 0.5 byte per weight plus a bf16 scale and a bf16 bias per group.
+    fn stored_bytes(&self) -> usize {
+        self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 2
+    }
+}
+
+fn check_shape(what: &str, rows: usize, cols: usize, group_size: usize) -> Result<()> {
+    if !GROUP_SIZES.contains(&group_size) {
+        bail!("{what}: group_size {group_size} is not supported (expected 32, 64 or 128)");
+    }
+    if rows == 0 || cols == 0 {
+        bail!("{what}: empty matrix");
+    }
+    if !cols.is_multiple_of(group_size) {
+        bail!("{what}: group_size {group_size} does not divide cols {cols}");
+    }
+    Ok(())
+}
+
+/// Packs 8 codes (each < 16) into one word, code `k` at bits `4k`.
+#[inline]
+pub(crate) fn pack8(q: &[u8]) -> u32 {
+    q.iter().take(8).enumerate().fold(0u32, |w, (k, &v)| w | (u32::from(v & 0xF) << (4 * k)))
+}
+
+/// Rounds an f32 to the nearest bf16 (ties to even) and back, as MLX casts scales and biases.
+#[inline]
+pub(crate) fn round_bf16(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
