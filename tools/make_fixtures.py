@@ -1,0 +1,668 @@
+#!/usr/bin/env python3
+"""Build tiny random Gemma 4 checkpoints and record transformers' float64 greedy outputs.
+
+transformers is the oracle. For every fixture this script
+  1. builds a tiny Gemma 4 model exercising one group of architecture features,
+  2. randomises every parameter and saves it as a real bf16 checkpoint,
+  3. reloads the checkpoint from disk in float64 (eager attention),
+  4. records greedy generation (ids and the logits of every step) into expected.json.
+Seeds whose greedy runs are fragile (near-ties in the logits or in MoE expert selection,
+repetition loops) are rejected, so any implementation that is correct to ~1e-3 reproduces
+the recorded ids.
+
+It also writes models/demo/, a small random model for the CLI's bundled demo.
+
+Everything is seeded: re-running the script rewrites byte-identical files.
+
+    python tools/make_fixtures.py            # all fixtures + demo
+    python tools/make_fixtures.py --only moe # one fixture
+"""
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import jinja2
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB_SIZE = 512
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------
+
+# Fixed ids 0..6, in this order (the trainer assigns special tokens first).
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 6
+STOP_IDS = [EOS_ID, END_OF_TURN_ID]
+
+# Gemma-4 style chat format. `assistant` is rendered as `model`; a system turn appears only
+# when the conversation has a system message.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<|turn>' + role + '\\n' + (message['content'] | trim) + '<turn|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|turn>model\\n' }}{%- endif -%}"
+)
+
+# Training text for the tiny BPE vocabulary (plain English, written for this project).
+CORPUS = """\
+The old lighthouse keeper climbed the stairs every evening. There were one hundred and
+twelve steps, and he counted each of them out loud, because counting kept his mind calm.
+At the top he wiped the glass, trimmed the wick, and watched the sea turn from green to grey.
+
+Ships passed in the night. Some were small fishing boats with a single lamp swinging at
+the bow; others were great cargo ships, their decks stacked with containers of red, blue
+and yellow. He wrote the name of every ship he could read in a thick notebook.
+
+One winter the storm lasted for three days. The wind howled around the tower, the rain
+beat against the windows, and the waves rose higher than the rocks. On the second night
+he saw a light that did not belong to any ship he knew. It blinked twice, then three
+times, then twice again.
+
+"Who is out there?" he asked the empty room. Nobody answered, of course. He took his coat,
+his lantern and a long rope, and he walked down to the harbour.
+
+A small girl was sitting in a rowing boat, holding a torch above her head. She was wet and
+cold, but she was smiling. "I followed your light," she said. "My father's boat is stuck
+on the sand bank. Can you help us?"
+
+The keeper rang the bell to wake the village. Within minutes, ten people were running to
+the shore with ropes, blankets and hot tea. Together they pulled the boat off the sand,
+and by morning everyone was safe and warm in the kitchen of the inn.
+
+After that night the girl visited the lighthouse every Sunday. The keeper taught her how
+to clean the lens, how to read the weather from the clouds, and how to count the steps
+without getting tired. She taught him new songs and how to make pancakes with apples.
+
+Years later, when the keeper was too old to climb the stairs, she became the keeper
+herself. She still counts the steps out loud: one, two, three, four, five, six, seven,
+eight, nine, ten. And every evening she writes the names of the ships in a new notebook.
+
+Questions and answers: What is the capital of France? Paris. How many days are in a week?
+Seven. What colour is the sky on a clear day? Blue. Where does the sun rise? In the east.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 20 42 100 2024. Punctuation: , . ; : ! ? ( ) [ ] { } - _ ' "
+"""
+
+
+def build_tokenizer() -> Tokenizer:
+    """Byte-level BPE with exactly VOCAB_SIZE entries; any UTF-8 text round-trips."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # No prefix space: like Gemma, "Hello" at the start of a text is not " Hello".
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A",
+        pair="<bos> $A $B",
+        special_tokens=[("<bos>", BOS_ID)],
+    )
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
+    # Lossless on text the corpus never saw (accents, CJK, emoji, control characters).
+    sample = "Grüße, 東京! 🦀 tabs\tand\nnewlines <|turn>"
+    ids = tok.encode(sample).ids
+    assert ids[0] == BOS_ID and tok.decode(ids, skip_special_tokens=True) == sample.replace("<|turn>", "")
+    assert tok.decode(tok.encode(sample, add_special_tokens=False).ids, skip_special_tokens=False) == sample
+    return tok
+
+
+def write_tokenizer_files(tok: Tokenizer, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 131072,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    write_json(out / "tokenizer_config.json", tokenizer_config)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    generation_config = {
+        "bos_token_id": BOS_ID,
+        "eos_token_id": STOP_IDS,
+        "pad_token_id": PAD_ID,
+        "transformers_version": transformers.__version__,
+    }
+    write_json(out / "generation_config.json", generation_config)
+
+
+def check_tokenizer_files(out: Path, tok: Tokenizer) -> None:
+    """transformers loads the written files and agrees with the tokenizer and the template."""
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    text = PROMPTS["long"]
+    assert hf(text).input_ids == tok.encode(text).ids
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
+    chat = hf.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n", repr(chat)
+
+
+def check_chat_template() -> None:
+    """The template renders the documented Gemma 4 turn format."""
+    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    messages = [
+        {"role": "system", "content": " Be brief. "},
+        {"role": "user", "content": "Hi\n"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    got = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    want = (
+        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n"
+        "<|turn>model\nHello.<turn|>\n<|turn>user\nBye<turn|>\n<|turn>model\n"
+    )
+    assert got == want, repr(got)
+    got = template.render(messages=messages[1:2], bos_token="<bos>", add_generation_prompt=False)
+    assert got == "<bos><|turn>user\nHi<turn|>\n", repr(got)
+
+
+# ----------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------
+
+S, F = "sliding_attention", "full_attention"
+
+# Shared by every fixture: hidden 64, 4 query heads, head dim 16 on sliding layers and 32 on
+# full layers (so a loader that ignores per_layer_config fails), E2B/E4B-style RoPE. The MLP
+# is narrow only to keep the committed files small.
+BASE_TEXT = dict(
+    vocab_size=VOCAB_SIZE,
+    vocab_size_per_layer_input=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    hidden_size_per_layer_input=0,
+    num_kv_shared_layers=0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 10000.0},
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+# E2B-like: per-layer embeddings, KV sharing over a sliding and a full layer, double-wide MLP
+# on the shared layers. Layers 0-2 own K/V (stores: 1 sliding, 2 full); 3-5 reuse them.
+PLE_SHARED_DW = dict(
+    num_hidden_layers=6,
+    layer_types=[S, S, F, S, S, F],
+    hidden_size_per_layer_input=8,
+    num_kv_shared_layers=3,
+    use_double_wide_mlp=True,
+)
+
+FIXTURES = {
+    "ple_shared_dw": dict(text=PLE_SHARED_DW, seed=1000),
+    # 31B-like attention: full layers take V from k_proj (no v_proj), with their own KV-head
+    # count and head dim; no softcap; separate lm_head.weight.
+    "keqv_global": dict(
+        text=dict(
+            num_hidden_layers=5,
+            layer_types=[S, F, S, S, F],
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            final_logit_softcapping=None,
+            tie_word_embeddings=False,
+        ),
+        seed=2000,
+    ),
+    # 26B-A4B-like: dense MLP plus routed experts in every layer, k_eq_v full layers.
+    "moe": dict(
+        text=dict(
+            num_hidden_layers=4,
+            layer_types=[S, F, S, F],
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+        ),
+        seed=3000,
+    ),
+    # A 4-token window that wraps many times during a 64-token generation; layers 0-1 own
+    # K/V, layers 2-3 reuse them.
+    "sliding_wrap": dict(
+        text=dict(
+            num_hidden_layers=4,
+            layer_types=[S, F, S, F],
+            sliding_window=4,
+            hidden_size_per_layer_input=8,
+            num_kv_shared_layers=2,
+        ),
+        seed=4000,
+        new_tokens={"short": 64, "long": 16},
+    ),
+    # Multimodal wrapper: text weights under model.language_model.*, plus a tiny vision tower
+    # whose tensors a text-only loader must skip.
+    "conditional": dict(
+        text=dict(
+            num_hidden_layers=4,
+            layer_types=[S, F, S, F],
+            hidden_size_per_layer_input=8,
+            num_kv_shared_layers=2,
+        ),
+        conditional=True,
+        seed=5000,
+    ),
+    # ple_shared_dw's architecture split over several safetensors files.
+    "sharded": dict(text=PLE_SHARED_DW, seed=6000, max_shard_size="200KB"),
+}
+
+DEMO_TEXT = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    layer_types=[S, S, F, S, S, F],
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=32,
+    hidden_size_per_layer_input=16,
+    num_kv_shared_layers=2,
+)
+DEMO_SEED = 7000
+
+# Prompts: text through the tiny tokenizer (BOS added). `short` is ~5 ids; `long` is longer
+# than every fixture's sliding window.
+PROMPTS = {
+    "short": "The old lighthouse keeper",
+    "long": "The girl rowed to the lighthouse in the storm and the",
+}
+NEW_TOKENS = {"short": 20, "long": 24}
+
+# Seed rejection thresholds.
+MIN_MARGIN = 0.02  # top-1 minus top-2 logit, at every step
+MIN_DISTINCT = 0.4  # fraction of distinct ids among the generated ones
+MAX_RUN = 5  # longest run of one repeated id
+MIN_ROUTER_GAP = 2e-3  # MoE: k-th minus (k+1)-th router score, for every token and layer
+MAX_SEED_TRIES = 400
+
+
+def text_config(overrides: dict) -> Gemma4TextConfig:
+    kwargs = dict(BASE_TEXT)
+    kwargs.update(overrides)
+    return Gemma4TextConfig(**kwargs)
+
+
+def build_model(spec: dict, seed: int) -> torch.nn.Module:
+    text = text_config(spec["text"])
+    if spec.get("conditional"):
+        vision = Gemma4VisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            patch_size=4,
+            pooling_kernel_size=2,
+            position_embedding_size=16,
+        )
+        config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+        model = Gemma4ForConditionalGeneration(config)
+    else:
+        model = Gemma4ForCausalLM(text)
+    randomize(model, seed)
+    return model.eval()
+
+
+# Scales for the token table and the final norm (see randomize()).
+TOKEN_TABLE_STD = 0.07
+FINAL_NORM_MEAN = 9.0
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Draw every saved tensor from a seeded generator, scaled so logits have real margins.
+
+    transformers' own init leaves norms at 1, layer scalars at 1 and router scales at 1,
+    which would hide loader bugs (a missing or swapped norm weight would change nothing).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(shape, std=1.0, mean=0.0):
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+
+    def uniform(shape, lo, hi):
+        return torch.rand(shape, generator=gen, dtype=torch.float32) * (hi - lo) + lo
+
+    touched = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+            if name.endswith("per_expert_scale"):
+                value = uniform(p.shape, 0.5, 1.5)
+            elif name.endswith("router.scale"):
+                value = normal(p.shape, 0.3, 1.0)
+            elif name.endswith("model.norm.weight") or name.endswith("language_model.norm.weight"):
+                # Large final norm: with the small token table below, logits still have std ~5.
+                value = normal(p.shape, 0.3 * FINAL_NORM_MEAN, FINAL_NORM_MEAN)
+            elif p.dim() == 1 and "norm" in leaf:
+                # RMSNorm weights multiply directly (no 1 + w): keep them around 1.
+                value = normal(p.shape, 0.3, 1.0)
+            elif leaf in ("embed_tokens", "lm_head"):
+                # Small token table so x0 = E * sqrt(H) does not dominate the residual stream:
+                # with tied embeddings a dominant x0 makes the input token the top logit, and
+                # greedy decoding collapses into repeating it.
+                value = normal(p.shape, TOKEN_TABLE_STD)
+            elif leaf == "embed_tokens_per_layer":
+                # Scaled by sqrt(P) in the forward pass; keep the token part ~1 like the context part.
+                value = normal(p.shape, 1.0 / math.sqrt(p.shape[1] / model_num_layers(model)))
+            elif name.endswith("router.proj.weight"):
+                # Router logits with std ~2 so different tokens pick different experts.
+                value = normal(p.shape, 2.0)
+            elif name.endswith("experts.gate_up_proj"):
+                value = normal(p.shape, 1.0 / math.sqrt(p.shape[2]))
+            elif name.endswith("experts.down_proj"):
+                value = normal(p.shape, 1.0 / math.sqrt(p.shape[2]))
+            elif p.dim() == 2:
+                # Linear [out, in]: unit-variance outputs for unit-variance inputs.
+                value = normal(p.shape, 1.0 / math.sqrt(p.shape[1]))
+            else:
+                value = normal(p.shape, 0.5)
+            p.copy_(value)
+            touched.add(name)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(uniform(b.shape, 0.5, 1.5))
+                touched.add(name)
+    # Every tensor that goes into the checkpoint must have been drawn here.
+    missing = [k for k in model.state_dict() if k not in touched and not is_tied_alias(model, k)]
+    assert not missing, missing
+
+
+def model_num_layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+def is_tied_alias(model, key: str) -> bool:
+    return key == "lm_head.weight" and model.config.get_text_config().tie_word_embeddings
+
+
+def save_checkpoint(model, out: Path, tok: Tokenizer, max_shard_size=None) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True, **kwargs)
+    # Written after save_pretrained, which emits its own generation_config.json.
+    write_tokenizer_files(tok, out)
+
+
+def load_f64(out: Path, conditional: bool):
+    cls = Gemma4ForConditionalGeneration if conditional else Gemma4ForCausalLM
+    # Eager kernels: the default grouped-matmul experts path has no float64 support.
+    model = cls.from_pretrained(
+        out, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------
+# Greedy decoding, two ways
+# ----------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_no_cache(model, prompt: list, n: int):
+    """Reference: recompute the whole sequence at every step, take the last position."""
+    ids = list(prompt)
+    steps = []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        steps.append(logits.clone())
+        ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :], torch.stack(steps)
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: list, n: int):
+    """transformers' cached decoding; must agree with the no-cache recomputation."""
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=None,  # exactly n tokens, never stop early
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    out = model.generate(torch.tensor([prompt]), generation_config=config)
+    ids = out.sequences[0, len(prompt) :].tolist()
+    assert len(ids) == n, (len(ids), n)
+    return ids, torch.stack([l[0] for l in out.logits])
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-step relative L2 distance, the measure the Rust tests use for logits."""
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
+
+
+def step_margins(logits: torch.Tensor) -> torch.Tensor:
+    top2 = torch.topk(logits, 2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def longest_run(ids: list) -> int:
+    best = run = 1
+    for a, b in zip(ids, ids[1:]):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+@torch.no_grad()
+def min_router_gap(model, ids: list) -> float:
+    """Smallest gap between the last chosen and the first unchosen expert's router score.
+
+    A near-tie there would let rounding noise swap an expert, a discontinuous change that
+    no logit tolerance absorbs. Measured over one full pass of the whole sequence.
+    """
+    k = model.config.get_text_config().top_k_experts
+    gaps = []
+
+    def hook(module, inputs, scores):
+        top = torch.topk(scores.reshape(-1, scores.shape[-1]), k + 1, dim=-1).values
+        gaps.append(top[:, k - 1] - top[:, k])
+
+    handles = [m.proj.register_forward_hook(hook) for m in model.modules() if type(m).__name__ == "Gemma4TextRouter"]
+    model(input_ids=torch.tensor([ids]), use_cache=False)
+    for h in handles:
+        h.remove()
+    return float(torch.cat(gaps).min())
+
+
+def rejection_reason(ids: list, margins: torch.Tensor):
+    if float(margins.min()) < MIN_MARGIN:
+        return f"margin {float(margins.min()):.4f}"
+    if len(set(ids)) < MIN_DISTINCT * len(ids):
+        return f"{len(set(ids))} distinct of {len(ids)}"
+    if longest_run(ids) > MAX_RUN:
+        return f"run of {longest_run(ids)}"
+    # A generator that stops at <eos>/<turn|> must still produce the whole recorded run.
+    if any(i in STOP_IDS for i in ids):
+        return "stop token generated"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# Fixtures
+# ----------------------------------------------------------------------------------------
+
+
+def make_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
+    out = out_root / name
+    conditional = bool(spec.get("conditional"))
+    moe = bool(spec["text"].get("enable_moe_block"))
+    new_tokens = dict(NEW_TOKENS, **spec.get("new_tokens", {}))
+    prompts = {case: tok.encode(text).ids for case, text in PROMPTS.items()}
+    window = text_config(spec["text"]).sliding_window
+    assert len(prompts["long"]) > window, (len(prompts["long"]), window)
+
+    for seed in range(spec["seed"], spec["seed"] + MAX_SEED_TRIES):
+        save_checkpoint(build_model(spec, seed), out, tok, spec.get("max_shard_size"))
+        check_tokenizer_files(out, tok)
+        model = load_f64(out, conditional)
+        cases, reason, worst_cache_err, worst_router_gap = [], None, 0.0, math.inf
+        for case, prompt in prompts.items():
+            n = new_tokens[case]
+            ids, logits = greedy_no_cache(model, prompt, n)
+            margins = step_margins(logits)
+            reason = rejection_reason(ids, margins)
+            if not reason and moe:
+                gap = min_router_gap(model, prompt + ids[:-1])
+                worst_router_gap = min(worst_router_gap, gap)
+                if gap < MIN_ROUTER_GAP:
+                    reason = f"router gap {gap:.1e}"
+            if reason:
+                break
+            cached_ids, cached_logits = greedy_generate(model, prompt, n)
+            assert cached_ids == ids, f"{name}/{case}: generate() {cached_ids} != no-cache {ids}"
+            # Not bit-equal: eager softmax and RoPE run in float32 even in a float64 model.
+            cache_err = float(rel_l2(cached_logits, logits).max())
+            assert cache_err < 1e-5, f"{name}/{case}: cached logits differ by {cache_err:.2e} (rel. L2)"
+            worst_cache_err = max(worst_cache_err, cache_err)
+            cases.append(
+                {
+                    "name": case,
+                    "prompt_ids": prompt,
+                    "max_new_tokens": n,
+                    "greedy_ids": ids,
+                    "logits": logits,
+                    "min_margin": float(margins.min()),
+                }
+            )
+        if reason:
+            print(f"  {name}: seed {seed} rejected ({reason})")
+            continue
+        expected = {
+            "generator": "tools/make_fixtures.py",
+            "transformers_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "dtype": "float64",
+            "architecture": type(model).__name__,
+            "seed": seed,
+            "cases": cases,
+        }
+        write_expected(out / "expected.json", expected)
+        margins = ", ".join(f"{c['name']} {c['min_margin']:.4f}" for c in cases)
+        router = f"; min router gap {worst_router_gap:.1e}" if moe else ""
+        print(f"{name}: seed {seed}, min margins {margins}; cached vs no-cache rel. L2 {worst_cache_err:.1e}{router}")
+        return expected
+    raise SystemExit(f"{name}: no acceptable seed in {MAX_SEED_TRIES} tries")
+
+
+def make_demo(tok: Tokenizer, out: Path) -> None:
+    model = build_model({"text": DEMO_TEXT}, DEMO_SEED)
+    save_checkpoint(model, out, tok)
+    # Smoke test: the demo loads and generates.
+    model = load_f64(out, conditional=False)
+    ids, _ = greedy_no_cache(model, tok.encode(PROMPTS["short"]).ids, 8)
+    print(f"demo: {out.relative_to(ROOT)}, sample {tok.decode(ids)!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# JSON output
+# ----------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def fmt_float(x: float) -> str:
+    # 8 significant digits: far below the ~1e-6 noise of the float64 reference itself.
+    return repr(float(f"{x:.8g}"))
+
+
+def write_expected(path: Path, expected: dict) -> None:
+    """Pretty JSON, with each step's logits on one line to keep files small and diffable."""
+    head = {k: v for k, v in expected.items() if k != "cases"}
+    lines = ["{"]
+    for k, v in head.items():
+        lines.append(f"  {json.dumps(k)}: {json.dumps(v)},")
+    lines.append('  "cases": [')
+    for ci, case in enumerate(expected["cases"]):
+        lines.append("    {")
+        for k in ("name", "prompt_ids", "max_new_tokens", "greedy_ids"):
+            lines.append(f"      {json.dumps(k)}: {json.dumps(case[k])},")
+        lines.append('      "logits": [')
+        rows = case["logits"].tolist()
+        for ri, row in enumerate(rows):
+            sep = "," if ri + 1 < len(rows) else ""
+            lines.append("        [" + ",".join(fmt_float(x) for x in row) + "]" + sep)
+        lines.append("      ],")
+        lines.append(f'      "min_margin": {fmt_float(case["min_margin"])}')
+        lines.append("    }" + ("," if ci + 1 < len(expected["cases"]) else ""))
+    lines.append("  ]")
+    lines.append("}")
+    path.write_text("\n".join(lines) + "\n")
+    json.loads(path.read_text())  # well-formed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", help="fixture name (repeatable); 'demo' for the demo model")
+    parser.add_argument("--out", type=Path, default=ROOT, help="repository root to write into")
+    args = parser.parse_args()
+
+    if transformers.__version__ != "5.24.0":
+        print(f"warning: fixtures were recorded with transformers 5.24.0, this is {transformers.__version__}")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)  # module construction draws from the global generator
+    check_chat_template()
+    tok = build_tokenizer()
+
+    wanted = args.only or [*FIXTURES, "demo"]
+    for name in wanted:
+        if name == "demo":
+            make_demo(tok, args.out / "models" / "demo")
+        elif name in FIXTURES:
+            make_fixture(name, FIXTURES[name], tok, args.out / "tests" / "fixtures")
+        else:
+            sys.exit(f"unknown fixture {name!r}; known: {', '.join(FIXTURES)}, demo")
+
+
+if __name__ == "__main__":
+    main()
