@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Build tiny random Gemma 4 checkpoints and record transformers' float64 greedy outputs.
+"""Build tiny random Gemma 4 / Gemma 3 checkpoints and record transformers' float64 greedy outputs.
 
 transformers is the oracle. For every fixture this script
-  1. builds a tiny Gemma 4 model exercising one group of architecture features,
+  1. builds a tiny Gemma 4 (or Gemma 3) model exercising one group of architecture features,
   2. randomises every parameter and saves it as a real bf16 checkpoint,
   3. reloads the checkpoint from disk in float64 (eager attention),
   4. records greedy generation (ids and the logits of every step) into expected.json.
+The `mlx_q4` fixture is instead saved in MLX's 4-bit layout (packed uint32 codes plus bf16
+scales and biases); transformers runs the exactly dequantized weights in float64.
 Seeds whose greedy runs are fragile (near-ties in the logits or in MoE expert selection,
 repetition loops) are rejected, so any implementation that is correct to ~1e-3 reproduces
 the recorded ids.
@@ -16,6 +18,7 @@ Everything is seeded: re-running the script rewrites byte-identical files.
 
     python tools/make_fixtures.py            # all fixtures + demo
     python tools/make_fixtures.py --only moe # one fixture
+    python tools/make_fixtures.py --only mlx_q4,gemma3  # several (or repeat --only)
 """
 
 import argparse
@@ -26,11 +29,16 @@ import sys
 from pathlib import Path
 
 import jinja2
+import numpy as np
 import torch
 import transformers
+from safetensors.numpy import save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     GenerationConfig,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     Gemma4Config,
     Gemma4ForCausalLM,
     Gemma4ForConditionalGeneration,
@@ -285,7 +293,41 @@ FIXTURES = {
     ),
     # ple_shared_dw's architecture split over several safetensors files.
     "sharded": dict(text=PLE_SHARED_DW, seed=6000, max_shard_size="200KB"),
+    # ple_shared_dw's architecture in MLX's 4-bit layout (see convert_to_mlx_q4). The per-layer
+    # input width is 32 rather than 8 so embed_tokens_per_layer ([512, 6 * 32]) has groups of
+    # 64 and gets quantized too; per_layer_projection ([64, 32]) and the single-wide
+    # down_proj ([64, 32]) stay dense.
+    "mlx_q4": dict(text=dict(PLE_SHARED_DW, hidden_size_per_layer_input=32), seed=8000, mlx_q4=True),
+    # Gemma 3 (Gemma3ForCausalLM, see GEMMA3_TEXT).
+    "gemma3": dict(family="gemma3", text={}, seed=9000),
 }
+
+# Gemma 3: 5:1 sliding/full layers, a 4-token window that wraps, query_pre_attn_scalar (24)
+# != head_dim (16), local RoPE theta 1e4 vs global 1e6 with linear scaling 2, attention-logit
+# softcap 50 and final softcap 30, tied embeddings, (1 + w) RMSNorms.
+GEMMA3_TEXT = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=7,
+    layer_types=[S, S, S, S, S, F, S],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=4,
+    final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 10000.0},
+        F: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    },
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
 
 DEMO_TEXT = dict(
     hidden_size=128,
@@ -318,14 +360,28 @@ MIN_ROUTER_GAP = 2e-3  # MoE: k-th minus (k+1)-th router score, for every token 
 MAX_SEED_TRIES = 400
 
 
-def text_config(overrides: dict) -> Gemma4TextConfig:
+def text_config(spec: dict):
+    if spec.get("family") == "gemma3":
+        return Gemma3TextConfig(**dict(GEMMA3_TEXT, **spec["text"]))
     kwargs = dict(BASE_TEXT)
-    kwargs.update(overrides)
+    kwargs.update(spec["text"])
     return Gemma4TextConfig(**kwargs)
 
 
+def model_class(spec: dict):
+    if spec.get("family") == "gemma3":
+        return Gemma3ForCausalLM
+    return Gemma4ForConditionalGeneration if spec.get("conditional") else Gemma4ForCausalLM
+
+
 def build_model(spec: dict, seed: int) -> torch.nn.Module:
-    text = text_config(spec["text"])
+    text = text_config(spec)
+    if spec.get("family") == "gemma3":
+        # Gemma 3's RMSNorm multiplies by (1 + w): shift every norm weight down by one so the
+        # effective multipliers have the same distribution as Gemma 4's.
+        model = Gemma3ForCausalLM(text)
+        randomize(model, seed, norm_offset=-1.0)
+        return model.eval()
     if spec.get("conditional"):
         vision = Gemma4VisionConfig(
             hidden_size=16,
@@ -351,11 +407,12 @@ TOKEN_TABLE_STD = 0.07
 FINAL_NORM_MEAN = 9.0
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, norm_offset: float = 0.0) -> None:
     """Draw every saved tensor from a seeded generator, scaled so logits have real margins.
 
     transformers' own init leaves norms at 1, layer scalars at 1 and router scales at 1,
     which would hide loader bugs (a missing or swapped norm weight would change nothing).
+    `norm_offset` shifts the mean of every RMSNorm weight (-1 for Gemma 3's x * (1 + w)).
     """
     gen = torch.Generator().manual_seed(seed)
 
@@ -375,10 +432,10 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 value = normal(p.shape, 0.3, 1.0)
             elif name.endswith("model.norm.weight") or name.endswith("language_model.norm.weight"):
                 # Large final norm: with the small token table below, logits still have std ~5.
-                value = normal(p.shape, 0.3 * FINAL_NORM_MEAN, FINAL_NORM_MEAN)
+                value = normal(p.shape, 0.3 * FINAL_NORM_MEAN, FINAL_NORM_MEAN + norm_offset)
             elif p.dim() == 1 and "norm" in leaf:
                 # RMSNorm weights multiply directly (no 1 + w): keep them around 1.
-                value = normal(p.shape, 0.3, 1.0)
+                value = normal(p.shape, 0.3, 1.0 + norm_offset)
             elif leaf in ("embed_tokens", "lm_head"):
                 # Small token table so x0 = E * sqrt(H) does not dominate the residual stream:
                 # with tied embeddings a dominant x0 makes the input token the top logit, and
@@ -428,12 +485,131 @@ def save_checkpoint(model, out: Path, tok: Tokenizer, max_shard_size=None) -> No
     write_tokenizer_files(tok, out)
 
 
-def load_f64(out: Path, conditional: bool):
-    cls = Gemma4ForConditionalGeneration if conditional else Gemma4ForCausalLM
+def load_f64(out: Path, cls):
     # Eager kernels: the default grouped-matmul experts path has no float64 support.
     model = cls.from_pretrained(
         out, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
     )
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------
+# MLX 4-bit checkpoints
+# ----------------------------------------------------------------------------------------
+
+MLX_GROUP_SIZE, MLX_BITS = 64, 4
+MLX_QUANTIZATION = {"group_size": MLX_GROUP_SIZE, "bits": MLX_BITS}
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """Round half away from zero (like Rust's f32::round), exactly: x - trunc(x) is exact."""
+    t = np.trunc(x)
+    return t + np.where(np.abs(x - t) >= 0.5, np.sign(x), 0).astype(x.dtype)
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit pattern as uint16 (round to nearest even; no NaNs here)."""
+    b = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((b + np.uint32(0x7FFF) + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def mlx_quantize(w: np.ndarray):
+    """MLX affine quantization of a float32 [rows, cols] matrix, group 64, 4 bits.
+
+    Returns (packed uint32 [rows, cols/8], scales and biases as bf16 bits [rows, cols/64]).
+    Nibble j of a row sits at bits 4*(j % 8) of word j // 8.
+    """
+    rows, cols = w.shape
+    n_bins = np.float32((1 << MLX_BITS) - 1)
+    g = w.astype(np.float32).reshape(rows, cols // MLX_GROUP_SIZE, MLX_GROUP_SIZE)
+    w_min = g.min(axis=-1, keepdims=True)
+    w_max = np.maximum(g.max(axis=-1, keepdims=True), np.float32(0))  # MLX's max starts at 0
+    scale = np.maximum((w_max - w_min) / n_bins, np.float32(1e-7))
+    neg_edge = np.abs(w_min) > np.abs(w_max)
+    scale = np.where(neg_edge, scale, -scale)
+    edge = np.where(neg_edge, w_min, w_max)
+    q0 = round_half_away(edge / scale)
+    nonzero = q0 != 0
+    scale = np.where(nonzero, edge / np.where(nonzero, q0, np.float32(1)), scale)
+    bias = np.where(nonzero, edge, np.float32(0))
+    assert scale.dtype == bias.dtype == np.float32
+    q = np.clip(round_half_away((g - bias) / scale), 0, n_bins).astype(np.uint32).reshape(rows, cols // 8, 8)
+    packed = np.zeros((rows, cols // 8), np.uint32)
+    for j in range(8):
+        packed |= q[:, :, j] << np.uint32(4 * j)
+    return packed, bf16_bits(scale[..., 0]), bf16_bits(bias[..., 0])
+
+
+def mlx_dequantize(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarray:
+    """w = scale * q + bias in float32, from the stored (bf16) scales and biases."""
+    rows = packed.shape[0]
+    q = np.stack([(packed >> np.uint32(4 * j)) & np.uint32(0xF) for j in range(8)], axis=-1)
+    q = q.reshape(rows, -1, MLX_GROUP_SIZE).astype(np.float32)
+    w = bf16_to_f32(scales)[..., None] * q + bf16_to_f32(biases)[..., None]
+    assert w.dtype == np.float32
+    return w.reshape(rows, -1)
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """safetensors.numpy has no bf16: uint16 arrays are saved and then relabelled BF16."""
+    save_file(tensors, str(path), metadata=metadata)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    for k, v in header.items():
+        if k != "__metadata__" and v["dtype"] == "U16":
+            v["dtype"] = "BF16"
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    path.write_bytes(len(hb).to_bytes(8, "little") + hb + raw[8 + n :])
+
+
+def convert_to_mlx_q4(out: Path) -> dict:
+    """Rewrite the bf16 checkpoint in out/ in MLX's 4-bit layout; return the float64 weights
+    transformers must run (quantized matrices exactly dequantized, the rest bf16 as stored).
+
+    Every 2-D weight whose input dim is a multiple of 64 is quantized (token tables included):
+    `X.weight` U32 [rows, cols/8], `X.scales` and `X.biases` BF16 [rows, cols/64].
+    """
+    path = out / "model.safetensors"
+    dense = load_file(str(path))
+    tensors, weights = {}, {}
+    for name, t in dense.items():
+        assert t.dtype == torch.bfloat16, (name, t.dtype)
+        w = t.float().numpy()
+        if name.endswith(".weight") and w.ndim == 2 and w.shape[1] % MLX_GROUP_SIZE == 0:
+            base = name[: -len(".weight")]
+            packed, scales, biases = mlx_quantize(w)
+            tensors[name], tensors[base + ".scales"], tensors[base + ".biases"] = packed, scales, biases
+            weights[name] = torch.from_numpy(mlx_dequantize(packed, scales, biases)).double()
+        else:
+            tensors[name] = t.view(torch.uint16).numpy()
+            weights[name] = t.double()
+    save_safetensors(tensors, path, {"format": "mlx"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization"] = dict(MLX_QUANTIZATION)
+    config["quantization_config"] = dict(MLX_QUANTIZATION)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return weights
+
+
+def load_dequantized(out: Path, cls, weights: dict):
+    """Build the model from out/config.json in float64 and load the given weights into it."""
+    config = json.loads((out / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)  # MLX's entries, not a transformers quantizer
+    config = cls.config_class.from_dict(config)
+    model = cls._from_config(config, dtype=torch.float64, attn_implementation="eager")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected, unexpected
+    assert all(is_tied_alias(model, k) for k in missing), missing
+    if model.config.get_text_config().tie_word_embeddings:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert all(p.dtype == torch.float64 for p in model.parameters())
     return model.eval()
 
 
@@ -532,17 +708,20 @@ def rejection_reason(ids: list, margins: torch.Tensor):
 
 def make_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
     out = out_root / name
-    conditional = bool(spec.get("conditional"))
+    cls = model_class(spec)
     moe = bool(spec["text"].get("enable_moe_block"))
     new_tokens = dict(NEW_TOKENS, **spec.get("new_tokens", {}))
     prompts = {case: tok.encode(text).ids for case, text in PROMPTS.items()}
-    window = text_config(spec["text"]).sliding_window
+    window = text_config(spec).sliding_window
     assert len(prompts["long"]) > window, (len(prompts["long"]), window)
 
     for seed in range(spec["seed"], spec["seed"] + MAX_SEED_TRIES):
         save_checkpoint(build_model(spec, seed), out, tok, spec.get("max_shard_size"))
         check_tokenizer_files(out, tok)
-        model = load_f64(out, conditional)
+        if spec.get("mlx_q4"):
+            model = load_dequantized(out, cls, convert_to_mlx_q4(out))
+        else:
+            model = load_f64(out, cls)
         cases, reason, worst_cache_err, worst_router_gap = [], None, 0.0, math.inf
         for case, prompt in prompts.items():
             n = new_tokens[case]
@@ -580,6 +759,7 @@ def make_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
             "dtype": "float64",
+            **({"weights": "dequantized MLX 4-bit, group 64"} if spec.get("mlx_q4") else {}),
             "architecture": type(model).__name__,
             "seed": seed,
             "cases": cases,
@@ -596,9 +776,9 @@ def make_demo(tok: Tokenizer, out: Path) -> None:
     model = build_model({"text": DEMO_TEXT}, DEMO_SEED)
     save_checkpoint(model, out, tok)
     # Smoke test: the demo loads and generates.
-    model = load_f64(out, conditional=False)
+    model = load_f64(out, Gemma4ForCausalLM)
     ids, _ = greedy_no_cache(model, tok.encode(PROMPTS["short"]).ids, 8)
-    print(f"demo: {out.relative_to(ROOT)}, sample {tok.decode(ids)!r}")
+    print(f"demo: {out}, sample {tok.decode(ids)!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -642,7 +822,11 @@ def write_expected(path: Path, expected: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", action="append", help="fixture name (repeatable); 'demo' for the demo model")
+    parser.add_argument(
+        "--only",
+        action="append",
+        help="fixture names, comma-separated or repeated (e.g. --only mlx_q4,gemma3); 'demo' for the demo model",
+    )
     parser.add_argument("--out", type=Path, default=ROOT, help="repository root to write into")
     args = parser.parse_args()
 
@@ -654,7 +838,7 @@ def main() -> None:
     check_chat_template()
     tok = build_tokenizer()
 
-    wanted = args.only or [*FIXTURES, "demo"]
+    wanted = [n for arg in args.only for n in arg.split(",") if n] if args.only else [*FIXTURES, "demo"]
     for name in wanted:
         if name == "demo":
             make_demo(tok, args.out / "models" / "demo")

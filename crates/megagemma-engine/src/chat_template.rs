@@ -16,6 +16,18 @@ use crate::tokenizer::Tokenizer;
 /// Gemma 4 turn format (spec §7), used when a model directory ships no template.
 /// The system turn appears only for a leading system/developer message or `enable_thinking`;
 /// thinking blocks (`<|channel>…<channel|>`) are stripped from earlier model answers.
+/// Gemma 3's turn format (`<start_of_turn>` / `<end_of_turn>`); a system message is folded
+/// into the first user turn, as Gemma 3 has no system role. Used for checkpoints that ship no
+/// template of their own (GGUF files without `tokenizer.chat_template`).
+pub const GEMMA3_TEMPLATE: &str = r#"{{- bos_token -}}
+{%- set first_user_prefix = (messages[0]['content'] | trim) ~ '\n\n' if messages and messages[0]['role'] == 'system' else '' -%}
+{%- for message in messages if message['role'] != 'system' -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{- '<start_of_turn>' ~ role ~ '\n' ~ (first_user_prefix if loop.first else '') ~ (message['content'] | trim) ~ '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"#;
+
 pub const GEMMA4_TEMPLATE: &str = r#"{{- bos_token -}}
 {%- set has_system = messages and messages[0]['role'] in ['system', 'developer'] -%}
 {%- if has_system or enable_thinking -%}
@@ -142,6 +154,12 @@ impl ChatTemplate {
     }
 
     /// The built-in Gemma 4 template with `<bos>`/`<eos>`.
+    /// The built-in Gemma 3 template ([`GEMMA3_TEMPLATE`]).
+    pub fn gemma3() -> Self {
+        Self::build(GEMMA3_TEMPLATE.to_string(), TemplateSource::Inline, "<bos>".into(), "<eos>".into())
+            .expect("built-in Gemma 3 template compiles")
+    }
+
     pub fn gemma4() -> Self {
         Self::build(
             GEMMA4_TEMPLATE.to_string(),

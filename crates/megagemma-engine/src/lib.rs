@@ -1,4 +1,5 @@
 pub mod tokenizer;
+pub mod gguf_tokenizer;
 pub mod chat_template;
 pub mod sampling;
 pub mod generate;

@@ -61,7 +61,6 @@ pub struct ModelConfig {
     pub rope_full: RopeSpec,
     pub rms_norm_eps: f64,
     pub final_logit_softcapping: Option<f64>,
-    pub attn_logit_softcapping: Option<f64>,
     pub tie_word_embeddings: bool,
     /// PLE width (`hidden_size_per_layer_input`); 0 = no per-layer embeddings.
     pub ple_dim: usize,
@@ -268,7 +267,8 @@ impl ModelConfig {
             }
         };
         let final_logit_softcapping = c.f64_opt("final_logit_softcapping")?;
-        let attn_logit_softcapping = if family == Family::Gemma3 { c.f64_opt("attn_logit_softcapping")? } else { None };
+        // `attn_logit_softcapping` is deliberately ignored: transformers' Gemma 3 reads it but never
+        // applies it (released Gemma 3 configs set it to null), and Gemma 4 has none.
         // `tie_word_embeddings` may live at the top level of multimodal configs.
         let tie_word_embeddings = match c.get("tie_word_embeddings") {
             Some(_) => c.bool_or("tie_word_embeddings", true)?,
@@ -299,7 +299,6 @@ impl ModelConfig {
             rope_full,
             rms_norm_eps,
             final_logit_softcapping,
-            attn_logit_softcapping,
             tie_word_embeddings,
             ple_dim,
             ple_vocab_size: c.usize_opt("vocab_size_per_layer_input")?.unwrap_or(vocab_size),

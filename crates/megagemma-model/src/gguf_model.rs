@@ -54,7 +54,6 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
         rope_full,
         rms_norm_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
         final_logit_softcapping: f.get_f64(&key("final_logit_softcapping")),
-        attn_logit_softcapping: f.get_f64(&key("attn_logit_softcapping")),
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         ple_dim: 0,
         ple_vocab_size: vocab_size,

@@ -1,8 +1,9 @@
 //! A loaded model: config, layer plan and weights, shared read-only by backends.
 
-use crate::checkpoint::{Checkpoint, SafetensorsSource};
+use crate::checkpoint::Checkpoint;
 use crate::config::{load_config, ModelConfig};
 use crate::plan::ModelPlan;
+use crate::quant::load::{load_safetensors_weights, QuantMode};
 use crate::weights::{load_weights, ModelWeights};
 use crate::{bail, Result};
 use std::path::Path;
@@ -16,10 +17,19 @@ pub struct Model {
 impl Model {
     /// Load a Hugging Face checkpoint directory (config.json + safetensors) or a `.gguf` file.
     pub fn load(dir: &Path) -> Result<Model> {
+        Self::load_with(dir, QuantMode::Stored)
+    }
+
+    /// [`Model::load`], quantizing dense weights on load with `quant` (`q4`/`q4_0`; see
+    /// `crate::quant::load`). MLX 4-bit checkpoints load as stored with `QuantMode::Stored`.
+    pub fn load_with(dir: &Path, quant: QuantMode) -> Result<Model> {
         if !dir.exists() {
             bail!("model directory {} does not exist", dir.display());
         }
         if dir.is_file() && dir.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            if quant != QuantMode::Stored {
+                bail!("--quant {quant} applies to safetensors checkpoints; a GGUF file keeps its own quantization (use --quant none)");
+            }
             return Self::load_gguf(dir);
         }
         if !dir.is_dir() {
@@ -28,7 +38,7 @@ impl Model {
         let config = load_config(dir)?;
         let plan = ModelPlan::new(&config)?;
         let ck = Checkpoint::open(dir)?;
-        let weights = load_weights(&SafetensorsSource { ck: &ck, prefix: &config.tensor_prefix }, &config, &plan)?;
+        let weights = load_safetensors_weights(&ck, &config, &plan, quant)?;
         Ok(Model { config, plan, weights })
     }
 }

