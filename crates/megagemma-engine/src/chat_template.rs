@@ -110,7 +110,7 @@ impl ChatTemplate {
     pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let config_path = dir.join("tokenizer_config.json");
-        let config = read_tokenizer_config(&config_path)?;
+        let config = crate::json_file::read_json_if_present(&config_path)?;
         let bos = config
             .as_ref()
             .and_then(|c| special_token_text(c, "bos_token"))
@@ -270,16 +270,6 @@ fn source_label(source: &TemplateSource) -> String {
     }
 }
 
-fn read_tokenizer_config(path: &Path) -> Result<Option<serde_json::Value>> {
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    let value = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("invalid JSON in {}: {e}", path.display()))?;
-    Ok(Some(value))
-}
 
 /// `bos_token` etc. are either a string or an AddedToken object with a `content` field.
 fn special_token_text(config: &serde_json::Value, key: &str) -> Option<String> {

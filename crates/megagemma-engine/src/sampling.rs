@@ -10,6 +10,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
+use crate::json_file::read_json_if_present;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// 0 means greedy; otherwise logits are divided by it.
@@ -323,16 +325,6 @@ pub fn read_generation_config(dir: impl AsRef<Path>) -> Result<GenerationDefault
     })
 }
 
-fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
-    if !path.is_file() {
-        return Ok(None);
-    }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    let value = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("invalid JSON in {}: {e}", path.display()))?;
-    Ok(Some(value))
-}
 
 fn optional_id(v: Option<&Value>, key: &str, dir: &Path) -> Result<Option<u32>> {
     v.map(parse_id)

