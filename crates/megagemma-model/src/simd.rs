@@ -1,8 +1,9 @@
 //! Dot-product kernels for the CPU forward.
 //!
-//! Each kernel exists once as portable code written so LLVM vectorises it (eight independent
-//! accumulators over fixed-size chunks), compiled twice: plainly and with AVX2 enabled (no FMA contraction: plain mul then add),
-//! chosen at run time. The choice depends only on the machine, so a given row and vector always
+//! Each kernel exists once as portable code written so LLVM vectorises it (sixteen independent
+//! accumulators over fixed-size chunks), compiled twice — plainly and with AVX2 enabled (no FMA
+//! contraction: multiply, then add) — and once more by hand for AVX-512 (fused multiply-add);
+//! the widest the CPU supports is chosen at run time. The choice depends only on the machine, so a given row and vector always
 //! give the same bits — the batch-invariance contract of [`crate::matrix`].
 
 use std::sync::OnceLock;
@@ -86,7 +87,7 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 }
 
 macro_rules! dispatch {
-    ($name:ident, $generic:ident, $avx:ident, $wt:ty) => {
+    ($name:ident, $generic:ident, $avx:ident, $avx512:ident, $wt:ty) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn $avx(a: $wt, b: &[f32]) -> f32 {
@@ -95,34 +96,107 @@ macro_rules! dispatch {
 
         pub fn $name(a: $wt, b: &[f32]) -> f32 {
             #[cfg(target_arch = "x86_64")]
-            if has_avx2_fma() {
-                // SAFETY: the CPU supports AVX2 and FMA (checked at run time).
-                return unsafe { $avx(a, b) };
+            match level() {
+                // SAFETY: the CPU supports the features of the chosen level (checked at run time).
+                Level::Avx512 => return unsafe { avx512::$avx512(a, b) },
+                Level::Avx2 => return unsafe { $avx(a, b) },
+                Level::Portable => {}
             }
             $generic(a, b)
         }
     };
 }
 
-dispatch!(dot_f32, dot_f32_generic, dot_f32_avx2, &[f32]);
-dispatch!(dot_bf16, dot_bf16_generic, dot_bf16_avx2, &[u16]);
-dispatch!(dot_f16, dot_f16_generic, dot_f16_avx2, &[u16]);
+dispatch!(dot_f32, dot_f32_generic, dot_f32_avx2, dot_f32, &[f32]);
+dispatch!(dot_bf16, dot_bf16_generic, dot_bf16_avx2, dot_bf16, &[u16]);
+dispatch!(dot_f16, dot_f16_generic, dot_f16_avx2, dot_f16, &[u16]);
 
-/// True when AVX2 and FMA are available (cached). `MEGAGEMMA_NO_AVX2=1` forces the portable path.
-pub fn has_avx2_fma() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Level {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// The widest kernel set this CPU runs (cached). `MEGAGEMMA_SIMD=portable|avx2` caps it.
+pub fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            std::env::var_os("MEGAGEMMA_NO_AVX2").is_none()
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
+            let cap = std::env::var("MEGAGEMMA_SIMD").unwrap_or_default();
+            if cap != "portable" && cap != "avx2" && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+                return Level::Avx512;
+            }
+            if cap != "portable" && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Level::Avx2;
+            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        Level::Portable
     })
+}
+
+/// Hand-written AVX-512 kernels: 32 elements per step into two 16-lane accumulators (fused
+/// multiply-add), reduced in a fixed order.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn finish(acc0: __m512, acc1: __m512, tail: f32) -> f32 {
+        _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let steps = n / 32;
+        for i in 0..steps {
+            let (pa, pb) = (a.as_ptr().add(32 * i), b.as_ptr().add(32 * i));
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa), _mm512_loadu_ps(pb), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(16)), _mm512_loadu_ps(pb.add(16)), acc1);
+        }
+        let tail: f32 = (32 * steps..n).map(|i| a[i] * b[i]).sum();
+        finish(acc0, acc1, tail)
+    }
+
+    /// 16 bf16 bit patterns → 16 f32 (exact: bf16 is the top half of an f32).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn widen_bf16(p: *const u16) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let steps = n / 32;
+        for i in 0..steps {
+            let (pw, px) = (w.as_ptr().add(32 * i), x.as_ptr().add(32 * i));
+            acc0 = _mm512_fmadd_ps(widen_bf16(pw), _mm512_loadu_ps(px), acc0);
+            acc1 = _mm512_fmadd_ps(widen_bf16(pw.add(16)), _mm512_loadu_ps(px.add(16)), acc1);
+        }
+        let tail: f32 = (32 * steps..n).map(|i| super::bf16_to_f32(w[i]) * x[i]).sum();
+        finish(acc0, acc1, tail)
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn dot_f16(w: &[u16], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let (mut acc0, mut acc1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let steps = n / 32;
+        for i in 0..steps {
+            let (pw, px) = (w.as_ptr().add(32 * i), x.as_ptr().add(32 * i));
+            let lo = _mm512_cvtph_ps(_mm256_loadu_si256(pw as *const __m256i));
+            let hi = _mm512_cvtph_ps(_mm256_loadu_si256(pw.add(16) as *const __m256i));
+            acc0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(px), acc0);
+            acc1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(px.add(16)), acc1);
+        }
+        let tail: f32 = (32 * steps..n).map(|i| half::f16::from_bits(w[i]).to_f32() * x[i]).sum();
+        finish(acc0, acc1, tail)
+    }
 }
 
 #[cfg(test)]

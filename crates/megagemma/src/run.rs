@@ -103,7 +103,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(Model::load_with(&dir, quant)?);
     let load_secs = t_load.elapsed().as_secs_f64();
-    let tokenizer = load_tokenizer(&dir)?;
+    // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
+    let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;
+    let tokenizer = if needs_tokenizer { load_tokenizer(&dir)? } else { None };
 
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
@@ -176,7 +178,13 @@ pub fn run(args: RunArgs) -> Result<()> {
         None => None,
     };
     match args.output {
-        OutputFormat::Text => println!(),
+        OutputFormat::Text => {
+            // Bytes held back as an incomplete character at the very end.
+            if let Some(rest) = stream.as_mut().map(|s| s.flush()).transpose()?.flatten() {
+                print!("{rest}");
+            }
+            println!();
+        }
         OutputFormat::Ids => {
             println!("{}", gen.ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","));
         }
