@@ -98,3 +98,34 @@ fn bad_sampling_parameters() {
     let out = megagemma(&["run", "--model", d.to_str().unwrap(), "--prompt-ids", "2", "--top-p", "1.5"]);
     assert_user_error(&out, "top_p");
 }
+
+/// A scratch `.gguf` file with the given bytes.
+fn scratch_gguf(tag: &str, bytes: &[u8]) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("megagemma-bad-{tag}-{}.gguf", std::process::id()));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn corrupt_gguf_files() {
+    let header = |version: u32, tensors: u64, kvs: u64| {
+        let mut b = b"GGUF".to_vec();
+        b.extend_from_slice(&version.to_le_bytes());
+        b.extend_from_slice(&tensors.to_le_bytes());
+        b.extend_from_slice(&kvs.to_le_bytes());
+        b
+    };
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("magic", b"GGML\x03\x00\x00\x00".repeat(4), "bad magic"),
+        ("truncated", header(3, 0, 0)[..10].to_vec(), "truncated"),
+        ("counts", header(3, 1 << 40, 0), "tensor count"),
+        ("kvcount", header(3, 0, 1 << 40), "metadata count"),
+        ("version", header(9, 0, 0), "unsupported GGUF version 9"),
+        ("empty", header(3, 0, 0), "general.architecture"),
+    ];
+    for (tag, bytes, needle) in cases {
+        let p = scratch_gguf(tag, &bytes);
+        assert_user_error(&run_ids(&p, "2,3"), needle);
+        std::fs::remove_file(&p).unwrap();
+    }
+}
