@@ -175,8 +175,9 @@ impl ModelConfig {
         let intermediate_size = c.usize_req("intermediate_size")?;
         let num_layers = c.usize_req("num_hidden_layers")?;
         let num_heads = c.usize_req("num_attention_heads")?;
-        let num_kv_heads = c.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
-        let head_dim = c.usize_opt("head_dim")?.unwrap_or(hidden_size / num_heads.max(1));
+        // Defaults mirror transformers' Gemma3TextConfig / Gemma4TextConfig for keys a config omits.
+        let num_kv_heads = c.usize_opt("num_key_value_heads")?.unwrap_or(4);
+        let head_dim = c.usize_opt("head_dim")?.unwrap_or(256);
         if num_layers == 0 || hidden_size == 0 || num_heads == 0 || vocab_size == 0 {
             bail!("num_hidden_layers, hidden_size, num_attention_heads and vocab_size must be positive");
         }
@@ -257,12 +258,12 @@ impl ModelConfig {
         if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
             bail!("num_kv_shared_layers {num_kv_shared_layers} leaves no layer to own a KV cache ({num_layers} layers)");
         }
-        let ple_dim = if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(0) } else { 0 };
+        let ple_dim = if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256) } else { 0 };
 
         let attn_scale = match family {
             Family::Gemma4 => 1.0,
             Family::Gemma3 => {
-                let q = c.f64_opt("query_pre_attn_scalar")?.unwrap_or(head_dim as f64);
+                let q = c.f64_opt("query_pre_attn_scalar")?.unwrap_or(256.0);
                 q.powf(-0.5)
             }
         };
@@ -301,7 +302,7 @@ impl ModelConfig {
             final_logit_softcapping,
             tie_word_embeddings,
             ple_dim,
-            ple_vocab_size: c.usize_opt("vocab_size_per_layer_input")?.unwrap_or(vocab_size),
+            ple_vocab_size: c.usize_opt("vocab_size_per_layer_input")?.unwrap_or(262_144),
             num_kv_shared_layers,
             use_double_wide_mlp: family == Family::Gemma4 && c.bool_or("use_double_wide_mlp", false)?,
             attention_k_eq_v,
@@ -390,4 +391,71 @@ fn parse_rope(c: &Obj, family: Family) -> Result<(RopeSpec, RopeSpec)> {
     }
     let sliding = plain(c.f64_opt("rope_local_base_freq")?.unwrap_or(default_sliding.theta));
     Ok((sliding, full))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"architectures": ["Gemma4ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4})
+    }
+
+    #[test]
+    fn hub_style_config_resolves_like_transformers() {
+        // No layer_types / per_layer_config: 5:1 pattern, last layer forced to full, global layers
+        // take global_head_dim (default 512); kv-head override only with attention_k_eq_v.
+        let mut v = base();
+        v["num_global_key_value_heads"] = json!(1);
+        let c = ModelConfig::from_json(&v).unwrap();
+        use AttnKind::*;
+        assert_eq!(c.layer_types, vec![Sliding, Sliding, Sliding, Sliding, Sliding, Full, Full]);
+        assert_eq!(c.head_dims, vec![256, 256, 256, 256, 256, 512, 512]);
+        assert_eq!(c.kv_heads, vec![4; 7], "num_global_key_value_heads ignored without k_eq_v");
+        assert_eq!(c.ple_dim, 256, "transformers' default hidden_size_per_layer_input");
+        assert!(c.rope_full.proportional && c.rope_full.partial_rotary_factor == 0.25);
+        v["attention_k_eq_v"] = json!(true);
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.kv_heads, vec![4, 4, 4, 4, 4, 1, 1]);
+    }
+
+    #[test]
+    fn per_layer_config_wins_over_global_keys() {
+        let mut v = base();
+        v["global_head_dim"] = json!(512);
+        v["per_layer_config"] = json!({"5": {"head_dim": 32, "num_key_value_heads": 2}, "6": {"head_dim": 32}});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.head_dims, vec![256, 256, 256, 256, 256, 32, 32]);
+        assert_eq!(c.kv_heads, vec![4, 4, 4, 4, 4, 2, 4]);
+    }
+
+    #[test]
+    fn nested_text_config_and_errors() {
+        let v = json!({"architectures": ["Gemma4ForConditionalGeneration"], "text_config": base()});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.tensor_prefix, "model.language_model.");
+        let err = ModelConfig::from_json(&json!({"architectures": ["Gemma4ForConditionalGeneration"]})).unwrap_err();
+        assert!(err.to_string().contains("text_config"), "{err}");
+        let mut v = base();
+        v["num_key_value_heads"] = json!(3);
+        assert!(ModelConfig::from_json(&v).unwrap_err().to_string().contains("not a multiple"));
+        let mut v = base();
+        v["rope_parameters"] = json!({"full_attention": {"rope_type": "yarn"}});
+        assert!(ModelConfig::from_json(&v).unwrap_err().to_string().contains("unsupported rope_type"));
+    }
+
+    #[test]
+    fn gemma3_defaults() {
+        let v = json!({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                       "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+                       "rope_scaling": {"rope_type": "linear", "factor": 8.0}});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.layer_types[5], AttnKind::Full);
+        assert_eq!(c.attn_scale, 256f64.powf(-0.5));
+        assert_eq!((c.rope_full.theta, c.rope_full.factor), (1e6, 8.0));
+        assert_eq!((c.rope_sliding.theta, c.rope_sliding.factor), (1e4, 1.0));
+        assert_eq!(c.ple_dim, 0);
+    }
 }
