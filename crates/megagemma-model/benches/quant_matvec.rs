@@ -17,45 +17,12 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use criterion::{Criterion, Throughput};
+use megagemma_model::dense::DenseMatrix;
 use megagemma_model::matrix::{matmul, RowDot};
 use megagemma_model::quant::{quantize_affine, Kernel, QuantMatrix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
-
-/// Dense f32 `[rows, cols]` (what a bf16 checkpoint widened to f32 costs to stream).
-struct DenseF32 {
-    rows: usize,
-    cols: usize,
-    w: Vec<f32>,
-}
-
-impl RowDot for DenseF32 {
-    fn rows(&self) -> usize {
-        self.rows
-    }
-    fn cols(&self) -> usize {
-        self.cols
-    }
-    fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
-        for (i, o) in out.iter_mut().enumerate() {
-            let row = &self.w[(start + i) * self.cols..(start + i + 1) * self.cols];
-            let mut acc = [0f32; 16];
-            for (w16, x16) in row.chunks_exact(16).zip(x.chunks_exact(16)) {
-                for k in 0..16 {
-                    acc[k] += w16[k] * x16[k];
-                }
-            }
-            *o = acc.iter().sum();
-        }
-    }
-    fn row_to_f32(&self, row: usize, out: &mut [f32]) {
-        out.copy_from_slice(&self.w[row * self.cols..(row + 1) * self.cols]);
-    }
-    fn stored_bytes(&self) -> usize {
-        self.rows * self.cols * 4
-    }
-}
 
 fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     let mut v = vec![0f32; n];
@@ -160,7 +127,7 @@ fn report() {
     let w = random(&mut rng, 4096 * 4096);
     let q = quantize_affine(&w, 4096, 4096, 64);
     line("q4 g64 4096x4096 (single, may be cache-resident)", matvec_rate(&[&q], 50), q.stored_bytes());
-    let d = DenseF32 { rows: 4096, cols: 4096, w };
+    let d = DenseMatrix::from_f32(4096, 4096, w);
     line("f32 4096x4096 (single)", matvec_rate(&[&d], 20), d.stored_bytes());
     drop(d);
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
@@ -191,7 +158,7 @@ fn report() {
     drop(set);
 
     let n = (set_mib << 20).div_ceil(4096 * 4096 * 4).max(2);
-    let dense: Vec<DenseF32> = (0..n).map(|_| DenseF32 { rows: 4096, cols: 4096, w: random(&mut rng, 4096 * 4096) }).collect();
+    let dense: Vec<DenseMatrix> = (0..n).map(|_| DenseMatrix::from_f32(4096, 4096, random(&mut rng, 4096 * 4096))).collect();
     let refs: Vec<&dyn RowDot> = dense.iter().map(|m| m as &dyn RowDot).collect();
     line(&format!("f32 4096x4096 x{n} cycled ({} MiB)", n * 64), matvec_rate(&refs, 5), 4096 * 4096 * 4);
     println!();
@@ -201,7 +168,7 @@ fn criterion_benches(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(2);
     let w = random(&mut rng, 4096 * 4096);
     let q = quantize_affine(&w, 4096, 4096, 64);
-    let d = DenseF32 { rows: 4096, cols: 4096, w };
+    let d = DenseMatrix::from_f32(4096, 4096, w);
     let x: Vec<f32> = (0..4096).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let mut y = vec![0f32; 4096];
     let mut g = c.benchmark_group("matvec_4096x4096");

@@ -360,10 +360,11 @@ kernels! {
     Q4_K => dot_q4_k, Q5_K => dot_q5_k, Q6_K => dot_q6_k,
 }
 
-/// The fastest dot kernel for `ty` on this CPU, or `None` when the type is unsupported.
+/// The fastest dot kernel for `ty` on this CPU (AVX2+FMA unless `MEGAGEMMA_SIMD=portable` or the
+/// CPU lacks it, see [`crate::simd::level`]), or `None` when the type is unsupported.
 pub(super) fn dot_kernel(ty: GgmlType) -> Option<DotFn> {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if crate::simd::level() != crate::simd::Level::Portable {
         return avx2_kernel(ty);
     }
     portable_kernel(ty)

@@ -19,7 +19,6 @@
 #![allow(clippy::needless_range_loop)] // lane/row-indexed SIMD code reads best with indices
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
 
 use super::QuantMatrix;
 
@@ -36,10 +35,14 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU supports, detected once per process.
+    /// The fastest kernel this CPU supports (capped like every CPU kernel by `MEGAGEMMA_SIMD`,
+    /// see [`crate::simd::level`]).
     pub fn detect() -> Kernel {
-        static K: OnceLock<Kernel> = OnceLock::new();
-        *K.get_or_init(|| *Kernel::available().last().unwrap())
+        match crate::simd::level() {
+            crate::simd::Level::Avx512 => Kernel::Avx512,
+            crate::simd::Level::Avx2 => Kernel::Avx2,
+            crate::simd::Level::Portable => Kernel::Portable,
+        }
     }
 
     /// All kernels that can run on this CPU, slowest first.
