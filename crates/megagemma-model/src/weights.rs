@@ -75,8 +75,9 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
-    /// Bytes of weights one decode step streams (everything but the embedding gathers).
-    pub fn decode_bytes(&self) -> usize {
+    /// Bytes of weights one decode step streams (everything but the embedding gathers); MoE
+    /// layers count the `moe_top_k` routed experts a token reads.
+    pub fn decode_bytes(&self, moe_top_k: usize) -> usize {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).stored_bytes();
         let mut b = head;
         if let Some(p) = &self.ple {
@@ -91,9 +92,8 @@ impl ModelWeights {
             }
             if let Some(m) = &l.moe {
                 b += m.router_proj.stored_bytes();
-                // Only the routed experts are read; count top-k of them on average.
                 let per_expert = m.experts.first().map_or(0, |e| e.gate.stored_bytes() + e.up.stored_bytes() + e.down.stored_bytes());
-                b += per_expert * m.experts.len().min(8);
+                b += per_expert * moe_top_k;
             }
         }
         b

@@ -203,10 +203,10 @@ fn quantized_forward_equals_dense_forward_on_dequantized_weights() {
             let (v, h) = (q.weights.embed.rows(), q.weights.embed.cols());
             assert_eq!(q.weights.embed.stored_bytes(), bytes_of_quant(v, h, g), "{tag}: embedding not quantized");
             assert!(
-                q.weights.decode_bytes() * 2 < original.weights.decode_bytes(),
+                q.weights.decode_bytes(q.plan.moe_top_k) * 2 < original.weights.decode_bytes(original.plan.moe_top_k),
                 "{tag}: decode bytes {} vs dense {}",
-                q.weights.decode_bytes(),
-                original.weights.decode_bytes()
+                q.weights.decode_bytes(q.plan.moe_top_k),
+                original.weights.decode_bytes(original.plan.moe_top_k)
             );
             // Norms and the per-layer model projection stay as stored.
             assert_eq!(q.weights.final_norm, original.weights.final_norm, "{tag}");

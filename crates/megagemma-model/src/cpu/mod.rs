@@ -87,6 +87,6 @@ impl Backend for CpuBackend {
         self.kv.clear();
     }
     fn decode_weight_bytes(&self) -> usize {
-        self.model.weights.decode_bytes()
+        self.model.weights.decode_bytes(self.model.plan.moe_top_k)
     }
 }
