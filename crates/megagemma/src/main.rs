@@ -1,5 +1,6 @@
 //! `megagemma`: run Gemma models from the command line.
 
+mod info;
 mod pull;
 mod quantize;
 mod run;
@@ -20,6 +21,8 @@ enum Command {
     Run(run::RunArgs),
     /// Download a known model into the local cache and print its path.
     Pull(pull::PullArgs),
+    /// Describe a model: architecture, layer plan, bytes streamed per decode step.
+    Info(info::InfoArgs),
     /// Write a 4-bit (MLX-layout) copy of a bf16/f16/f32 checkpoint.
     Quantize(quantize::QuantizeArgs),
 }
@@ -29,6 +32,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(args),
         Command::Pull(args) => pull::pull(args),
+        Command::Info(args) => info::info(args),
         Command::Quantize(args) => quantize::quantize(args),
     };
     match result {

@@ -242,7 +242,7 @@ fn rayon_threads(n: usize) -> Result<()> {
 }
 
 /// A path as given, or a known model name resolved to its cached file (pulled if missing).
-fn resolve_model(arg: &Path) -> Result<PathBuf> {
+pub fn resolve_model(arg: &Path) -> Result<PathBuf> {
     if arg.exists() {
         return Ok(arg.to_path_buf());
     }

@@ -79,3 +79,18 @@ fn stops_at_eos_unless_ignored() {
     assert_eq!(ids(&["--ignore-eos"]).len(), 8);
     std::fs::remove_dir_all(&dst).unwrap();
 }
+
+#[test]
+fn info_prints_the_layer_plan() {
+    let d = fixtures_dir().join("ple_shared_dw");
+    let out = megagemma(&["info", "--model", d.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    // Layers 3..5 share KV: sliding ones read layer 1's cache, the full one layer 2's.
+    let row = |i: usize| text.lines().find(|l| l.starts_with(&format!("{i} "))).unwrap().to_string();
+    assert!(row(3).contains("1 (shared)") && row(5).contains("2 (shared)"), "{text}");
+    assert!(row(0).contains("own") && row(5).contains("full"), "{text}");
+    assert!(text.contains("weights streamed per decode step"));
+    let bad = megagemma(&["info", "--model", "/nonexistent/dir"]);
+    assert!(!bad.status.success() && stderr(&bad).starts_with("error: "));
+}
