@@ -202,15 +202,19 @@ pub fn run(args: RunArgs) -> Result<()> {
             println!("{obj}");
         }
     }
-    eprintln!(
-        "load {:.2}s | prompt {} tokens in {:.3}s ({:.1} tok/s) | generated {} tokens, decode {:.1} tok/s",
-        load_secs,
-        gen.prompt_tokens,
-        gen.prefill_seconds,
-        gen.prompt_tokens as f64 / gen.prefill_seconds.max(1e-9),
-        gen.ids.len(),
-        gen.decode_tokens_per_second()
-    );
+    if gen.ids.is_empty() {
+        eprintln!("load {load_secs:.2}s | prompt {} tokens | nothing generated", gen.prompt_tokens);
+    } else {
+        eprintln!(
+            "load {:.2}s | prompt {} tokens in {:.3}s ({:.1} tok/s) | generated {} tokens, decode {:.1} tok/s",
+            load_secs,
+            gen.prompt_tokens,
+            gen.prefill_seconds,
+            gen.prompt_tokens as f64 / gen.prefill_seconds.max(1e-9),
+            gen.ids.len(),
+            gen.decode_tokens_per_second()
+        );
+    }
     Ok(())
 }
 
