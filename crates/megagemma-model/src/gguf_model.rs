@@ -67,7 +67,8 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
             Some(s) => s,
             None => (head_dim as f64).powf(-0.5),
         },
-        eos_token_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        // Instruction-tuned files also name an end-of-turn token; generation stops at either.
+        eos_token_ids: ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| id(k)).collect(),
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         pad_token_id: id("tokenizer.ggml.padding_token_id"),
         quantization: None,

@@ -137,7 +137,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         bail!("token id {bad} in the prompt is out of range (vocab_size is {vocab})");
     }
 
-    let defaults = read_generation_config(&dir).unwrap_or_default();
+    // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
+    // generation_config.json / config.json, whose errors are reported, not ignored.
+    let defaults = if dir.is_dir() { read_generation_config(&dir)? } else { Default::default() };
     let sampling = sampling_params(&args, &defaults)?;
     let mut stop_ids = defaults.eos_token_ids.clone();
     if stop_ids.is_empty() {

@@ -129,3 +129,11 @@ fn corrupt_gguf_files() {
         std::fs::remove_file(&p).unwrap();
     }
 }
+
+#[test]
+fn malformed_generation_config() {
+    let d = scratch_copy("ple_shared_dw", "genconfig");
+    std::fs::write(d.join("generation_config.json"), "{ not json").unwrap();
+    assert_user_error(&run_ids(&d, "2,3"), "generation_config.json");
+    std::fs::remove_dir_all(&d).unwrap();
+}
