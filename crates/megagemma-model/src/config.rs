@@ -353,7 +353,7 @@ fn rope_spec(p: &Obj, default_theta: f64) -> Result<RopeSpec> {
         other => bail!("unsupported rope_type `{other}` (supported: default, linear, proportional)"),
     };
     let factor = p.f64_opt("factor")?.unwrap_or(1.0);
-    if !(factor > 0.0) {
+    if factor.is_nan() || factor <= 0.0 {
         bail!("rope factor must be positive, got {factor}");
     }
     let partial = p.f64_opt("partial_rotary_factor")?.unwrap_or(1.0);

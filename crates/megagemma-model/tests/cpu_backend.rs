@@ -79,8 +79,8 @@ fn rejected_candidates_leave_no_trace_in_the_sliding_ring() {
     let steps = greedy(&mut b, &[2, 5, 9, 4, 3], 2 * w + 4);
     b.reset();
     let mut s = b.prefill(&[2, 5, 9, 4, 3]).unwrap();
-    for i in 0..w + 2 {
-        s = b.decode(steps[i].0).unwrap();
+    for step in &steps[..w + 2] {
+        s = b.decode(step.0).unwrap();
     }
     let junk: Vec<u32> = (0..(w as u32 + 3)).map(|i| 20 + i).collect();
     b.verify(&junk).unwrap();
