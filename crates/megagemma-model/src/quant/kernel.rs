@@ -1,20 +1,16 @@
 //! Fused dequantize-dot kernels for [`QuantMatrix`].
 //!
-//! Every kernel computes, for one row,
-//!
-//! ```text
-//!     Σ_g ( scale_g · Σ_{j∈g} q_j·x_j  +  bias_g · xsum_g ),     xsum_g = Σ_{j∈g} x_j
-//! ```
-//!
-//! with f32 accumulation: the scale term accumulates in SIMD lanes group by group, the bias term
-//! `Σ_g bias_g·xsum_g` is a separate short dot product at the end of the row. `xsum` (and, for some
-//! kernels, a reordered or rescaled copy of `x`) is computed once per `dot_rows` call by fixed-order
-//! code. Rows are processed four at a time to share the loads of `x` and to keep independent
-//! accumulation chains in flight, but each row's result goes through exactly the same operation
-//! sequence whether it is processed in a block of four or alone, so it depends only on the row, `x`
-//! and the kernel — and the kernel is fixed per process ([`Kernel::detect`]). While a block of rows
-//! is computed, the next block's weights are prefetched (the rows of a block are only `cols/2` bytes
-//! long each, too short for the hardware prefetchers to ramp up on their own).
+//! Every kernel dequantizes each weight in registers with exactly the formula of
+//! [`QuantMatrix::dequantize`] — `w = q·scale + bias` in f32, one rounded multiply, then one
+//! rounded add (never fused) — and accumulates `w·x` in f32 lanes. So a kernel's result differs
+//! from a dense f32 dot over the dequantized row only in summation order. (The AVX-512 kernel
+//! evaluates the formula once per group for all 16 codes and looks the weights up with `vpermps`.)
+//! Rows are processed four at a time to share the loads of `x` and to keep independent accumulation
+//! chains in flight, but each row's result goes through exactly the same operation sequence whether
+//! it is processed in a block of four or alone, so it depends only on the row, `x` and the kernel —
+//! and the kernel is fixed per process ([`Kernel::detect`]). While a block of rows is computed, the
+//! next block's weights are prefetched (the rows of a block are only `cols/2` bytes long each, too
+//! short for the hardware prefetchers to ramp up on their own).
 
 #![allow(clippy::needless_range_loop)] // lane/row-indexed SIMD code reads best with indices
 
@@ -26,11 +22,12 @@ use super::QuantMatrix;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     /// Portable Rust (8-lane arrays LLVM vectorises with whatever the build target allows; nibbles
-    /// are masked in place and `x` is pre-scaled by `2^-4k`, so no per-lane shifts are needed).
+    /// are masked in place and scaled back by `2^-4k`, exactly, so no per-lane shifts are needed).
     Portable,
     /// x86-64 AVX2 + FMA: 8 nibbles of one word → 8 lanes by variable shifts.
     Avx2,
-    /// x86-64 AVX-512F: 2 words → 16 lanes, nibbles → floats by a 16-entry `vpermps` table lookup.
+    /// x86-64 AVX-512F: 2 words → 16 lanes, nibbles → dequantized weights by a 16-entry `vpermps`
+    /// lookup in a per-group table of `q·scale + bias`.
     Avx512,
 }
 
@@ -71,7 +68,7 @@ impl Kernel {
 }
 
 thread_local! {
-    /// Per-thread scratch: `[xsum (n_groups) | reordered / rescaled x (cols)]`.
+    /// Per-thread scratch for the AVX-512 kernel: `x` reordered to the lanes of a word pair.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -79,55 +76,36 @@ pub(super) fn dot_rows(m: &QuantMatrix, kernel: Kernel, start: usize, x: &[f32],
     if out.is_empty() {
         return;
     }
-    let need = m.groups_per_row() + if kernel == Kernel::Avx2 { 0 } else { m.cols };
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < need {
-                buf.resize(need, 0.0);
-            }
-            run(m, kernel, start, x, out, &mut buf[..need]);
-        }
-        // Re-entered on this thread (cannot happen through matmul): use a fresh buffer.
-        Err(_) => run(m, kernel, start, x, out, &mut vec![0.0; need]),
-    });
-}
-
-fn run(m: &QuantMatrix, kernel: Kernel, start: usize, x: &[f32], out: &mut [f32], scratch: &mut [f32]) {
-    let (xsum, xt) = scratch.split_at_mut(m.groups_per_row());
-    group_sums(x, m.group_size, xsum);
     match kernel {
-        Kernel::Portable => {
-            portable::prescale_x(x, xt);
-            portable::dot_rows(m, start, xsum, xt, out)
-        }
+        Kernel::Portable => portable::dot_rows(m, start, x, out),
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 => {
             assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"), "AVX2+FMA not available");
             // SAFETY: the features were just checked.
-            unsafe { avx2::dot_rows(m, start, x, xsum, out) }
+            unsafe { avx2::dot_rows(m, start, x, out) }
         }
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx512 => {
             assert!(is_x86_feature_detected!("avx512f"), "AVX-512F not available");
-            avx512::interleave_x(x, xt);
-            // SAFETY: the feature was just checked.
-            unsafe { avx512::dot_rows(m, start, xsum, xt, out) }
+            let need = m.cols;
+            let mut run = |xi: &mut [f32]| {
+                avx512::interleave_x(x, xi);
+                // SAFETY: the feature was just checked.
+                unsafe { avx512::dot_rows(m, start, xi, out) }
+            };
+            SCRATCH.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut buf) => {
+                    if buf.len() < need {
+                        buf.resize(need, 0.0);
+                    }
+                    run(&mut buf[..need])
+                }
+                // Re-entered on this thread (cannot happen through matmul): use a fresh buffer.
+                Err(_) => run(&mut vec![0.0; need]),
+            })
         }
         #[cfg(not(target_arch = "x86_64"))]
         _ => panic!("kernel {kernel:?} is not available on this architecture"),
-    }
-}
-
-/// `xsum[g] = Σ x[g·gs .. (g+1)·gs]`, 8 lanes then a fixed tree: the same for every kernel and call.
-fn group_sums(x: &[f32], gs: usize, xsum: &mut [f32]) {
-    for (s, xg) in xsum.iter_mut().zip(x.chunks_exact(gs)) {
-        let mut acc = [0f32; 8];
-        for x8 in xg.chunks_exact(8) {
-            for k in 0..8 {
-                acc[k] += x8[k];
-            }
-        }
-        *s = hsum8(&acc);
     }
 }
 
@@ -157,69 +135,44 @@ fn for_blocks(m: &QuantMatrix, start: usize, out: &mut [f32], mut f4: impl FnMut
 mod portable {
     use super::*;
 
-    /// `xt[8i + k] = x[8i + k] · 2^-4(k mod 4)`: exact (a power-of-two scaling), so that
-    /// `(w & 0xF << 4k) as f32 · xt` rounds exactly like `q·x`.
-    pub(super) fn prescale_x(x: &[f32], xt: &mut [f32]) {
-        const S: [f32; 8] = [1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0];
-        for (d, s) in xt.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
-            for k in 0..8 {
-                d[k] = s[k] * S[k];
-            }
-        }
+    pub(super) fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], out: &mut [f32]) {
+        for_blocks(m, start, out, |r, o, _| rows::<R>(m, r, x, o), |r, o| rows::<1>(m, r, x, o));
     }
 
-    pub(super) fn dot_rows(m: &QuantMatrix, start: usize, xsum: &[f32], xt: &[f32], out: &mut [f32]) {
-        for_blocks(m, start, out, |r, o, _| rows::<R>(m, r, xsum, xt, o), |r, o| rows::<1>(m, r, xsum, xt, o));
-    }
-
+    /// `acc += w·x` for the 8 weights of word `w`, each `w = q·s + b` (two roundings). Nibbles are
+    /// masked in place (`q·16^k`, exact in f32) and scaled back by `2^-4k` (exact), so no per-lane
+    /// shifts are needed.
     #[inline(always)]
-    fn mac8(acc: &mut [f32; 8], w: u32, xt: &[f32]) {
+    fn mac8(acc: &mut [f32; 8], w: u32, s: f32, b: f32, x: &[f32]) {
         const MASK: [u32; 8] = [0xF, 0xF0, 0xF00, 0xF000, 0xF, 0xF0, 0xF00, 0xF000];
+        const UNSHIFT: [f32; 8] = [1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0];
         let lanes = [w, w, w, w, w >> 16, w >> 16, w >> 16, w >> 16];
         for k in 0..8 {
-            acc[k] += (lanes[k] & MASK[k]) as i32 as f32 * xt[k];
+            let q = (lanes[k] & MASK[k]) as i32 as f32 * UNSHIFT[k];
+            acc[k] += (q * s + b) * x[k];
         }
     }
 
     /// `N` consecutive rows from `row0`; per row the same operations whatever `N`.
     #[inline(always)]
-    fn rows<const N: usize>(m: &QuantMatrix, row0: usize, xsum: &[f32], xt: &[f32], out: &mut [f32]) {
+    fn rows<const N: usize>(m: &QuantMatrix, row0: usize, x: &[f32], out: &mut [f32]) {
         let wpr = m.cols / 8;
         let wpg = m.group_size / 8;
         let ng = m.groups_per_row();
         let w: [&[u32]; N] = std::array::from_fn(|r| &m.packed[(row0 + r) * wpr..(row0 + r + 1) * wpr]);
         let sc: [&[f32]; N] = std::array::from_fn(|r| &m.scales[(row0 + r) * ng..(row0 + r + 1) * ng]);
+        let bi: [&[f32]; N] = std::array::from_fn(|r| &m.biases[(row0 + r) * ng..(row0 + r + 1) * ng]);
         let mut acc = [[0f32; 8]; N];
         for g in 0..ng {
-            let mut ga = [[0f32; 8]; N];
             for i in g * wpg..(g + 1) * wpg {
-                let xv = &xt[i * 8..i * 8 + 8];
+                let xv = &x[i * 8..i * 8 + 8];
                 for r in 0..N {
-                    mac8(&mut ga[r], w[r][i], xv);
-                }
-            }
-            for r in 0..N {
-                let s = sc[r][g];
-                for k in 0..8 {
-                    acc[r][k] += s * ga[r][k];
+                    mac8(&mut acc[r], w[r][i], sc[r][g], bi[r][g], xv);
                 }
             }
         }
         for r in 0..N {
-            let b = &m.biases[(row0 + r) * ng..(row0 + r + 1) * ng];
-            let mut bacc = [0f32; 8];
-            let mut bc = b.chunks_exact(8);
-            let mut xc = xsum.chunks_exact(8);
-            for (b8, x8) in (&mut bc).zip(&mut xc) {
-                for k in 0..8 {
-                    bacc[k] += b8[k] * x8[k];
-                }
-            }
-            let mut tail = 0f32;
-            for (b, x) in bc.remainder().iter().zip(xc.remainder()) {
-                tail += b * x;
-            }
-            out[r] = hsum8(&acc[r]) + (hsum8(&bacc) + tail);
+            out[r] = hsum8(&acc[r]);
         }
     }
 }
@@ -230,11 +183,11 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], xsum: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], out: &mut [f32]) {
         match m.group_size {
-            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, x, xsum, o, p), |r, o| rows::<1, 4>(m, r, x, xsum, o, false)),
-            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, x, xsum, o, p), |r, o| rows::<1, 8>(m, r, x, xsum, o, false)),
-            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, x, xsum, o, p), |r, o| rows::<1, 16>(m, r, x, xsum, o, false)),
+            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, x, o, p), |r, o| rows::<1, 4>(m, r, x, o, false)),
+            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, x, o, p), |r, o| rows::<1, 8>(m, r, x, o, false)),
+            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, x, o, p), |r, o| rows::<1, 16>(m, r, x, o, false)),
         }
     }
 
@@ -247,34 +200,16 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// `Σ_g b[g]·xsum[g]`: 8 lanes, scalar tail, fixed order.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn bias_dot(b: *const f32, xsum: &[f32]) -> f32 {
-        let ng = xsum.len();
-        let mut acc = _mm256_setzero_ps();
-        let mut g = 0;
-        while g + 8 <= ng {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(b.add(g)), _mm256_loadu_ps(xsum.as_ptr().add(g)), acc);
-            g += 8;
-        }
-        let mut tail = 0f32;
-        while g < ng {
-            tail = (*b.add(g)).mul_add(xsum[g], tail);
-            g += 1;
-        }
-        hsum(acc) + tail
-    }
-
     /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, x: &[f32], xsum: &[f32], out: &mut [f32], prefetch: bool) {
+    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, x: &[f32], out: &mut [f32], prefetch: bool) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
         debug_assert!((row0 + N) * wpr <= m.packed.len() && x.len() == m.cols && out.len() >= N);
         let wbase = m.packed.as_ptr().add(row0 * wpr);
         let sbase = m.scales.as_ptr().add(row0 * ng);
+        let bbase = m.biases.as_ptr().add(row0 * ng);
         let xp = x.as_ptr();
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(0xF);
@@ -282,24 +217,24 @@ mod avx2 {
         for g in 0..ng {
             let wg = wbase.add(g * WPG);
             let xg = xp.add(g * WPG * 8);
-            let mut ga = [_mm256_setzero_ps(); N];
+            let s: [__m256; N] = std::array::from_fn(|r| _mm256_set1_ps(*sbase.add(r * ng + g)));
+            let b: [__m256; N] = std::array::from_fn(|r| _mm256_set1_ps(*bbase.add(r * ng + g)));
             for i in 0..WPG {
                 let xv = _mm256_loadu_ps(xg.add(i * 8));
                 for r in 0..N {
                     let w = _mm256_set1_epi32(*wg.add(r * wpr + i) as i32);
                     let q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask));
-                    ga[r] = _mm256_fmadd_ps(q, xv, ga[r]);
+                    // Exactly `q·scale + bias` as `QuantMatrix::dequantize` (two roundings).
+                    let wv = _mm256_add_ps(_mm256_mul_ps(q, s[r]), b[r]);
+                    acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
                 }
             }
             if prefetch {
                 prefetch_next::<N, WPG>(m, wg, sbase, g, wpr, ng);
             }
-            for r in 0..N {
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(*sbase.add(r * ng + g)), ga[r], acc[r]);
-            }
         }
         for r in 0..N {
-            out[r] = hsum(acc[r]) + bias_dot(m.biases.as_ptr().add((row0 + r) * ng), xsum);
+            out[r] = hsum(acc[r]);
         }
     }
 
@@ -339,11 +274,11 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, xsum: &[f32], xi: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, xi: &[f32], out: &mut [f32]) {
         match m.group_size {
-            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, xsum, xi, o, p), |r, o| rows::<1, 4>(m, r, xsum, xi, o, false)),
-            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, xsum, xi, o, p), |r, o| rows::<1, 8>(m, r, xsum, xi, o, false)),
-            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, xsum, xi, o, p), |r, o| rows::<1, 16>(m, r, xsum, xi, o, false)),
+            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, xi, o, p), |r, o| rows::<1, 4>(m, r, xi, o, false)),
+            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, xi, o, p), |r, o| rows::<1, 8>(m, r, xi, o, false)),
+            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, xi, o, p), |r, o| rows::<1, 16>(m, r, xi, o, false)),
         }
     }
 
@@ -360,60 +295,43 @@ mod avx512 {
         _mm_cvtss_f32(s)
     }
 
-    /// `Σ_g b[g]·xsum[g]`: 16 lanes, masked tail, fixed order.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn bias_dot(b: *const f32, xsum: &[f32]) -> f32 {
-        let ng = xsum.len();
-        let mut acc = _mm512_setzero_ps();
-        let mut g = 0;
-        while g + 16 <= ng {
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(b.add(g)), _mm512_loadu_ps(xsum.as_ptr().add(g)), acc);
-            g += 16;
-        }
-        if g < ng {
-            let k: __mmask16 = (1u16 << (ng - g)) - 1;
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b.add(g)), _mm512_maskz_loadu_ps(k, xsum.as_ptr().add(g)), acc);
-        }
-        hsum(acc)
-    }
-
     /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, xsum: &[f32], xi: &[f32], out: &mut [f32], prefetch: bool) {
+    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, xi: &[f32], out: &mut [f32], prefetch: bool) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
         debug_assert!((row0 + N) * wpr <= m.packed.len() && xi.len() == m.cols && out.len() >= N);
         let wbase = m.packed.as_ptr().add(row0 * wpr);
         let sbase = m.scales.as_ptr().add(row0 * ng);
+        let bbase = m.biases.as_ptr().add(row0 * ng);
         let xp = xi.as_ptr();
         let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-        // vpermps reads only the low 4 bits of each index lane: nibble → its value as f32.
-        let table = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
+        let codes = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
         let mut acc = [_mm512_setzero_ps(); N];
         for g in 0..ng {
             let wg = wbase.add(g * WPG);
             let xg = xp.add(g * WPG * 8);
-            let mut ga = [_mm512_setzero_ps(); N];
+            // Per row, the group's 16 possible weights `q·scale + bias` (two roundings, exactly as
+            // `QuantMatrix::dequantize`); vpermps reads only the low 4 bits of each index lane.
+            let table: [__m512; N] = std::array::from_fn(|r| {
+                _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(*sbase.add(r * ng + g))), _mm512_set1_ps(*bbase.add(r * ng + g)))
+            });
             // Two words (16 weights) per step.
             for i in 0..WPG / 2 {
                 let xv = _mm512_loadu_ps(xg.add(i * 16));
                 for r in 0..N {
                     let p = _mm512_set1_epi64((wg.add(r * wpr + 2 * i) as *const i64).read_unaligned());
-                    let q = _mm512_permutexvar_ps(_mm512_srlv_epi32(p, shifts), table);
-                    ga[r] = _mm512_fmadd_ps(q, xv, ga[r]);
+                    let w = _mm512_permutexvar_ps(_mm512_srlv_epi32(p, shifts), table[r]);
+                    acc[r] = _mm512_fmadd_ps(w, xv, acc[r]);
                 }
             }
             if prefetch {
                 super::avx2::prefetch_next::<N, WPG>(m, wg, sbase, g, wpr, ng);
             }
-            for r in 0..N {
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(*sbase.add(r * ng + g)), ga[r], acc[r]);
-            }
         }
         for r in 0..N {
-            out[r] = hsum(acc[r]) + bias_dot(m.biases.as_ptr().add((row0 + r) * ng), xsum);
+            out[r] = hsum(acc[r]);
         }
     }
 }

@@ -28,9 +28,10 @@
 //!
 //! # Products
 //!
-//! [`QuantMatrix`] implements [`RowDot`]: the dot kernel never materialises weights but computes
-//! `Σ_g (scale_g·Σ_{j∈g} q_j·x_j + bias_g·Σ_{j∈g} x_j)` in f32, with the per-group input sums
-//! `Σ x_j` computed once per `dot_rows` call and reused for every row. The result for a row depends
+//! [`QuantMatrix`] implements [`RowDot`]: the dot kernel never materialises a weight matrix but
+//! dequantizes each weight in registers with exactly the formula above (the one
+//! [`QuantMatrix::dequantize`] uses) and accumulates `w·x` in f32, so its result differs from a
+//! dense f32 dot over the dequantized row only in summation order. The result for a row depends
 //! only on that row and `x` (never on which other rows or tokens share the call), so
 //! [`crate::matrix::matmul`] stays batch-invariant. The kernel (AVX-512F, AVX2+FMA or portable) is
 //! picked once per process from the CPU's features ([`Kernel::detect`]); different kernels agree to
@@ -194,7 +195,8 @@ impl QuantMatrix {
         self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 4
     }
 
-    /// The whole matrix in f32, row-major: `w = scale·q + bias` (f32 multiply, then f32 add).
+    /// The whole matrix in f32, row-major: `w = q·scale + bias` (f32 multiply, then f32 add) — the
+    /// same values the dot kernels use.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
         out.par_chunks_mut(self.cols).enumerate().for_each(|(r, row)| self.row_to_f32(r, row));
@@ -234,7 +236,8 @@ impl RowDot for QuantMatrix {
             let gw = &words[g * self.group_size / 8..(g + 1) * self.group_size / 8];
             for (o8, &w) in out_g.chunks_exact_mut(8).zip(gw) {
                 for (k, o) in o8.iter_mut().enumerate() {
-                    *o = s * ((w >> (4 * k)) & 0xF) as f32 + b;
+                    // The kernels evaluate exactly this (see `kernel`): keep them in sync.
+                    *o = ((w >> (4 * k)) & 0xF) as f32 * s + b;
                 }
             }
         }
