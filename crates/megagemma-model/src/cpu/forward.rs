@@ -206,7 +206,7 @@ fn mlp(m: &MlpWeights, x: &[f32], t: usize) -> Vec<f32> {
 fn moe_block(plan: &ModelPlan, m: &MoeWeights, resid: &[f32], t: usize) -> Vec<f32> {
     let h = plan.hidden;
     let e_count = m.experts.len();
-    let top_k = plan_top_k(m, plan);
+    let top_k = plan.moe_top_k.min(e_count);
     let root = (h as f64).powf(-0.5) as f32;
     let mut out = vec![0f32; t * h];
     for ti in 0..t {
@@ -232,8 +232,4 @@ fn moe_block(plan: &ModelPlan, m: &MoeWeights, resid: &[f32], t: usize) -> Vec<f
     }
     rms_norm_chunks(&mut out, h, Some(&m.post_norm_2), plan.eps);
     out
-}
-
-fn plan_top_k(m: &MoeWeights, plan: &ModelPlan) -> usize {
-    plan.moe_top_k.min(m.experts.len())
 }
