@@ -42,27 +42,16 @@ impl LayerKv {
     pub fn staged_value(&self, i: usize) -> &[f32] {
         &self.staged_v[i * self.width..(i + 1) * self.width]
     }
+    /// Store one position's K/V in its slot, growing the buffers up to that slot (positions in
+    /// order for full layers; a ring fills up to `window` slots, then overwrites).
     fn write(&mut self, pos: usize, k: &[f32], v: &[f32]) {
-        let w = self.width;
-        match self.ring {
-            Some(n) => {
-                if self.k.len() < n * w {
-                    // Ring not yet full: slots fill in order.
-                    debug_assert_eq!(self.k.len(), pos * w);
-                    self.k.extend_from_slice(k);
-                    self.v.extend_from_slice(v);
-                } else {
-                    let s = pos % n;
-                    self.k[s * w..(s + 1) * w].copy_from_slice(k);
-                    self.v[s * w..(s + 1) * w].copy_from_slice(v);
-                }
-            }
-            None => {
-                debug_assert_eq!(self.k.len(), pos * w);
-                self.k.extend_from_slice(k);
-                self.v.extend_from_slice(v);
-            }
+        let (s, w) = (self.slot(pos), self.width);
+        if self.k.len() < (s + 1) * w {
+            self.k.resize((s + 1) * w, 0.0);
+            self.v.resize((s + 1) * w, 0.0);
         }
+        self.k[s * w..(s + 1) * w].copy_from_slice(k);
+        self.v[s * w..(s + 1) * w].copy_from_slice(v);
     }
     /// Floats held by committed rows (for memory checks).
     pub fn resident_rows(&self) -> usize {
@@ -138,20 +127,13 @@ impl KvCache {
         for l in self.layers.iter_mut().flatten() {
             let w = l.width;
             // Rows that would be overwritten within this same commit never need writing.
-            let skip = match l.ring {
-                Some(n) => accepted.saturating_sub(n),
-                None => 0,
-            };
+            let skip = l.ring.map_or(0, |n| accepted.saturating_sub(n));
+            let (staged_k, staged_v) = (std::mem::take(&mut l.staged_k), std::mem::take(&mut l.staged_v));
             for i in skip..accepted {
-                let (k, v) = (l.staged_k[i * w..(i + 1) * w].to_vec(), l.staged_v[i * w..(i + 1) * w].to_vec());
-                if skip > 0 && i == skip && l.k.len() < l.ring.unwrap() * w {
-                    // Filling a fresh ring past its size in one commit: pad the skipped slots.
-                    let n = l.ring.unwrap();
-                    l.k.resize(n * w, 0.0);
-                    l.v.resize(n * w, 0.0);
-                }
-                l.write(start + i, &k, &v);
+                l.write(start + i, &staged_k[i * w..(i + 1) * w], &staged_v[i * w..(i + 1) * w]);
             }
+            // Hand the staging buffers back, emptied, so their capacity is reused.
+            (l.staged_k, l.staged_v) = (staged_k, staged_v);
             l.staged_k.clear();
             l.staged_v.clear();
         }
