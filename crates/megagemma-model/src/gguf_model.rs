@@ -6,7 +6,7 @@
 //! `1 + w`, so norms are used as stored).
 
 use crate::config::{AttnKind, Family, ModelConfig, RopeSpec};
-use crate::gguf::{GgmlType, GgufFile, GgufMatrix};
+use crate::gguf::{GgufFile, GgufMatrix};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
 use crate::{bail, Error, Result};
@@ -139,13 +139,7 @@ impl TensorSource for GgufSource<'_> {
         if info.shape() != [len] {
             bail!("tensor `{}` has shape {:?}, expected [{len}]", info.name, info.shape());
         }
-        if info.ggml_type != GgmlType::F32 && info.ggml_type != GgmlType::F16 && info.ggml_type != GgmlType::BF16 {
-            bail!("tensor `{}` is {}; vectors must be F32, F16 or BF16", info.name, info.ggml_type);
-        }
-        let m = GgufMatrix::from_tensor(self.file, info)?;
-        let mut out = vec![0f32; len];
-        m.row_to_f32(0, &mut out);
-        Ok(out)
+        self.file.tensor_to_f32(info)
     }
     fn contains(&self, hf: &str) -> bool {
         gguf_name(hf).is_some_and(|n| self.file.tensor(&n).is_some())

@@ -7,6 +7,7 @@ use megagemma_engine::generate::{generate, GenerateParams};
 use megagemma_engine::sampling::{read_generation_config, SamplingParams};
 use megagemma_engine::tokenizer::Tokenizer;
 use megagemma_model::cpu::CpuBackend;
+use megagemma_model::gguf::GgufFile;
 use megagemma_model::Model;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -105,7 +106,9 @@ pub fn run(args: RunArgs) -> Result<()> {
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;
-    let tokenizer = if needs_tokenizer { load_tokenizer(&dir)? } else { None };
+    // A GGUF file's tokenizer and chat template both come from its metadata: parse it once.
+    let gguf = if needs_tokenizer && is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };
+    let tokenizer = if needs_tokenizer { load_tokenizer(&dir, gguf.as_ref())? } else { None };
 
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
@@ -119,7 +122,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             if args.raw {
                 tok.encode(text, true)?
             } else {
-                let template = chat_template(&dir, &model)?;
+                let template = chat_template(&dir, gguf.as_ref(), &model)?;
                 let mut messages = Vec::new();
                 if let Some(s) = &args.system {
                     messages.push(ChatMessage::system(s.clone()));
@@ -262,14 +265,13 @@ fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
-/// `tokenizer.json` in a checkpoint directory, or the tokenizer stored in a GGUF file's metadata.
-fn load_tokenizer(model: &Path) -> Result<Option<Tokenizer>> {
-    if is_gguf(model) {
-        let file = megagemma_model::gguf::GgufFile::open(model)?;
-        if !megagemma_engine::gguf_tokenizer::gguf_has_tokenizer(&file) {
+/// `tokenizer.json` in a checkpoint directory, or the tokenizer stored in the GGUF file's metadata.
+fn load_tokenizer(model: &Path, gguf: Option<&GgufFile>) -> Result<Option<Tokenizer>> {
+    if let Some(file) = gguf {
+        if !megagemma_engine::gguf_tokenizer::gguf_has_tokenizer(file) {
             return Ok(None);
         }
-        return Ok(Some(megagemma_engine::gguf_tokenizer::tokenizer_from_gguf(&file)?));
+        return Ok(Some(megagemma_engine::gguf_tokenizer::tokenizer_from_gguf(file)?));
     }
     if model.join("tokenizer.json").exists() {
         return Ok(Some(Tokenizer::from_model_dir(model)?));
@@ -278,11 +280,10 @@ fn load_tokenizer(model: &Path) -> Result<Option<Tokenizer>> {
 }
 
 /// The checkpoint's own chat template, else the built-in one for its family.
-fn chat_template(model_path: &Path, model: &Model) -> Result<ChatTemplate> {
-    if !is_gguf(model_path) {
+fn chat_template(model_path: &Path, gguf: Option<&GgufFile>, model: &Model) -> Result<ChatTemplate> {
+    let Some(file) = gguf else {
         return ChatTemplate::from_model_dir(model_path);
-    }
-    let file = megagemma_model::gguf::GgufFile::open(model_path)?;
+    };
     if let Some(t) = file.get_str("tokenizer.chat_template") {
         return ChatTemplate::from_template(t, "<bos>", "<eos>");
     }
