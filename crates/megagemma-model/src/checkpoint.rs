@@ -275,12 +275,18 @@ pub struct SafetensorsSource<'a> {
 }
 
 impl SafetensorsSource<'_> {
-    fn full_name(&self, rel: &str) -> String {
-        if rel == "lm_head.weight" {
-            rel.to_string()
-        } else {
-            format!("{}{rel}", self.prefix)
+    /// The checkpoint's name for a decoder-relative tensor name. An untied head is top-level
+    /// `lm_head.*` in Hugging Face checkpoints and `language_model.lm_head.*` in mlx-vlm ones.
+    pub fn full_name(&self, rel: &str) -> String {
+        if let Some(leaf) = rel.strip_prefix("lm_head.") {
+            let nested = format!("language_model.lm_head.{leaf}");
+            let top_level = ["lm_head.weight", "lm_head.scales"].iter().any(|n| self.ck.get(n).is_some());
+            if !top_level && self.ck.get(&nested).is_some() {
+                return nested;
+            }
+            return rel.to_string();
         }
+        format!("{}{rel}", self.prefix)
     }
 }
 

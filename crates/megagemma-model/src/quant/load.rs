@@ -316,7 +316,7 @@ pub fn load_safetensors_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &Model
     check_quantizable(ck, cfg, mode)?;
     let mlx = mlx_config(ck, cfg)?;
     let prefix = text_prefix(ck, cfg);
-    let src = QuantSource { inner: SafetensorsSource { ck, prefix: &prefix }, ck, prefix: &prefix, mlx, mode };
+    let src = QuantSource { inner: SafetensorsSource { ck, prefix: &prefix }, mlx, mode };
     load_weights(&src, cfg, plan)
 }
 
@@ -324,27 +324,17 @@ pub fn load_safetensors_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &Model
 /// on load; dense tensors and vectors go through [`SafetensorsSource`].
 struct QuantSource<'a> {
     inner: SafetensorsSource<'a>,
-    ck: &'a Checkpoint,
-    prefix: &'a str,
     mlx: Option<MlxQuantConfig>,
     mode: QuantMode,
 }
 
 impl QuantSource<'_> {
     fn full_name(&self, rel: &str) -> String {
-        if rel == "lm_head.weight" {
-            let nested = "language_model.lm_head.weight";
-            let top = ["lm_head.weight", "lm_head.scales"].iter().any(|n| self.ck.get(n).is_some());
-            if !top && self.ck.get(nested).is_some() {
-                return nested.to_string();
-            }
-            return rel.to_string();
-        }
-        format!("{}{rel}", self.prefix)
+        self.inner.full_name(rel)
     }
 
     fn has(&self, name: &str) -> bool {
-        self.ck.get(name).is_some()
+        self.inner.ck.get(name).is_some()
     }
 
     /// Quantizes a dense matrix when `mode` and the policy say so.
@@ -376,15 +366,15 @@ impl QuantSource<'_> {
         }
         let lead: Vec<usize> = experts.into_iter().collect();
         let shape = |last: usize| -> Vec<usize> { lead.iter().copied().chain([rows, last]).collect() };
-        let w = self.ck.get(&wname).ok_or_else(|| {
-            Error::msg(format!("missing tensor `{wname}` (expected U32 {:?}) in {}", shape(cols / 8), self.ck.dir.display()))
+        let w = self.inner.ck.get(&wname).ok_or_else(|| {
+            Error::msg(format!("missing tensor `{wname}` (expected U32 {:?}) in {}", shape(cols / 8), self.inner.ck.dir.display()))
         })?;
         if w.dtype != DType::U32 {
             bail!("tensor `{wname}` has dtype {}, expected U32 {:?} (MLX 4-bit: 8 weights per word)", w.dtype.name(), shape(cols / 8));
         }
         w.expect_shape(&shape(cols / 8))?;
-        let s = self.ck.require(&format!("{base}.scales"), &shape(cols / g))?;
-        let b = self.ck.require(&format!("{base}.biases"), &shape(cols / g))?;
+        let s = self.inner.ck.require(&format!("{base}.scales"), &shape(cols / g))?;
+        let b = self.inner.ck.require(&format!("{base}.biases"), &shape(cols / g))?;
         let (words, scales, biases) = (w.to_u32_vec()?, s.to_f32_vec()?, b.to_f32_vec()?);
         let n = experts.unwrap_or(1);
         let (wn, gn) = (rows * cols / 8, rows * cols / g);
@@ -409,7 +399,7 @@ impl QuantSource<'_> {
         if self.has(&format!("{module}.scales")) {
             return Ok(self.mlx_matrices(module, Some(experts), rows, cols)?.into_iter().map(|m| Box::new(m) as Matrix).collect());
         }
-        let t = self.ck.require(&format!("{module}.weight"), &[experts, rows, cols])?;
+        let t = self.inner.ck.require(&format!("{module}.weight"), &[experts, rows, cols])?;
         (0..experts).map(|e| self.maybe_quantize(rel, module, Box::new(DenseMatrix::from_tensor_rows(t, e * rows, rows, cols)?))).collect()
     }
 }
@@ -423,12 +413,7 @@ impl TensorSource for QuantSource<'_> {
                 return Ok(Box::new(m));
             }
         }
-        let m: Matrix = if rel == "lm_head.weight" && full != rel {
-            // `language_model.lm_head.weight`, which SafetensorsSource does not look for.
-            Box::new(DenseMatrix::from_tensor(self.ck.require(&full, &[rows, cols])?, rows, cols)?)
-        } else {
-            self.inner.matrix(rel, rows, cols)?
-        };
+        let m = self.inner.matrix(rel, rows, cols)?;
         self.maybe_quantize(rel, &full, m)
     }
 
@@ -437,7 +422,7 @@ impl TensorSource for QuantSource<'_> {
         // mlx-lm / mlx-vlm store experts as switch_glu gate/up/down tensors of [E, rows, cols].
         let layer = rel.strip_suffix("experts.gate_up_proj").or_else(|| rel.strip_suffix("experts.down_proj"));
         if let (false, Some(layer)) = (self.has(&full), layer) {
-            let glu = |x: &str| format!("{}{layer}experts.switch_glu.{x}_proj", self.prefix);
+            let glu = |x: &str| format!("{}{layer}experts.switch_glu.{x}_proj", self.inner.prefix);
             let present = |x: &str| self.has(&format!("{}.weight", glu(x)));
             if rel.ends_with("gate_up_proj") && present("gate") && present("up") && n.is_multiple_of(2) {
                 let gates = self.switch_glu(rel, &glu("gate"), n / 2, rows, cols)?;
