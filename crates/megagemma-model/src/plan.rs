@@ -103,7 +103,7 @@ impl ModelPlan {
             ple_dim: c.ple_dim,
             eps: c.rms_norm_eps as f32,
             attn_scale: c.attn_scale as f32,
-            v_norm: c.family == crate::config::Family::Gemma4,
+            v_norm: c.family == Family::Gemma4,
             // The exact sqrt(H): the reference computes in f32 and is checked against float64 runs.
             embed_scale: (c.hidden_size as f64).sqrt() as f32,
             final_softcap: c.final_logit_softcapping.map(|x| x as f32),
