@@ -61,10 +61,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -111,14 +108,8 @@ impl ChatTemplate {
         let dir = dir.as_ref();
         let config_path = dir.join("tokenizer_config.json");
         let config = crate::json_file::read_json_if_present(&config_path)?;
-        let bos = config
-            .as_ref()
-            .and_then(|c| special_token_text(c, "bos_token"))
-            .unwrap_or("<bos>".into());
-        let eos = config
-            .as_ref()
-            .and_then(|c| special_token_text(c, "eos_token"))
-            .unwrap_or("<eos>".into());
+        let bos = config.as_ref().and_then(|c| special_token_text(c, "bos_token")).unwrap_or("<bos>".into());
+        let eos = config.as_ref().and_then(|c| special_token_text(c, "eos_token")).unwrap_or("<eos>".into());
 
         let jinja_path = dir.join("chat_template.jinja");
         if jinja_path.is_file() {
@@ -131,12 +122,7 @@ impl ChatTemplate {
                 return Self::build(text, TemplateSource::TokenizerConfig(config_path), bos, eos);
             }
         }
-        Self::build(
-            GEMMA4_TEMPLATE.to_string(),
-            TemplateSource::BuiltinGemma4,
-            bos,
-            eos,
-        )
+        Self::build(GEMMA4_TEMPLATE.to_string(), TemplateSource::BuiltinGemma4, bos, eos)
     }
 
     /// Compiles template text; errors (one line) on a syntax error.
@@ -145,12 +131,7 @@ impl ChatTemplate {
         bos_token: impl Into<String>,
         eos_token: impl Into<String>,
     ) -> Result<Self> {
-        Self::build(
-            template.into(),
-            TemplateSource::Inline,
-            bos_token.into(),
-            eos_token.into(),
-        )
+        Self::build(template.into(), TemplateSource::Inline, bos_token.into(), eos_token.into())
     }
 
     /// The built-in Gemma 4 template with `<bos>`/`<eos>`.
@@ -161,13 +142,8 @@ impl ChatTemplate {
     }
 
     pub fn gemma4() -> Self {
-        Self::build(
-            GEMMA4_TEMPLATE.to_string(),
-            TemplateSource::BuiltinGemma4,
-            "<bos>".into(),
-            "<eos>".into(),
-        )
-        .expect("built-in Gemma 4 template compiles")
+        Self::build(GEMMA4_TEMPLATE.to_string(), TemplateSource::BuiltinGemma4, "<bos>".into(), "<eos>".into())
+            .expect("built-in Gemma 4 template compiles")
     }
 
     pub fn source(&self) -> &TemplateSource {
@@ -198,10 +174,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: impl Serialize,
     ) -> Result<String> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .expect("template added in build");
+        let template = self.env.get_template(TEMPLATE_NAME).expect("template added in build");
         let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -209,30 +182,14 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
             ..Value::from_serialize(extra)
         };
-        template.render(ctx).map_err(|e| {
-            anyhow!(
-                "chat template ({}) failed to render: {e}",
-                self.source_label()
-            )
-        })
+        template.render(ctx).map_err(|e| anyhow!("chat template ({}) failed to render: {e}", self.source_label()))
     }
 
-    fn build(
-        text: String,
-        source: TemplateSource,
-        bos_token: String,
-        eos_token: String,
-    ) -> Result<Self> {
+    fn build(text: String, source: TemplateSource, bos_token: String, eos_token: String) -> Result<Self> {
         let mut env = hf_environment();
         let label = source_label(&source);
-        env.add_template_owned(TEMPLATE_NAME, text)
-            .map_err(|e| anyhow!("invalid chat template ({label}): {e}"))?;
-        Ok(Self {
-            env,
-            source,
-            bos_token,
-            eos_token,
-        })
+        env.add_template_owned(TEMPLATE_NAME, text).map_err(|e| anyhow!("invalid chat template ({label}): {e}"))?;
+        Ok(Self { env, source, bos_token, eos_token })
     }
 
     fn source_label(&self) -> String {
@@ -242,11 +199,7 @@ impl ChatTemplate {
 
 /// Renders the conversation with a generation prompt and encodes it, with exactly one leading
 /// BOS: special tokens are added only when the template itself did not emit the BOS text.
-pub fn encode_chat(
-    tokenizer: &Tokenizer,
-    template: &ChatTemplate,
-    messages: &[ChatMessage],
-) -> Result<Vec<u32>> {
+pub fn encode_chat(tokenizer: &Tokenizer, template: &ChatTemplate, messages: &[ChatMessage]) -> Result<Vec<u32>> {
     let prompt = template.render(messages, true)?;
     let bos = template.bos_token();
     let template_has_bos = !bos.is_empty() && prompt.starts_with(bos);
@@ -262,22 +215,16 @@ pub fn encode_chat(
 
 fn source_label(source: &TemplateSource) -> String {
     match source {
-        TemplateSource::JinjaFile(p) | TemplateSource::TokenizerConfig(p) => {
-            p.display().to_string()
-        }
+        TemplateSource::JinjaFile(p) | TemplateSource::TokenizerConfig(p) => p.display().to_string(),
         TemplateSource::BuiltinGemma4 => "built-in Gemma 4".into(),
         TemplateSource::Inline => "inline".into(),
     }
 }
 
-
 /// `bos_token` etc. are either a string or an AddedToken object with a `content` field.
 fn special_token_text(config: &serde_json::Value, key: &str) -> Option<String> {
     let value = config.get(key)?;
-    value
-        .as_str()
-        .or_else(|| value.get("content")?.as_str())
-        .map(str::to_string)
+    value.as_str().or_else(|| value.get("content")?.as_str()).map(str::to_string)
 }
 
 /// `chat_template` is a string or a list of `{name, template}`; the list's "default" is used.
@@ -290,16 +237,8 @@ fn template_from_config(config: &serde_json::Value, path: &Path) -> Result<Optio
             .find(|item| item.get("name").and_then(|n| n.as_str()) == Some("default"))
             .and_then(|item| item.get("template")?.as_str().map(str::to_string))
             .map(Some)
-            .ok_or_else(|| {
-                anyhow!(
-                    "no template named \"default\" in the chat_template list of {}",
-                    path.display()
-                )
-            }),
-        Some(_) => bail!(
-            "chat_template in {} must be a string or a list of {{name, template}}",
-            path.display()
-        ),
+            .ok_or_else(|| anyhow!("no template named \"default\" in the chat_template list of {}", path.display())),
+        Some(_) => bail!("chat_template in {} must be a string or a list of {{name, template}}", path.display()),
     }
 }
 
@@ -321,10 +260,7 @@ fn raise_exception(message: String) -> Result<Value, JinjaError> {
 
 /// Current UTC time formatted with a subset of Python's `strftime` codes.
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     strftime(&format, secs)
 }
 
@@ -342,15 +278,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
 /// Formats a Unix time (UTC). Supports %Y %y %m %d %e %H %I %M %S %p %j %B %b %A %a %%;
 /// unknown codes are kept verbatim. Public for testing.
@@ -429,9 +357,8 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, JinjaError> {
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     kwargs.assert_all_used()?;
-    let to_err = |e: serde_json::Error| {
-        JinjaError::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e)
-    };
+    let to_err =
+        |e: serde_json::Error| JinjaError::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e);
 
     let mut out = Vec::new();
     if sort_keys == Some(true) {
@@ -448,21 +375,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, JinjaError> {
     Ok(Value::from_safe_string(text))
 }
 
-fn write_json(
-    value: &impl Serialize,
-    indent: Option<usize>,
-    out: &mut Vec<u8>,
-) -> serde_json::Result<()> {
+fn write_json(value: &impl Serialize, indent: Option<usize>, out: &mut Vec<u8>) -> serde_json::Result<()> {
     match indent {
         Some(n) => {
             let indent = " ".repeat(n);
             let formatter = serde_json::ser::PrettyFormatter::with_indent(indent.as_bytes());
             value.serialize(&mut serde_json::Serializer::with_formatter(out, formatter))
         }
-        None => value.serialize(&mut serde_json::Serializer::with_formatter(
-            out,
-            PythonCompactFormatter,
-        )),
+        None => value.serialize(&mut serde_json::Serializer::with_formatter(out, PythonCompactFormatter)),
     }
 }
 
@@ -470,32 +390,21 @@ fn write_json(
 struct PythonCompactFormatter;
 
 impl serde_json::ser::Formatter for PythonCompactFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        writer: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             writer.write_all(b", ")
         }
     }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        writer: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, writer: &mut W, first: bool) -> std::io::Result<()> {
         if first {
             Ok(())
         } else {
             writer.write_all(b", ")
         }
     }
-    fn begin_object_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        writer: &mut W,
-    ) -> std::io::Result<()> {
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, writer: &mut W) -> std::io::Result<()> {
         writer.write_all(b": ")
     }
 }

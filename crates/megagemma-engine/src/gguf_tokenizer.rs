@@ -93,10 +93,7 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
         bail!("GGUF tokenizer metadata lacks tokenizer.ggml.scores (f32 array), needed for BPE merges");
     };
     if scores.len() != n {
-        bail!(
-            "GGUF tokenizer metadata is inconsistent: {} scores for {n} tokens",
-            scores.len()
-        );
+        bail!("GGUF tokenizer metadata is inconsistent: {} scores for {n} tokens", scores.len());
     }
     let types = token_types(file, n)?;
 
@@ -113,15 +110,9 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
     let unk = id_key("tokenizer.ggml.unknown_token_id")?;
     let pad = id_key("tokenizer.ggml.padding_token_id")?;
     // llama.cpp's defaults for SentencePiece vocabularies when the flags are absent.
-    let add_bos = file
-        .get_bool("tokenizer.ggml.add_bos_token")
-        .unwrap_or(true);
-    let add_eos = file
-        .get_bool("tokenizer.ggml.add_eos_token")
-        .unwrap_or(false);
-    let add_space_prefix = file
-        .get_bool("tokenizer.ggml.add_space_prefix")
-        .unwrap_or(true);
+    let add_bos = file.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(true);
+    let add_eos = file.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
+    let add_space_prefix = file.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
 
     // Pieces as the SentencePiece model spells them: spaces are always "▁" there (the
     // normalizer turns every input space into "▁", so a piece with a real space is unreachable).
@@ -133,25 +124,17 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
     }
     let merges = sentencepiece_merges(&pieces, scores, &types);
 
-    let unk_piece = unk
-        .map(|id| pieces[id as usize].clone())
-        .or_else(|| vocab.contains_key("<unk>").then(|| "<unk>".to_string()));
+    let unk_piece =
+        unk.map(|id| pieces[id as usize].clone()).or_else(|| vocab.contains_key("<unk>").then(|| "<unk>".to_string()));
     let byte_fallback = types.contains(&token_type::BYTE) || vocab.contains_key("<0x00>");
     let mut bpe = BPE::builder()
-        .vocab_and_merges(
-            vocab
-                .into_iter()
-                .collect::<tokenizers::models::bpe::Vocab>(),
-            merges,
-        )
+        .vocab_and_merges(vocab.into_iter().collect::<tokenizers::models::bpe::Vocab>(), merges)
         .fuse_unk(true)
         .byte_fallback(byte_fallback);
     if let Some(unk_piece) = &unk_piece {
         bpe = bpe.unk_token(unk_piece.clone());
     }
-    let bpe = bpe
-        .build()
-        .map_err(|e| anyhow!("cannot build BPE model from GGUF vocabulary: {e}"))?;
+    let bpe = bpe.build().map_err(|e| anyhow!("cannot build BPE model from GGUF vocabulary: {e}"))?;
 
     let mut tok = tokenizers::Tokenizer::new(bpe);
 
@@ -162,18 +145,12 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
         replace.into()
     };
     tok.with_normalizer(Some(normalizer));
-    let split = Split::new(
-        SplitPattern::String(" ".into()),
-        SplitDelimiterBehavior::MergedWithPrevious,
-        false,
-    )
-    .map_err(|e| anyhow!("{e}"))?;
+    let split = Split::new(SplitPattern::String(" ".into()), SplitDelimiterBehavior::MergedWithPrevious, false)
+        .map_err(|e| anyhow!("{e}"))?;
     tok.with_pre_tokenizer(Some(split));
 
     let mut decoders: Vec<DecoderWrapper> = vec![
-        Replace::new(SPACE_MARK, " ")
-            .map_err(|e| anyhow!("{e}"))?
-            .into(),
+        Replace::new(SPACE_MARK, " ").map_err(|e| anyhow!("{e}"))?.into(),
         ByteFallback::new().into(),
         Fuse::new().into(),
     ];
@@ -200,12 +177,8 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
         let with_type = |pieces: &[String], type_id: u32| -> Vec<String> {
             pieces.iter().map(|p| format!("{p}:{type_id}")).collect()
         };
-        let single: Vec<String> = frame_start
-            .iter()
-            .cloned()
-            .chain(["$A:0".to_string()])
-            .chain(frame_end.iter().cloned())
-            .collect();
+        let single: Vec<String> =
+            frame_start.iter().cloned().chain(["$A:0".to_string()]).chain(frame_end.iter().cloned()).collect();
         let pair: Vec<String> = single
             .iter()
             .cloned()
@@ -232,15 +205,11 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
         .enumerate()
         .filter(|(id, (piece, &ty))| {
             !piece.is_empty()
-                && (matches!(
-                    ty,
-                    token_type::CONTROL | token_type::USER_DEFINED | token_type::UNKNOWN
-                ) || special_ids.contains(&(*id as u32)))
+                && (matches!(ty, token_type::CONTROL | token_type::USER_DEFINED | token_type::UNKNOWN)
+                    || special_ids.contains(&(*id as u32)))
         })
         .map(|(id, (piece, &ty))| {
-            let special = ty == token_type::CONTROL
-                || ty == token_type::UNKNOWN
-                || special_ids.contains(&(id as u32));
+            let special = ty == token_type::CONTROL || ty == token_type::UNKNOWN || special_ids.contains(&(id as u32));
             AddedToken::from(piece.clone(), special).normalized(false)
         })
         .collect();
@@ -262,10 +231,7 @@ fn token_types(file: &GgufFile, n: usize) -> Result<Vec<i32>> {
         ),
     };
     if types.len() != n {
-        bail!(
-            "GGUF tokenizer metadata is inconsistent: {} token types for {n} tokens",
-            types.len()
-        );
+        bail!("GGUF tokenizer metadata is inconsistent: {} token types for {n} tokens", types.len());
     }
     Ok(types)
 }
@@ -278,11 +244,7 @@ fn token_types(file: &GgufFile, n: usize) -> Result<Vec<i32>> {
 ///
 /// Scores are SentencePiece's: the file score for normal pieces, 0 for the others (the
 /// SentencePiece model stores 0 for control/user-defined/byte pieces; llama.cpp writes -1000).
-pub fn sentencepiece_merges(
-    pieces: &[String],
-    scores: &[f32],
-    types: &[i32],
-) -> Vec<(String, String)> {
+pub fn sentencepiece_merges(pieces: &[String], scores: &[f32], types: &[i32]) -> Vec<(String, String)> {
     let mut index: HashMap<&str, u32> = HashMap::with_capacity(pieces.len());
     for (id, piece) in pieces.iter().enumerate() {
         // Python's dict comprehension keeps the last id of a duplicated piece.
@@ -298,23 +260,13 @@ pub fn sentencepiece_merges(
     let mut merges: Vec<Merge> = Vec::new();
     let mut local: Vec<Merge> = Vec::new();
     for (id, piece) in pieces.iter().enumerate() {
-        let score = if types[id] == token_type::NORMAL {
-            scores[id]
-        } else {
-            0.0
-        };
+        let score = if types[id] == token_type::NORMAL { scores[id] } else { 0.0 };
         let total_chars = piece.chars().count() as u32;
         local.clear();
         for (nth, (at, _)) in piece.char_indices().enumerate().skip(1) {
             let (l, r) = piece.split_at(at);
             if let (Some(&left), Some(&right)) = (index.get(l), index.get(r)) {
-                local.push(Merge {
-                    left,
-                    right,
-                    score,
-                    left_chars: nth as u32,
-                    right_chars: total_chars - nth as u32,
-                });
+                local.push(Merge { left, right, score, left_chars: nth as u32, right_chars: total_chars - nth as u32 });
             }
         }
         local.sort_by_key(|m| (m.left, m.right));
@@ -329,13 +281,5 @@ pub fn sentencepiece_merges(
             .then(b.left_chars.cmp(&a.left_chars))
             .then(b.right_chars.cmp(&a.right_chars))
     });
-    merges
-        .into_iter()
-        .map(|m| {
-            (
-                pieces[m.left as usize].clone(),
-                pieces[m.right as usize].clone(),
-            )
-        })
-        .collect()
+    merges.into_iter().map(|m| (pieces[m.left as usize].clone(), pieces[m.right as usize].clone())).collect()
 }

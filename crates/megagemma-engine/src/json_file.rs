@@ -11,9 +11,7 @@ pub(crate) fn read_json_if_present(path: &Path) -> Result<Option<Value>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
-    let value = serde_json::from_str(&text)
-        .map_err(|e| anyhow!("invalid JSON in {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow!("cannot read {}: {e}", path.display()))?;
+    let value = serde_json::from_str(&text).map_err(|e| anyhow!("invalid JSON in {}: {e}", path.display()))?;
     Ok(Some(value))
 }

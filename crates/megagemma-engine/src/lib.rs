@@ -1,6 +1,6 @@
-pub mod tokenizer;
-pub mod gguf_tokenizer;
 pub mod chat_template;
-pub mod sampling;
 pub mod generate;
+pub mod gguf_tokenizer;
 mod json_file;
+pub mod sampling;
+pub mod tokenizer;

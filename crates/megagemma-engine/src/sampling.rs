@@ -35,13 +35,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: None,
-        }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: None }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -106,12 +100,7 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
-        Ok(Self {
-            params,
-            rng,
-            candidates: Vec::new(),
-            weights: Vec::new(),
-        })
+        Ok(Self { params, rng, candidates: Vec::new(), weights: Vec::new() })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -169,11 +158,7 @@ impl Sampler {
     fn compute_weights(&mut self, max_logit: f32) {
         let inv_t = 1.0 / self.params.temperature as f64;
         self.weights.clear();
-        self.weights.extend(
-            self.candidates
-                .iter()
-                .map(|&(_, l)| ((l as f64 - max_logit as f64) * inv_t).exp()),
-        );
+        self.weights.extend(self.candidates.iter().map(|&(_, l)| ((l as f64 - max_logit as f64) * inv_t).exp()));
     }
 
     /// Expects candidates sorted by descending logit (done in `sample` when top_p < 1).
@@ -224,10 +209,7 @@ impl Sampler {
             remaining -= w;
         }
         // Only reachable through rounding at the very end of the distribution.
-        self.candidates
-            .last()
-            .expect("the top token always survives filtering")
-            .0
+        self.candidates.last().expect("the top token always survives filtering").0
     }
 }
 
@@ -253,13 +235,9 @@ impl GenerationDefaults {
     /// The checkpoint's recommended sampling, greedy when it says `do_sample: false` or gives
     /// no temperature/top-k/top-p at all.
     pub fn sampling_params(&self, seed: Option<u64>) -> SamplingParams {
-        let any_sampling =
-            self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some();
+        let any_sampling = self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some();
         if self.do_sample == Some(false) || (self.do_sample.is_none() && !any_sampling) {
-            return SamplingParams {
-                seed,
-                ..SamplingParams::greedy()
-            };
+            return SamplingParams { seed, ..SamplingParams::greedy() };
         }
         SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
@@ -278,35 +256,19 @@ pub fn read_generation_config(dir: impl AsRef<Path>) -> Result<GenerationDefault
     let generation = read_json_if_present(&dir.join("generation_config.json"))?;
     let config = read_json_if_present(&dir.join("config.json"))?;
     if generation.is_none() && config.is_none() {
-        anyhow::bail!(
-            "neither generation_config.json nor config.json found in {}",
-            dir.display()
-        );
+        anyhow::bail!("neither generation_config.json nor config.json found in {}", dir.display());
     }
     // Most specific first: generation config, then the model config, then its text sub-config.
-    let sources: Vec<&Value> = [
-        generation.as_ref(),
-        config.as_ref(),
-        config.as_ref().and_then(|c| c.get("text_config")),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    let first = |key: &str| {
-        sources
-            .iter()
-            .find_map(|s| s.get(key).filter(|v| !v.is_null()))
-    };
-    let gen_field = |key: &str| {
-        generation
-            .as_ref()
-            .and_then(|g| g.get(key))
-            .filter(|v| !v.is_null())
-    };
+    let sources: Vec<&Value> =
+        [generation.as_ref(), config.as_ref(), config.as_ref().and_then(|c| c.get("text_config"))]
+            .into_iter()
+            .flatten()
+            .collect();
+    let first = |key: &str| sources.iter().find_map(|s| s.get(key).filter(|v| !v.is_null()));
+    let gen_field = |key: &str| generation.as_ref().and_then(|g| g.get(key)).filter(|v| !v.is_null());
 
     let eos_token_ids = match first("eos_token_id") {
-        Some(v) => parse_id_list(v)
-            .map_err(|e| anyhow!("invalid eos_token_id in {}: {e}", dir.display()))?,
+        Some(v) => parse_id_list(v).map_err(|e| anyhow!("invalid eos_token_id in {}: {e}", dir.display()))?,
         None => Vec::new(),
     };
     Ok(GenerationDefaults {
@@ -314,28 +276,19 @@ pub fn read_generation_config(dir: impl AsRef<Path>) -> Result<GenerationDefault
         bos_token_id: optional_id(first("bos_token_id"), "bos_token_id", dir)?,
         pad_token_id: optional_id(first("pad_token_id"), "pad_token_id", dir)?,
         do_sample: gen_field("do_sample").and_then(Value::as_bool),
-        temperature: gen_field("temperature")
-            .and_then(Value::as_f64)
-            .map(|x| x as f32),
-        top_k: gen_field("top_k")
-            .and_then(Value::as_u64)
-            .map(|x| x as usize),
+        temperature: gen_field("temperature").and_then(Value::as_f64).map(|x| x as f32),
+        top_k: gen_field("top_k").and_then(Value::as_u64).map(|x| x as usize),
         top_p: gen_field("top_p").and_then(Value::as_f64).map(|x| x as f32),
         min_p: gen_field("min_p").and_then(Value::as_f64).map(|x| x as f32),
     })
 }
 
-
 fn optional_id(v: Option<&Value>, key: &str, dir: &Path) -> Result<Option<u32>> {
-    v.map(parse_id)
-        .transpose()
-        .map_err(|e| anyhow!("invalid {key} in {}: {e}", dir.display()))
+    v.map(parse_id).transpose().map_err(|e| anyhow!("invalid {key} in {}: {e}", dir.display()))
 }
 
 fn parse_id(v: &Value) -> Result<u32> {
-    v.as_u64()
-        .and_then(|x| u32::try_from(x).ok())
-        .ok_or_else(|| anyhow!("expected a token id, got {v}"))
+    v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| anyhow!("expected a token id, got {v}"))
 }
 
 /// `eos_token_id` is either one id or a list of ids.

@@ -22,9 +22,7 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer")
-            .field("vocab_size", &self.vocab_size)
-            .finish()
+        f.debug_struct("Tokenizer").field("vocab_size", &self.vocab_size).finish()
     }
 }
 
@@ -52,18 +50,14 @@ impl Tokenizer {
 
     /// Parses the JSON text of a `tokenizer.json`.
     pub fn from_json_bytes(json: &[u8]) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(json)
-            .map_err(|e| anyhow!("failed to parse tokenizer JSON: {e}"))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json).map_err(|e| anyhow!("failed to parse tokenizer JSON: {e}"))?;
         Ok(Self::from_inner(inner))
     }
 
     pub fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let added = inner.get_added_tokens_decoder();
-        let special_ids = added
-            .iter()
-            .filter(|(_, tok)| tok.special)
-            .map(|(&id, _)| id)
-            .collect();
+        let special_ids = added.iter().filter(|(_, tok)| tok.special).map(|(&id, _)| id).collect();
         let vocab_size = inner.get_vocab_size(false);
         let max_added = added.keys().map(|&id| id as usize + 1).max().unwrap_or(0);
         Self {
@@ -89,14 +83,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         // The underlying decoder silently drops unknown ids; a bad id is a caller bug worth seeing.
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.id_limit) {
-            bail!(
-                "token id {bad} is out of range (largest id is {})",
-                self.id_limit.saturating_sub(1)
-            );
+            bail!("token id {bad} is out of range (largest id is {})", self.id_limit.saturating_sub(1));
         }
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| anyhow!("tokenizer failed to decode ids: {e}"))
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| anyhow!("tokenizer failed to decode ids: {e}"))
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
@@ -148,13 +137,7 @@ pub struct StreamDecoder {
 
 impl StreamDecoder {
     pub fn new(tokenizer: Tokenizer, skip_special_tokens: bool) -> Self {
-        Self {
-            tokenizer,
-            skip_special_tokens,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+        Self { tokenizer, skip_special_tokens, ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
     }
 
     /// Adds one id; returns the new text, or `None` while it does not yet form complete UTF-8.
@@ -185,10 +168,7 @@ impl StreamDecoder {
         let full = self.decode_range(self.prefix_offset, self.ids.len())?;
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
-        let piece = full
-            .strip_prefix(prefix.as_str())
-            .unwrap_or(&full)
-            .to_string();
+        let piece = full.strip_prefix(prefix.as_str()).unwrap_or(&full).to_string();
         Ok((!piece.is_empty()).then_some(piece))
     }
 
@@ -201,7 +181,6 @@ impl StreamDecoder {
         if start == end {
             return Ok(String::new());
         }
-        self.tokenizer
-            .decode(&self.ids[start..end], self.skip_special_tokens)
+        self.tokenizer.decode(&self.ids[start..end], self.skip_special_tokens)
     }
 }

@@ -19,9 +19,7 @@ fn conversation() -> Vec<ChatMessage> {
 
 #[test]
 fn builtin_gemma4_renders_spec_turn_format() {
-    let rendered = ChatTemplate::gemma4()
-        .render(&conversation(), true)
-        .unwrap();
+    let rendered = ChatTemplate::gemma4().render(&conversation(), true).unwrap();
     let expected = "<bos><|turn>system\nYou are a helpful assistant.<turn|>\n\
                     <|turn>user\nHi!<turn|>\n\
                     <|turn>model\nHello! How can I help?<turn|>\n\
@@ -34,10 +32,7 @@ fn builtin_gemma4_renders_spec_turn_format() {
 fn builtin_gemma4_without_system_or_generation_prompt() {
     let template = ChatTemplate::gemma4();
     let messages = [ChatMessage::user("Hi"), ChatMessage::assistant("Yo")];
-    assert_eq!(
-        template.render(&messages, false).unwrap(),
-        "<bos><|turn>user\nHi<turn|>\n<|turn>model\nYo<turn|>\n"
-    );
+    assert_eq!(template.render(&messages, false).unwrap(), "<bos><|turn>user\nHi<turn|>\n<|turn>model\nYo<turn|>\n");
     assert_eq!(template.render(&[], true).unwrap(), "<bos><|turn>model\n");
 }
 
@@ -49,13 +44,7 @@ fn builtin_gemma4_strips_previous_thinking_and_supports_enable_thinking() {
         ChatMessage::assistant("Sure. <|channel>thought\nlet me think<channel|>Answer"),
         ChatMessage::user("Q2"),
     ];
-    let rendered = template
-        .render_with(
-            &messages,
-            true,
-            serde_json::json!({"enable_thinking": true}),
-        )
-        .unwrap();
+    let rendered = template.render_with(&messages, true, serde_json::json!({"enable_thinking": true})).unwrap();
     assert_eq!(
         rendered,
         "<bos><|turn>system\n<|think|>\n<turn|>\n<|turn>user\nQ<turn|>\n\
@@ -78,26 +67,12 @@ fn template_from_tokenizer_config_with_object_bos_and_python_methods() {
     std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
 
     let chat = ChatTemplate::from_model_dir(&dir).unwrap();
-    assert_eq!(
-        chat.source(),
-        &TemplateSource::TokenizerConfig(dir.join("tokenizer_config.json"))
-    );
+    assert_eq!(chat.source(), &TemplateSource::TokenizerConfig(dir.join("tokenizer_config.json")));
     assert_eq!(chat.bos_token(), "<s>");
-    let rendered = chat
-        .render(
-            &[ChatMessage::user("  hi "), ChatMessage::assistant("xyz")],
-            true,
-        )
-        .unwrap();
-    assert_eq!(
-        rendered,
-        "<s>[USER] hi</s>\n[ASSISTANT] xyz!</s>\n[ASSISTANT]"
-    );
+    let rendered = chat.render(&[ChatMessage::user("  hi "), ChatMessage::assistant("xyz")], true).unwrap();
+    assert_eq!(rendered, "<s>[USER] hi</s>\n[ASSISTANT] xyz!</s>\n[ASSISTANT]");
 
-    let err = chat
-        .render(&[ChatMessage::system("s")], false)
-        .unwrap_err()
-        .to_string();
+    let err = chat.render(&[ChatMessage::system("s")], false).unwrap_err().to_string();
     assert!(err.contains("bad role system"), "{err}");
 }
 
@@ -118,10 +93,7 @@ fn template_list_form_uses_default_and_jinja_file_wins() {
 
     std::fs::write(dir.join("chat_template.jinja"), "JINJA {{ bos_token }}").unwrap();
     let chat = ChatTemplate::from_model_dir(&dir).unwrap();
-    assert_eq!(
-        chat.source(),
-        &TemplateSource::JinjaFile(dir.join("chat_template.jinja"))
-    );
+    assert_eq!(chat.source(), &TemplateSource::JinjaFile(dir.join("chat_template.jinja")));
     assert_eq!(chat.render(&conversation(), false).unwrap(), "JINJA <bos>");
 }
 
@@ -130,10 +102,7 @@ fn empty_dir_falls_back_to_builtin_gemma4() {
     let dir = temp_dir("empty");
     let chat = ChatTemplate::from_model_dir(&dir).unwrap();
     assert_eq!(chat.source(), &TemplateSource::BuiltinGemma4);
-    assert!(chat
-        .render(&conversation(), true)
-        .unwrap()
-        .starts_with("<bos><|turn>system\n"));
+    assert!(chat.render(&conversation(), true).unwrap().starts_with("<bos><|turn>system\n"));
 }
 
 #[test]
@@ -146,32 +115,20 @@ fn broken_templates_give_errors_not_panics() {
     let unclosed = ChatTemplate::from_template("{% if x %}never closed", "<bos>", "<eos>");
     assert!(unclosed.is_err());
 
-    let runtime =
-        ChatTemplate::from_template("{{ messages[0].content.no_such_method() }}", "", "").unwrap();
+    let runtime = ChatTemplate::from_template("{{ messages[0].content.no_such_method() }}", "", "").unwrap();
     assert!(runtime.render(&conversation(), false).is_err());
 
     let dir = temp_dir("broken");
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        r#"{"chat_template": "{{ unclosed"}"#,
-    )
-    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "{{ unclosed"}"#).unwrap();
     let err = ChatTemplate::from_model_dir(&dir).unwrap_err().to_string();
     assert!(err.contains("tokenizer_config.json"), "{err}");
 
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        r#"{"chat_template": [{"name": "x", "template": ""}]}"#,
-    )
-    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": [{"name": "x", "template": ""}]}"#).unwrap();
     let err = ChatTemplate::from_model_dir(&dir).unwrap_err().to_string();
     assert!(err.contains("default"), "{err}");
 
     std::fs::write(dir.join("tokenizer_config.json"), "{oops").unwrap();
-    assert!(ChatTemplate::from_model_dir(&dir)
-        .unwrap_err()
-        .to_string()
-        .contains("invalid JSON"));
+    assert!(ChatTemplate::from_model_dir(&dir).unwrap_err().to_string().contains("invalid JSON"));
 }
 
 #[derive(Serialize)]
@@ -195,11 +152,7 @@ fn tojson_matches_python_json_dumps() {
         "",
     )
     .unwrap();
-    let tool = Tool {
-        name: "get_weather",
-        description: "<city> & \"quotes\" é",
-        params: vec![1, 2],
-    };
+    let tool = Tool { name: "get_weather", description: "<city> & \"quotes\" é", params: vec![1, 2] };
     let rendered = chat.render_with(&[], false, Ctx { tool }).unwrap();
     // Python json.dumps(x, ensure_ascii=False): insertion order, ", " and ": " separators,
     // no HTML escaping of < > & (minijinja's own tojson would write \u003c).
@@ -214,10 +167,7 @@ fn tojson_matches_python_json_dumps() {
 #[test]
 fn strftime_formats_known_timestamp_and_is_callable_from_templates() {
     // 2023-11-14 22:13:20 UTC, a Tuesday.
-    assert_eq!(
-        strftime("%d %b %Y %H:%M:%S %A %j %I%p %%", 1_700_000_000),
-        "14 Nov 2023 22:13:20 Tuesday 318 10PM %"
-    );
+    assert_eq!(strftime("%d %b %Y %H:%M:%S %A %j %I%p %%", 1_700_000_000), "14 Nov 2023 22:13:20 Tuesday 318 10PM %");
     assert_eq!(strftime("%Y-%m-%d %a", 951_782_400), "2000-02-29 Tue");
     let chat = ChatTemplate::from_template("{{ strftime_now('%Y') }}", "", "").unwrap();
     let year: u32 = chat.render(&[], false).unwrap().parse().unwrap();

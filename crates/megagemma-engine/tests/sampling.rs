@@ -1,17 +1,9 @@
-use megagemma_engine::sampling::{
-    argmax, read_generation_config, Sampler, SamplingError, SamplingParams,
-};
+use megagemma_engine::sampling::{argmax, read_generation_config, Sampler, SamplingError, SamplingParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        seed: Some(seed),
-    }
+    SamplingParams { temperature, top_k, top_p, min_p, seed: Some(seed) }
 }
 
 /// Logits whose softmax at temperature 1 is exactly `probs`.
@@ -39,17 +31,8 @@ fn greedy_is_argmax_and_first_index_wins_ties() {
     let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
     assert_eq!(sampler.sample(&[1.0, 3.0, 3.0, 2.0]).unwrap(), 1);
     assert_eq!(sampler.sample(&[5.0, 5.0, 5.0]).unwrap(), 0);
-    assert_eq!(
-        sampler.sample(&[-1.0, f32::NAN, -0.5]).unwrap(),
-        2,
-        "NaN must be ignored"
-    );
-    assert_eq!(
-        sampler
-            .sample(&[f32::NEG_INFINITY, -1e30, f32::NEG_INFINITY])
-            .unwrap(),
-        1
-    );
+    assert_eq!(sampler.sample(&[-1.0, f32::NAN, -0.5]).unwrap(), 2, "NaN must be ignored");
+    assert_eq!(sampler.sample(&[f32::NEG_INFINITY, -1e30, f32::NEG_INFINITY]).unwrap(), 1);
     assert_eq!(argmax(&[0.0, 7.0, 7.0]), Some(1));
     assert_eq!(argmax(&[]), None);
 }
@@ -76,9 +59,7 @@ fn same_seed_same_tokens_different_seed_differs() {
     let rows: Vec<Vec<f32>> = (0..300).map(|_| random_logits(&mut rng, 2048)).collect();
     let run = |seed: u64| {
         let mut sampler = Sampler::new(params(1.0, 64, 0.95, 0.01, seed)).unwrap();
-        rows.iter()
-            .map(|row| sampler.sample(row).unwrap())
-            .collect::<Vec<u32>>()
+        rows.iter().map(|row| sampler.sample(row).unwrap()).collect::<Vec<u32>>()
     };
     assert_eq!(run(42), run(42));
     assert_ne!(run(42), run(43));
@@ -91,10 +72,7 @@ fn plain_temperature_sampling_follows_softmax() {
     let counts = histogram(&mut sampler, &logits, DRAWS);
     for (count, p) in counts.iter().zip(PROBS) {
         let freq = *count as f64 / DRAWS as f64;
-        assert!(
-            (freq - p).abs() < 0.015,
-            "frequency {freq} vs probability {p}: {counts:?}"
-        );
+        assert!((freq - p).abs() < 0.015, "frequency {freq} vs probability {p}: {counts:?}");
     }
 }
 
@@ -163,46 +141,29 @@ fn filters_apply_to_large_vocabularies() {
 #[test]
 fn invalid_params_are_rejected() {
     let bad = [
-        (
-            params(-0.1, 0, 1.0, 0.0, 0),
-            SamplingError::InvalidTemperature(-0.1),
-        ),
+        (params(-0.1, 0, 1.0, 0.0, 0), SamplingError::InvalidTemperature(-0.1)),
         (params(1.0, 0, 0.0, 0.0, 0), SamplingError::InvalidTopP(0.0)),
-        (
-            params(1.0, 0, 1.01, 0.0, 0),
-            SamplingError::InvalidTopP(1.01),
-        ),
-        (
-            params(1.0, 0, 1.0, -0.5, 0),
-            SamplingError::InvalidMinP(-0.5),
-        ),
+        (params(1.0, 0, 1.01, 0.0, 0), SamplingError::InvalidTopP(1.01)),
+        (params(1.0, 0, 1.0, -0.5, 0), SamplingError::InvalidMinP(-0.5)),
         (params(1.0, 0, 1.0, 1.5, 0), SamplingError::InvalidMinP(1.5)),
     ];
     for (p, expected) in bad {
-        let err = Sampler::new(p.clone())
-            .err()
-            .unwrap_or_else(|| panic!("accepted {p:?}"));
+        let err = Sampler::new(p.clone()).err().unwrap_or_else(|| panic!("accepted {p:?}"));
         assert_eq!(err, expected);
     }
     assert!(Sampler::new(params(f32::NAN, 0, 1.0, 0.0, 0)).is_err());
     assert!(Sampler::new(params(f32::INFINITY, 0, 1.0, 0.0, 0)).is_err());
-    assert!(SamplingError::InvalidTopP(2.0)
-        .to_string()
-        .contains("top_p"));
+    assert!(SamplingError::InvalidTopP(2.0).to_string().contains("top_p"));
     // Boundaries are valid.
     assert!(Sampler::new(params(0.0, 0, 1.0, 1.0, 0)).is_ok());
 
     let mut sampler = Sampler::new(params(1.0, 0, 1.0, 0.0, 0)).unwrap();
     assert_eq!(sampler.sample(&[]), Err(SamplingError::EmptyLogits));
-    assert_eq!(
-        sampler.sample(&[f32::NAN, f32::NEG_INFINITY]),
-        Err(SamplingError::NoFiniteLogits)
-    );
+    assert_eq!(sampler.sample(&[f32::NAN, f32::NEG_INFINITY]), Err(SamplingError::NoFiniteLogits));
 }
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("megagemma-sampling-{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("megagemma-sampling-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -219,29 +180,16 @@ fn generation_config_with_eos_list_and_sampling_defaults() {
     .unwrap();
     let defaults = read_generation_config(&dir).unwrap();
     assert_eq!(defaults.eos_token_ids, vec![1, 106, 50]);
-    assert_eq!(
-        (defaults.bos_token_id, defaults.pad_token_id),
-        (Some(2), Some(0))
-    );
-    assert_eq!(
-        (defaults.temperature, defaults.top_k, defaults.top_p),
-        (Some(1.0), Some(64), Some(0.95))
-    );
+    assert_eq!((defaults.bos_token_id, defaults.pad_token_id), (Some(2), Some(0)));
+    assert_eq!((defaults.temperature, defaults.top_k, defaults.top_p), (Some(1.0), Some(64), Some(0.95)));
     let p = defaults.sampling_params(Some(5));
-    assert_eq!(
-        (p.temperature, p.top_k, p.top_p, p.min_p, p.seed),
-        (1.0, 64, 0.95, 0.0, Some(5))
-    );
+    assert_eq!((p.temperature, p.top_k, p.top_p, p.min_p, p.seed), (1.0, 64, 0.95, 0.0, Some(5)));
 }
 
 #[test]
 fn generation_config_falls_back_to_config_json_text_config() {
     let dir = temp_dir("fallback");
-    std::fs::write(
-        dir.join("generation_config.json"),
-        r#"{"do_sample": false}"#,
-    )
-    .unwrap();
+    std::fs::write(dir.join("generation_config.json"), r#"{"do_sample": false}"#).unwrap();
     std::fs::write(
         dir.join("config.json"),
         r#"{"model_type": "gemma4", "text_config": {"eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0}}"#,
@@ -253,38 +201,22 @@ fn generation_config_falls_back_to_config_json_text_config() {
     assert!(defaults.sampling_params(None).is_greedy());
 
     // Top-level config.json value wins over text_config.
-    std::fs::write(
-        dir.join("config.json"),
-        r#"{"eos_token_id": [1, 106], "text_config": {"eos_token_id": 7}}"#,
-    )
-    .unwrap();
-    assert_eq!(
-        read_generation_config(&dir).unwrap().eos_token_ids,
-        vec![1, 106]
-    );
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": [1, 106], "text_config": {"eos_token_id": 7}}"#)
+        .unwrap();
+    assert_eq!(read_generation_config(&dir).unwrap().eos_token_ids, vec![1, 106]);
 }
 
 #[test]
 fn generation_config_errors_are_clear() {
     let dir = temp_dir("errors");
     let err = read_generation_config(&dir).unwrap_err().to_string();
-    assert!(
-        err.contains("neither generation_config.json nor config.json"),
-        "{err}"
-    );
+    assert!(err.contains("neither generation_config.json nor config.json"), "{err}");
 
     std::fs::write(dir.join("generation_config.json"), "{not json").unwrap();
     let err = read_generation_config(&dir).unwrap_err().to_string();
-    assert!(
-        err.contains("invalid JSON") && err.contains("generation_config.json"),
-        "{err}"
-    );
+    assert!(err.contains("invalid JSON") && err.contains("generation_config.json"), "{err}");
 
-    std::fs::write(
-        dir.join("generation_config.json"),
-        r#"{"eos_token_id": "x"}"#,
-    )
-    .unwrap();
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
     let err = read_generation_config(&dir).unwrap_err().to_string();
     assert!(err.contains("eos_token_id"), "{err}");
 }

@@ -15,20 +15,8 @@ fn tiny_tokenizer() -> Tokenizer {
     };
     SPECIALS.iter().for_each(|s| add(s.to_string()));
     (0..=255u32).for_each(|b| add(format!("<0x{b:02X}>")));
-    "abcdefghijklmnopqrstuvwxyz▁é\n"
-        .chars()
-        .for_each(|c| add(c.to_string()));
-    let merges = [
-        "h e",
-        "l l",
-        "he ll",
-        "hell o",
-        "▁ w",
-        "o r",
-        "▁w or",
-        "▁wor l",
-        "▁worl d",
-    ];
+    "abcdefghijklmnopqrstuvwxyz▁é\n".chars().for_each(|c| add(c.to_string()));
+    let merges = ["h e", "l l", "he ll", "hell o", "▁ w", "o r", "▁w or", "▁wor l", "▁worl d"];
     merges.iter().for_each(|m| add(m.replace(' ', "")));
 
     let added: Vec<Value> = SPECIALS
@@ -108,10 +96,7 @@ fn stream_decoder_concatenation_equals_full_decode() {
         let mut pieces = Vec::new();
         for &id in &ids {
             if let Some(piece) = stream.step(id).unwrap() {
-                assert!(
-                    !piece.contains('\u{FFFD}'),
-                    "replacement char in piece {piece:?}"
-                );
+                assert!(!piece.contains('\u{FFFD}'), "replacement char in piece {piece:?}");
                 pieces.push(piece);
             }
         }
@@ -138,22 +123,14 @@ fn encode_chat_never_doubles_bos() {
     // Template emits "<bos>" itself: the tokenizer must not add another.
     let gemma = ChatTemplate::gemma4();
     let rendered = gemma.render(&messages, true).unwrap();
-    assert_eq!(
-        &tok.encode(&rendered, true).unwrap()[..2],
-        [2, 2],
-        "naive encoding doubles BOS"
-    );
+    assert_eq!(&tok.encode(&rendered, true).unwrap()[..2], [2, 2], "naive encoding doubles BOS");
     let ids = encode_chat(&tok, &gemma, &messages).unwrap();
     assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1);
     assert_eq!(ids[..2], [2, 4], "<bos><|turn>");
 
     // Template without BOS: the tokenizer's post-processor supplies it.
-    let plain = ChatTemplate::from_template(
-        "{% for m in messages %}{{ m.content }}{% endfor %}",
-        "<bos>",
-        "<eos>",
-    )
-    .unwrap();
+    let plain =
+        ChatTemplate::from_template("{% for m in messages %}{{ m.content }}{% endfor %}", "<bos>", "<eos>").unwrap();
     let ids = encode_chat(&tok, &plain, &messages).unwrap();
     assert_eq!(ids[0], 2);
     assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1);
@@ -164,22 +141,13 @@ fn errors_are_one_clear_line() {
     let dir = std::env::temp_dir().join(format!("megagemma-tok-missing-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let err = Tokenizer::from_model_dir(&dir).unwrap_err().to_string();
-    assert_eq!(
-        err,
-        format!("tokenizer.json not found in {}", dir.display())
-    );
+    assert_eq!(err, format!("tokenizer.json not found in {}", dir.display()));
 
     std::fs::write(dir.join("tokenizer.json"), "{broken").unwrap();
     let err = Tokenizer::from_model_dir(&dir).unwrap_err().to_string();
-    assert!(
-        err.starts_with("failed to load tokenizer") && !err.contains('\n'),
-        "{err}"
-    );
+    assert!(err.starts_with("failed to load tokenizer") && !err.contains('\n'), "{err}");
 
     let tok = tiny_tokenizer();
     let err = tok.decode(&[1, 999_999], false).unwrap_err().to_string();
-    assert!(
-        err.contains("999999") && err.contains("out of range"),
-        "{err}"
-    );
+    assert!(err.contains("999999") && err.contains("out of range"), "{err}");
 }

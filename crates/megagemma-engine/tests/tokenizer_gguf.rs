@@ -34,11 +34,7 @@ fn gguf_path() -> Option<PathBuf> {
     candidates.push(root.join(".cache/models").join(GGUF_NAME));
     candidates.push(root.join(".cache/megagemma/models").join(GGUF_NAME));
     if let Some(home) = std::env::var_os("HOME") {
-        candidates.push(
-            PathBuf::from(home)
-                .join(".cache/megagemma/models")
-                .join(GGUF_NAME),
-        );
+        candidates.push(PathBuf::from(home).join(".cache/megagemma/models").join(GGUF_NAME));
     }
     candidates.into_iter().find(|p| p.is_file())
 }
@@ -64,7 +60,6 @@ fn tokenizers() -> &'static (Tokenizer, Tokenizer) {
         (from_gguf, official_gemma_tokenizer())
     })
 }
-
 
 /// Lines beyond the shared multilingual sample: more whitespace, markup and mixed-script cases.
 const EXTRA: &[&str] = &[
@@ -124,10 +119,7 @@ impl Agreement {
             let at = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
             let window = |ids: &[u32]| {
                 let ids = &ids[at.saturating_sub(3)..(at + 4).min(ids.len())];
-                format!(
-                    "{ids:?} {:?}",
-                    official.decode(ids, false).unwrap_or_default()
-                )
+                format!("{ids:?} {:?}", official.decode(ids, false).unwrap_or_default())
             };
             self.first_diffs.push(format!(
                 "{:?}...: first difference at token {at}: gguf {} vs official {}",
@@ -200,11 +192,7 @@ fn agreement_on_repo_sources_and_vocab_sweep() {
             sources.compare(gguf, official, &text.replace(IMAGE_SOFT, ""), false);
         }
     }
-    assert!(
-        sources.lines >= 10,
-        "found only {} source files",
-        sources.lines
-    );
+    assert!(sources.lines >= 10, "found only {} source files", sources.lines);
     println!("({with_image_soft} files compared without their literal {IMAGE_SOFT})");
     sources.assert_all_same("repository sources (whole files)");
 
@@ -214,11 +202,7 @@ fn agreement_on_repo_sources_and_vocab_sweep() {
     for id in (0..n).step_by(7) {
         let piece = text_of(id);
         sweep.compare(gguf, official, &piece, false);
-        let glued = format!(
-            "{piece}{}{}",
-            text_of((id + 1) % n),
-            text_of((id * 31 + 5) % n)
-        );
+        let glued = format!("{piece}{}{}", text_of((id + 1) % n), text_of((id * 31 + 5) % n));
         sweep.compare(gguf, official, &glued, false);
     }
     sweep.assert_all_same("vocabulary sweep");
@@ -232,10 +216,7 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {
         let path = entry.path();
         if path.is_dir() {
             collect_files(&path, out);
-        } else if matches!(
-            path.extension().and_then(|e| e.to_str()),
-            Some("rs" | "md" | "toml")
-        ) {
+        } else if matches!(path.extension().and_then(|e| e.to_str()), Some("rs" | "md" | "toml")) {
             out.push(path);
         }
     }
@@ -245,50 +226,28 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) {
 fn vocab_size_special_ids_and_decode() {
     let (gguf, official) = tokenizers();
     assert_eq!(gguf.vocab_size(), 262_144);
-    for (id, name) in [
-        (0, "<pad>"),
-        (1, "<eos>"),
-        (2, "<bos>"),
-        (3, "<unk>"),
-        (105, "<start_of_turn>"),
-        (106, "<end_of_turn>"),
-    ] {
+    for (id, name) in
+        [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (105, "<start_of_turn>"), (106, "<end_of_turn>")]
+    {
         assert_eq!(gguf.token_to_id(name), Some(id), "{name}");
         assert_eq!(gguf.id_to_token(id).as_deref(), Some(name));
         assert!(gguf.is_special(id), "{name} must be special");
-        assert_eq!(
-            gguf.encode(name, false).unwrap(),
-            [id],
-            "{name} is one token"
-        );
+        assert_eq!(gguf.encode(name, false).unwrap(), [id], "{name} is one token");
     }
     assert!(!gguf.is_special(gguf.token_to_id("▁the").unwrap()));
     // The GGUF cannot say which added tokens the official file flags special; control tokens
     // (type 3) are special here, as in llama.cpp. Documented differences from the official file:
     // <mask> (4) and the 6242 <unusedN> (6..=104, 256001..) are special here only; <start_of_image> (255999)
     // and <end_of_image> (256000) are user-defined in the GGUF, so special there only.
-    for (id, here, there) in [
-        (4, true, false),
-        (6, true, false),
-        (255_999, false, true),
-        (256_000, false, true),
-    ] {
-        assert_eq!(
-            (gguf.is_special(id), official.is_special(id)),
-            (here, there),
-            "id {id}"
-        );
+    for (id, here, there) in [(4, true, false), (6, true, false), (255_999, false, true), (256_000, false, true)] {
+        assert_eq!((gguf.is_special(id), official.is_special(id)), (here, there), "id {id}");
     }
     // Either way every added token is matched whole when encoding.
     for id in [4, 6, 168, 255_968, 255_999, 256_000, 262_143] {
         let piece = official.id_to_token(id).unwrap();
         assert_eq!(gguf.encode(&piece, false).unwrap(), [id], "{piece:?}");
     }
-    assert_eq!(
-        gguf.encode("hi", true).unwrap()[0],
-        2,
-        "add_bos_token prepends <bos>"
-    );
+    assert_eq!(gguf.encode("hi", true).unwrap()[0], 2, "add_bos_token prepends <bos>");
     // Pieces the GGUF spells with real spaces are "▁" runs, as in the official vocabulary.
     assert_eq!(gguf.token_to_id("▁▁"), Some(138));
     assert_eq!(gguf.token_to_id("  "), None);
@@ -299,11 +258,7 @@ fn vocab_size_special_ids_and_decode() {
 
     for line in lines() {
         let ids = official.encode(&line, true).unwrap();
-        assert_eq!(
-            gguf.decode(&ids, false).unwrap(),
-            official.decode(&ids, false).unwrap(),
-            "decode of {line:?}"
-        );
+        assert_eq!(gguf.decode(&ids, false).unwrap(), official.decode(&ids, false).unwrap(), "decode of {line:?}");
         // Special flags differ for <mask> (see below), which decode(.., true) drops here.
         if !line.contains("<mask>") {
             assert_eq!(
@@ -314,11 +269,7 @@ fn vocab_size_special_ids_and_decode() {
         }
         // A literal "▁" in the input decodes as a space (the official tokenizer does the same).
         let own = gguf.encode(&line, false).unwrap();
-        assert_eq!(
-            gguf.decode(&own, false).unwrap(),
-            line.replace('▁', " "),
-            "round trip of {line:?}"
-        );
+        assert_eq!(gguf.decode(&own, false).unwrap(), line.replace('▁', " "), "round trip of {line:?}");
     }
 
     // Streaming detokenization (byte-fallback pieces held back) agrees with a full decode.
@@ -332,10 +283,7 @@ fn vocab_size_special_ids_and_decode() {
         text.extend(stream.flush().unwrap());
         assert_eq!(text, gguf.decode(&ids, skip_special).unwrap());
     }
-    assert_eq!(
-        gguf.decode(&ids, false).unwrap(),
-        official.decode(&ids, false).unwrap()
-    );
+    assert_eq!(gguf.decode(&ids, false).unwrap(), official.decode(&ids, false).unwrap());
 }
 
 #[test]
@@ -437,10 +385,7 @@ static COUNTER: AtomicUsize = AtomicUsize::new(0);
 /// Writes `bytes` to a temp file and opens it (the file is removed right away).
 fn open_bytes(bytes: &[u8]) -> GgufFile {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let path = std::env::temp_dir().join(format!(
-        "megagemma_tok_gguf_{}_{n}.gguf",
-        std::process::id()
-    ));
+    let path = std::env::temp_dir().join(format!("megagemma_tok_gguf_{}_{n}.gguf", std::process::id()));
     std::fs::write(&path, bytes).unwrap();
     let file = GgufFile::open(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
@@ -450,9 +395,7 @@ fn open_bytes(bytes: &[u8]) -> GgufFile {
 /// A tiny SentencePiece-style vocabulary: 4 control tokens, `<start_of_turn>`, 256 byte pieces,
 /// a few normal pieces, and a user-defined run of two spaces written with real spaces.
 fn tiny_vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
-    let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
-        .map(String::from)
-        .to_vec();
+    let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"].map(String::from).to_vec();
     let mut types = vec![3; 5];
     let mut scores = vec![-1000.0; 5];
     for b in 0..=255u8 {
@@ -460,12 +403,7 @@ fn tiny_vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
         types.push(6);
         scores.push(0.0);
     }
-    for (k, piece) in [
-        "▁", "h", "e", "l", "o", "he", "ll", "hell", "hello", "▁hello",
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (k, piece) in ["▁", "h", "e", "l", "o", "he", "ll", "hell", "hello", "▁hello"].into_iter().enumerate() {
         tokens.push(piece.to_string());
         types.push(1);
         scores.push(-(k as f32));
@@ -503,20 +441,10 @@ fn tiny_gguf_vocabulary_tokenizes() {
     let id = |piece: &str| tok.token_to_id(piece).unwrap();
     let byte = |b: u8| 5 + b as u32;
     assert_eq!(tok.vocab_size(), 5 + 256 + 10 + 1);
-    assert_eq!(
-        tok.encode("hello hello", false).unwrap(),
-        [id("hello"), id("▁hello")]
-    );
-    assert_eq!(
-        tok.encode("hello", true).unwrap(),
-        [2, id("hello")],
-        "add_bos_token"
-    );
+    assert_eq!(tok.encode("hello hello", false).unwrap(), [id("hello"), id("▁hello")]);
+    assert_eq!(tok.encode("hello", true).unwrap(), [2, id("hello")], "add_bos_token");
     // Byte fallback for pieces missing from the vocabulary; <start_of_turn> matched whole.
-    assert_eq!(
-        tok.encode("<start_of_turn>hé", false).unwrap(),
-        [4, id("h"), byte(0xC3), byte(0xA9)]
-    );
+    assert_eq!(tok.encode("<start_of_turn>hé", false).unwrap(), [4, id("h"), byte(0xC3), byte(0xA9)]);
     assert!(tok.is_special(4) && tok.is_special(2) && !tok.is_special(id("hello")));
     // The user-defined "  " is the piece "▁▁", reached by the merge ▁ + ▁.
     assert_eq!(tok.id_to_token(271).as_deref(), Some("▁▁"));
@@ -524,10 +452,7 @@ fn tiny_gguf_vocabulary_tokenizes() {
     for text in ["hello hello", "<start_of_turn>hé  lo\n", "  x  "] {
         let ids = tok.encode(text, true).unwrap();
         assert_eq!(tok.decode(&ids, false).unwrap(), format!("<bos>{text}"));
-        assert_eq!(
-            tok.decode(&ids, true).unwrap(),
-            text.replace("<start_of_turn>", "")
-        );
+        assert_eq!(tok.decode(&ids, true).unwrap(), text.replace("<start_of_turn>", ""));
     }
 }
 
@@ -544,23 +469,14 @@ fn gguf_without_tokenizer_metadata_is_a_clear_error() {
     w.kv_str("general.architecture", "gemma3");
     let bytes = w.finish();
     let msg = build_err(&bytes);
-    assert!(
-        msg.contains("no tokenizer metadata") && msg.contains("tokenizer.json"),
-        "{msg}"
-    );
+    assert!(msg.contains("no tokenizer metadata") && msg.contains("tokenizer.json"), "{msg}");
 
     // Through the path-based entry point the message names the file.
-    let path = std::env::temp_dir().join(format!(
-        "megagemma_tok_gguf_{}_bare.gguf",
-        std::process::id()
-    ));
+    let path = std::env::temp_dir().join(format!("megagemma_tok_gguf_{}_bare.gguf", std::process::id()));
     std::fs::write(&path, &bytes).unwrap();
     let msg = tokenizer_from_gguf_path(&path).unwrap_err().to_string();
     std::fs::remove_file(&path).unwrap();
-    assert!(
-        msg.contains("_bare.gguf") && msg.contains("no tokenizer metadata"),
-        "{msg}"
-    );
+    assert!(msg.contains("_bare.gguf") && msg.contains("no tokenizer metadata"), "{msg}");
 
     let msg = build_err(&tiny_gguf(Some("gpt2"), true));
     assert!(msg.contains("unsupported") && msg.contains("gpt2"), "{msg}");

@@ -25,18 +25,9 @@ fn vocab_size_and_special_ids() {
     let tok = tokenizer();
     assert_eq!(tok.vocab_size(), 262_144);
     // The Gemma 3 file also carries one added token past the vocabulary (multimodal placeholder).
-    assert_eq!(
-        tok.id_to_token(262_144).as_deref(),
-        Some("<image_soft_token>")
-    );
+    assert_eq!(tok.id_to_token(262_144).as_deref(), Some("<image_soft_token>"));
     assert_eq!(tok.decode(&[262_144], false).unwrap(), "<image_soft_token>");
-    for (id, name) in [
-        (0, "<pad>"),
-        (1, "<eos>"),
-        (2, "<bos>"),
-        (3, "<unk>"),
-        (4, "<mask>"),
-    ] {
+    for (id, name) in [(0, "<pad>"), (1, "<eos>"), (2, "<bos>"), (3, "<unk>"), (4, "<mask>")] {
         assert_eq!(tok.token_to_id(name), Some(id), "{name}");
         assert_eq!(tok.id_to_token(id).as_deref(), Some(name));
     }
@@ -46,59 +37,34 @@ fn vocab_size_and_special_ids() {
         let name = tok.id_to_token(id).unwrap();
         println!("token {id} = {name}");
         assert!(tok.is_special(id), "token {id} ({name}) is not special");
-        assert_eq!(
-            tok.encode(&name, false).unwrap(),
-            [id],
-            "{name} must encode as one token"
-        );
+        assert_eq!(tok.encode(&name, false).unwrap(), [id], "{name} must encode as one token");
     }
     assert!(tok.is_special(2) && !tok.is_special(tok.token_to_id("▁the").unwrap()));
-    assert_eq!(
-        tok.encode("hi", true).unwrap()[0],
-        2,
-        "add_special_tokens prepends <bos>"
-    );
+    assert_eq!(tok.encode("hi", true).unwrap()[0], 2, "add_special_tokens prepends <bos>");
 }
 
 #[test]
 fn multilingual_round_trip() {
     let tok = tokenizer();
-    for line in MULTILINGUAL
-        .iter()
-        .copied()
-        .chain([multilingual_text().as_str()])
-    {
+    for line in MULTILINGUAL.iter().copied().chain([multilingual_text().as_str()]) {
         let ids = tok.encode(line, false).unwrap();
         assert!(!ids.is_empty());
         assert_eq!(tok.decode(&ids, false).unwrap(), line);
     }
     let ids = tok.encode(&multilingual_text(), false).unwrap();
-    let byte_tokens = ids
-        .iter()
-        .filter(|&&id| tok.id_to_token(id).unwrap().starts_with("<0x"))
-        .count();
-    assert!(
-        byte_tokens >= 3,
-        "sample should exercise byte fallback, got {byte_tokens} byte tokens"
-    );
+    let byte_tokens = ids.iter().filter(|&&id| tok.id_to_token(id).unwrap().starts_with("<0x")).count();
+    assert!(byte_tokens >= 3, "sample should exercise byte fallback, got {byte_tokens} byte tokens");
     assert!(!ids.contains(&3), "no <unk> with byte fallback");
 }
 
 #[test]
 fn chat_prompt_starts_with_single_bos() {
     let tok = tokenizer();
-    let messages = [
-        ChatMessage::system("You are concise."),
-        ChatMessage::user("Bonjour ! Écris un haïku sur la mer."),
-    ];
+    let messages = [ChatMessage::system("You are concise."), ChatMessage::user("Bonjour ! Écris un haïku sur la mer.")];
     let template = ChatTemplate::gemma4();
     let ids = encode_chat(tok, &template, &messages).unwrap();
     assert_eq!(ids[0], 2);
-    assert_eq!(
-        ids.iter().filter(|&&id| id == 2).count(),
-        1,
-        "exactly one BOS"
-    );
+    assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1, "exactly one BOS");
     let rendered = template.render(&messages, true).unwrap();
     assert_eq!(tok.decode(&ids, false).unwrap(), rendered);
     // The trap encode_chat avoids: encoding the rendered prompt with special tokens doubles BOS.
@@ -124,10 +90,7 @@ fn stream_decoder_matches_full_decode() {
         }
         text.extend(stream.flush().unwrap());
         assert_eq!(text, tok.decode(&ids, skip_special).unwrap());
-        assert!(
-            held_back > 0,
-            "byte-fallback tokens should have been held back"
-        );
+        assert!(held_back > 0, "byte-fallback tokens should have been held back");
     }
 }
 

@@ -136,8 +136,16 @@ fn report() {
     for kernel in Kernel::available() {
         let k = kernel.name();
         line(&format!("  q4 4096x4096 {k}, all threads"), kernel_rate(&q, kernel, 50), q[0].stored_bytes());
-        line(&format!("  q4 4096x4096 {k}, 1 thread"), one.install(|| kernel_rate(&q, kernel, 20)), q[0].stored_bytes());
-        line(&format!("  q4 256x4096 {k}, 1 thread (L2-resident)"), one.install(|| kernel_rate(&small, kernel, 200)), small[0].stored_bytes());
+        line(
+            &format!("  q4 4096x4096 {k}, 1 thread"),
+            one.install(|| kernel_rate(&q, kernel, 20)),
+            q[0].stored_bytes(),
+        );
+        line(
+            &format!("  q4 256x4096 {k}, 1 thread (L2-resident)"),
+            one.install(|| kernel_rate(&small, kernel, 200)),
+            small[0].stored_bytes(),
+        );
     }
 
     let w = random(&mut rng, 16384 * 4096);
@@ -158,7 +166,8 @@ fn report() {
     drop(set);
 
     let n = (set_mib << 20).div_ceil(4096 * 4096 * 4).max(2);
-    let dense: Vec<DenseMatrix> = (0..n).map(|_| DenseMatrix::from_f32(4096, 4096, random(&mut rng, 4096 * 4096))).collect();
+    let dense: Vec<DenseMatrix> =
+        (0..n).map(|_| DenseMatrix::from_f32(4096, 4096, random(&mut rng, 4096 * 4096))).collect();
     let refs: Vec<&dyn RowDot> = dense.iter().map(|m| m as &dyn RowDot).collect();
     line(&format!("f32 4096x4096 x{n} cycled ({} MiB)", n * 64), matvec_rate(&refs, 5), 4096 * 4096 * 4);
     println!();

@@ -115,8 +115,12 @@ impl TensorRef {
         let b = self.data.bytes();
         Ok(match self.dtype {
             DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            DType::BF16 => b.chunks_exact(2).map(|c| crate::simd::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            DType::F16 => b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect(),
+            DType::BF16 => {
+                b.chunks_exact(2).map(|c| crate::simd::bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect()
+            }
+            DType::F16 => {
+                b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+            }
             DType::F64 => b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap()) as f32).collect(),
             other => bail!("tensor `{}` has dtype {} where a float tensor is expected", self.name, other.name()),
         })
@@ -124,7 +128,9 @@ impl TensorRef {
 
     pub fn to_u32_vec(&self) -> Result<Vec<u32>> {
         match self.dtype {
-            DType::U32 | DType::I32 => Ok(self.data.bytes().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            DType::U32 | DType::I32 => {
+                Ok(self.data.bytes().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            }
             other => bail!("tensor `{}` has dtype {} where U32 is expected", self.name, other.name()),
         }
     }
@@ -151,8 +157,10 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| Error::msg(format!("cannot read {}: {e}", index.display())))?;
-            let json: Value = serde_json::from_str(&text).map_err(|e| Error::msg(format!("{} is not valid JSON: {e}", index.display())))?;
+            let text = std::fs::read_to_string(&index)
+                .map_err(|e| Error::msg(format!("cannot read {}: {e}", index.display())))?;
+            let json: Value = serde_json::from_str(&text)
+                .map_err(|e| Error::msg(format!("{} is not valid JSON: {e}", index.display())))?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -195,10 +203,9 @@ impl Checkpoint {
 
     /// The tensor, or an error naming it and the shape that was expected.
     pub fn require(&self, name: &str, shape: &[usize]) -> Result<&TensorRef> {
-        let t = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| Error::msg(format!("missing tensor `{name}` (expected shape {shape:?}) in {}", self.dir.display())))?;
+        let t = self.tensors.get(name).ok_or_else(|| {
+            Error::msg(format!("missing tensor `{name}` (expected shape {shape:?}) in {}", self.dir.display()))
+        })?;
         t.expect_shape(shape)?;
         Ok(t)
     }
@@ -226,7 +233,8 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<TensorRef>> {
     let header_end = 8 + header_len as usize;
     let header: Value = serde_json::from_slice(&map[8..header_end])
         .map_err(|e| Error::msg(format!("{name}: corrupt safetensors header ({e})")))?;
-    let obj = header.as_object().ok_or_else(|| Error::msg(format!("{name}: corrupt safetensors header (not an object)")))?;
+    let obj =
+        header.as_object().ok_or_else(|| Error::msg(format!("{name}: corrupt safetensors header (not an object)")))?;
     let data_len = map.len() - header_end;
     let mut out = Vec::with_capacity(obj.len());
     for (tname, info) in obj {
@@ -250,11 +258,17 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<TensorRef>> {
             _ => return Err(bad("data_offsets must be two integers")),
         };
         if start > end || end > data_len {
-            return Err(bad(&format!("data [{start}, {end}) lies outside the file's {data_len} data bytes (truncated?)")));
+            return Err(bad(&format!(
+                "data [{start}, {end}) lies outside the file's {data_len} data bytes (truncated?)"
+            )));
         }
         let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
         if numel.checked_mul(dtype.size()) != Some(end - start) {
-            return Err(bad(&format!("{} bytes of data but shape {shape:?} of {dtype_s} needs {}", end - start, numel * dtype.size())));
+            return Err(bad(&format!(
+                "{} bytes of data but shape {shape:?} of {dtype_s} needs {}",
+                end - start,
+                numel * dtype.size()
+            )));
         }
         out.push(TensorRef {
             name: tname.clone(),
@@ -304,7 +318,10 @@ impl crate::weights::TensorSource for SafetensorsSource<'_> {
             bail!("tensor `{}` has shape {:?}, expected {n}×{rows} rows of {cols}", t.name, t.shape);
         }
         (0..n)
-            .map(|i| Ok(Box::new(crate::dense::DenseMatrix::from_tensor_rows(t, i * rows, rows, cols)?) as crate::weights::Matrix))
+            .map(|i| {
+                Ok(Box::new(crate::dense::DenseMatrix::from_tensor_rows(t, i * rows, rows, cols)?)
+                    as crate::weights::Matrix)
+            })
             .collect()
     }
     fn vector(&self, rel: &str, len: usize) -> Result<Vec<f32>> {

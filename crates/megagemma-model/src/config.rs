@@ -81,10 +81,10 @@ pub struct ModelConfig {
 /// Read and validate `DIR/config.json`.
 pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| Error::msg(format!("cannot read {}: {e}", path.display())))?;
-    let json: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::msg(format!("{} is not valid JSON: {e}", path.display())))?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| Error::msg(format!("cannot read {}: {e}", path.display())))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| Error::msg(format!("{} is not valid JSON: {e}", path.display())))?;
     ModelConfig::from_json(&json).map_err(|e| Error::msg(format!("{}: {e}", path.display())))
 }
 
@@ -110,10 +110,7 @@ impl<'a> Obj<'a> {
     fn f64_opt(&self, k: &str) -> Result<Option<f64>> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| Error::msg(format!("key `{k}` must be a number, got {v}"))),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| Error::msg(format!("key `{k}` must be a number, got {v}"))),
         }
     }
     fn bool_or(&self, k: &str, default: bool) -> Result<bool> {
@@ -182,7 +179,8 @@ impl ModelConfig {
             bail!("num_hidden_layers, hidden_size, num_attention_heads and vocab_size must be positive");
         }
         let rms_norm_eps = c.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
-        let sliding_window = c.usize_opt("sliding_window")?.unwrap_or(if family == Family::Gemma4 { 512 } else { 4096 });
+        let sliding_window =
+            c.usize_opt("sliding_window")?.unwrap_or(if family == Family::Gemma4 { 512 } else { 4096 });
         if let Some(act) = c.str_opt("hidden_activation").or_else(|| c.str_opt("hidden_act")) {
             if act != "gelu_pytorch_tanh" && act != "gelu_tanh" {
                 bail!("unsupported hidden_activation `{act}` (only gelu_pytorch_tanh)");
@@ -203,7 +201,9 @@ impl ModelConfig {
                     if i >= num_layers {
                         bail!("per_layer_config names layer {i} but the model has {num_layers} layers");
                     }
-                    let ov = Obj(ov.as_object().ok_or_else(|| Error::msg(format!("per_layer_config[{i}] must be an object")))?);
+                    let ov = Obj(ov
+                        .as_object()
+                        .ok_or_else(|| Error::msg(format!("per_layer_config[{i}] must be an object")))?);
                     if let Some(h) = ov.usize_opt("head_dim")? {
                         head_dims[i] = h;
                     }
@@ -230,7 +230,10 @@ impl ModelConfig {
         }
         for i in 0..num_layers {
             if kv_heads[i] == 0 || num_heads % kv_heads[i] != 0 {
-                bail!("layer {i}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {}", kv_heads[i]);
+                bail!(
+                    "layer {i}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {}",
+                    kv_heads[i]
+                );
             }
             if head_dims[i] == 0 || head_dims[i] % 2 != 0 {
                 bail!("layer {i}: head_dim {} must be even and positive", head_dims[i]);
@@ -254,11 +257,15 @@ impl ModelConfig {
             }
         }
 
-        let num_kv_shared_layers = if family == Family::Gemma4 { c.usize_opt("num_kv_shared_layers")?.unwrap_or(0) } else { 0 };
+        let num_kv_shared_layers =
+            if family == Family::Gemma4 { c.usize_opt("num_kv_shared_layers")?.unwrap_or(0) } else { 0 };
         if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
-            bail!("num_kv_shared_layers {num_kv_shared_layers} leaves no layer to own a KV cache ({num_layers} layers)");
+            bail!(
+                "num_kv_shared_layers {num_kv_shared_layers} leaves no layer to own a KV cache ({num_layers} layers)"
+            );
         }
-        let ple_dim = if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256) } else { 0 };
+        let ple_dim =
+            if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256) } else { 0 };
 
         let attn_scale = match family {
             Family::Gemma4 => 1.0,
@@ -279,8 +286,18 @@ impl ModelConfig {
         if eos_token_ids.is_empty() {
             eos_token_ids = token_ids(top.get("eos_token_id"));
         }
-        let bos_token_id = c.usize_opt("bos_token_id").ok().flatten().or(top.usize_opt("bos_token_id").ok().flatten()).map(|x| x as u32);
-        let pad_token_id = c.usize_opt("pad_token_id").ok().flatten().or(top.usize_opt("pad_token_id").ok().flatten()).map(|x| x as u32);
+        let bos_token_id = c
+            .usize_opt("bos_token_id")
+            .ok()
+            .flatten()
+            .or(top.usize_opt("bos_token_id").ok().flatten())
+            .map(|x| x as u32);
+        let pad_token_id = c
+            .usize_opt("pad_token_id")
+            .ok()
+            .flatten()
+            .or(top.usize_opt("pad_token_id").ok().flatten())
+            .map(|x| x as u32);
         let quantization = top.get("quantization").or_else(|| top.get("quantization_config")).cloned();
 
         Ok(ModelConfig {
@@ -330,9 +347,7 @@ fn parse_layer_types(c: &Obj, family: Family, num_layers: usize) -> Result<Vec<A
         None => {
             // Gemma 4 default 5:1; Gemma 3 `sliding_window_pattern` (default 6).
             let pattern = c.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
-            (0..num_layers)
-                .map(|i| if (i + 1) % pattern == 0 { AttnKind::Full } else { AttnKind::Sliding })
-                .collect()
+            (0..num_layers).map(|i| if (i + 1) % pattern == 0 { AttnKind::Full } else { AttnKind::Sliding }).collect()
         }
     };
     if types.len() != num_layers {
@@ -360,13 +375,20 @@ fn rope_spec(p: &Obj, default_theta: f64) -> Result<RopeSpec> {
     if !(partial > 0.0 && partial <= 1.0) {
         bail!("partial_rotary_factor must be in (0, 1], got {partial}");
     }
-    Ok(RopeSpec { theta: p.f64_opt("rope_theta")?.unwrap_or(default_theta), proportional, partial_rotary_factor: partial, factor })
+    Ok(RopeSpec {
+        theta: p.f64_opt("rope_theta")?.unwrap_or(default_theta),
+        proportional,
+        partial_rotary_factor: partial,
+        factor,
+    })
 }
 
 fn parse_rope(c: &Obj, family: Family) -> Result<(RopeSpec, RopeSpec)> {
     let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
     let (default_sliding, default_full) = match family {
-        Family::Gemma4 => (plain(10_000.0), RopeSpec { proportional: true, partial_rotary_factor: 0.25, ..plain(1_000_000.0) }),
+        Family::Gemma4 => {
+            (plain(10_000.0), RopeSpec { proportional: true, partial_rotary_factor: 0.25, ..plain(1_000_000.0) })
+        }
         Family::Gemma3 => (plain(10_000.0), plain(1_000_000.0)),
     };
     // Current configs: `rope_parameters` keyed by layer type.

@@ -63,7 +63,9 @@ impl DenseMatrix {
         let storage = match t.dtype {
             DType::BF16 => Storage::Bf16(Halves::new(bytes)),
             DType::F16 => Storage::F16(Halves::new(bytes)),
-            DType::F32 => Storage::F32(bytes.bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            DType::F32 => Storage::F32(
+                bytes.bytes().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            ),
             other => bail!("tensor `{}` has dtype {}; dense weights must be F32, F16 or BF16", t.name, other.name()),
         };
         Ok(DenseMatrix { rows, cols, storage })

@@ -19,18 +19,23 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     }
     let key = |k: &str| format!("{arch}.{k}");
     let req = |k: &str| -> Result<usize> {
-        f.get_u64(&key(k)).map(|v| v as usize).ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
+        f.get_u64(&key(k))
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
     };
     let hidden_size = req("embedding_length")?;
     let num_layers = req("block_count")?;
     let num_heads = req("attention.head_count")?;
     let num_kv_heads = f.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(num_heads);
-    let head_dim = f.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
-    let embd = f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
+    let head_dim =
+        f.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
+    let embd =
+        f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
     let vocab_size = embd.shape()[0];
     let sliding_window = f.get_u64(&key("attention.sliding_window")).map(|v| v as usize).unwrap_or(4096);
     // llama.cpp's Gemma 3: every 6th layer is global; local layers use RoPE base 10000.
-    let layer_types = (0..num_layers).map(|i| if (i + 1) % 6 == 0 { AttnKind::Full } else { AttnKind::Sliding }).collect();
+    let layer_types =
+        (0..num_layers).map(|i| if (i + 1) % 6 == 0 { AttnKind::Full } else { AttnKind::Sliding }).collect();
     let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
     let mut rope_full = plain(f.get_f64(&key("rope.freq_base")).unwrap_or(1_000_000.0));
     if f.get_str(&key("rope.scaling.type")) == Some("linear") {
@@ -68,7 +73,10 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
             None => (head_dim as f64).powf(-0.5),
         },
         // Instruction-tuned files also name an end-of-turn token; generation stops at either.
-        eos_token_ids: ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"].iter().filter_map(|k| id(k)).collect(),
+        eos_token_ids: ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
+            .iter()
+            .filter_map(|k| id(k))
+            .collect(),
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         pad_token_id: id("tokenizer.ggml.padding_token_id"),
         quantization: None,

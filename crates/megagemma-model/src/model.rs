@@ -47,7 +47,8 @@ impl Model {
     /// Load a llama.cpp GGUF file; quantized tensors are used in place.
     pub fn load_gguf(path: &Path) -> Result<Model> {
         let file = crate::gguf::GgufFile::open(path)?;
-        let config = crate::gguf_model::gguf_config(&file).map_err(|e| crate::Error::msg(format!("{}: {e}", path.display())))?;
+        let config =
+            crate::gguf_model::gguf_config(&file).map_err(|e| crate::Error::msg(format!("{}: {e}", path.display())))?;
         let plan = ModelPlan::new(&config)?;
         let weights = load_weights(&crate::gguf_model::GgufSource { file: &file }, &config, &plan)?;
         Ok(Model { config, plan, weights })

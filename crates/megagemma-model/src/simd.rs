@@ -125,7 +125,11 @@ pub fn level() -> Level {
         #[cfg(target_arch = "x86_64")]
         {
             let cap = std::env::var("MEGAGEMMA_SIMD").unwrap_or_default();
-            if cap != "portable" && cap != "avx2" && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma") {
+            if cap != "portable"
+                && cap != "avx2"
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("fma")
+            {
                 return Level::Avx512;
             }
             if cap != "portable" && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {

@@ -92,7 +92,10 @@ impl ModelWeights {
             }
             if let Some(m) = &l.moe {
                 b += m.router_proj.stored_bytes();
-                let per_expert = m.experts.first().map_or(0, |e| e.gate.stored_bytes() + e.up.stored_bytes() + e.down.stored_bytes());
+                let per_expert = m
+                    .experts
+                    .first()
+                    .map_or(0, |e| e.gate.stored_bytes() + e.up.stored_bytes() + e.down.stored_bytes());
                 b += per_expert * moe_top_k;
             }
         }
@@ -189,7 +192,11 @@ pub fn load_weights(src: &dyn TensorSource, cfg: &ModelConfig, plan: &ModelPlan)
             _ => None,
         };
         // Gemma 3 has no per-layer scalar.
-        let layer_scalar = if cfg.family == Family::Gemma4 || src.contains(&p("layer_scalar")) { ld.vector(&p("layer_scalar"), 1)?[0] } else { 1.0 };
+        let layer_scalar = if cfg.family == Family::Gemma4 || src.contains(&p("layer_scalar")) {
+            ld.vector(&p("layer_scalar"), 1)?[0]
+        } else {
+            1.0
+        };
         layers.push(LayerWeights {
             input_norm: ld.norm(&p("input_layernorm.weight"), h)?,
             attn,
@@ -203,11 +210,7 @@ pub fn load_weights(src: &dyn TensorSource, cfg: &ModelConfig, plan: &ModelPlan)
         });
     }
 
-    let lm_head = if cfg.tie_word_embeddings {
-        None
-    } else {
-        Some(ld.matrix("lm_head.weight", cfg.vocab_size, h)?)
-    };
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.matrix("lm_head.weight", cfg.vocab_size, h)?) };
 
     Ok(ModelWeights { embed, ple, layers, final_norm: ld.norm("norm.weight", h)?, lm_head })
 }

@@ -31,11 +31,7 @@ fn random_matrix(ty: GgmlType, seed: u64) -> Vec<u8> {
     };
     if ty == GgmlType::F16 {
         for c in bytes.chunks_exact_mut(2) {
-            c.copy_from_slice(
-                &half::f16::from_f32((c[0] as f32 - 128.0) / 64.0)
-                    .to_bits()
-                    .to_le_bytes(),
-            );
+            c.copy_from_slice(&half::f16::from_f32((c[0] as f32 - 128.0) / 64.0).to_bits().to_le_bytes());
         }
     }
     for blk in bytes.chunks_exact_mut(ty.type_size()) {
@@ -85,18 +81,10 @@ fn gbps(ty: GgmlType, w: &[u8], x: &[f32], dot: Dot) -> (f64, f32) {
 #[test]
 #[ignore]
 fn dot_row_throughput() {
-    let x: Vec<f32> = (0..COLS)
-        .map(|i| ((i * 7919 % 2000) as f32 - 1000.0) / 1000.0)
-        .collect();
-    for ty in [
-        GgmlType::Q4_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-        GgmlType::Q5_0,
-        GgmlType::Q5_K,
-        GgmlType::Q4_0,
-        GgmlType::F16,
-    ] {
+    let x: Vec<f32> = (0..COLS).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) / 1000.0).collect();
+    for ty in
+        [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q5_K, GgmlType::Q4_0, GgmlType::F16]
+    {
         let w = random_matrix(ty, 0x9e37_79b9_7f4a_7c15);
         let (fast, a) = gbps(ty, &w, &x, dot_row);
         let (portable, b) = gbps(ty, &w, &x, dot_row_portable);

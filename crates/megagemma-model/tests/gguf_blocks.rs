@@ -193,34 +193,23 @@ fn ref_q6_k(rng: &mut Rng) -> RefBlock {
         b[192 + j] = s as u8;
     }
     put_f16(&mut b, 208, d);
-    let values = (0..256)
-        .map(|i| (d.to_f32() * sc[i / 16] as f32) * (q[i] as i32 - 32) as f32)
-        .collect();
+    let values = (0..256).map(|i| (d.to_f32() * sc[i / 16] as f32) * (q[i] as i32 - 32) as f32).collect();
     RefBlock { bytes: b, values }
 }
 
 fn ref_f32(rng: &mut Rng) -> RefBlock {
     let v = rng.unit() * 100.0;
-    RefBlock {
-        bytes: v.to_le_bytes().to_vec(),
-        values: vec![v],
-    }
+    RefBlock { bytes: v.to_le_bytes().to_vec(), values: vec![v] }
 }
 
 fn ref_f16(rng: &mut Rng) -> RefBlock {
     let h = f16::from_f32(rng.unit() * 1000.0);
-    RefBlock {
-        bytes: h.to_bits().to_le_bytes().to_vec(),
-        values: vec![h.to_f32()],
-    }
+    RefBlock { bytes: h.to_bits().to_le_bytes().to_vec(), values: vec![h.to_f32()] }
 }
 
 fn ref_bf16(rng: &mut Rng) -> RefBlock {
     let h = half::bf16::from_f32(rng.unit() * 1000.0);
-    RefBlock {
-        bytes: h.to_bits().to_le_bytes().to_vec(),
-        values: vec![h.to_f32()],
-    }
+    RefBlock { bytes: h.to_bits().to_le_bytes().to_vec(), values: vec![h.to_f32()] }
 }
 
 type MakeBlock = fn(&mut Rng) -> RefBlock;
@@ -243,10 +232,7 @@ fn all_types() -> Vec<(GgmlType, MakeBlock)> {
 
 /// A row of `n_blocks` random reference blocks.
 fn ref_row(rng: &mut Rng, make: MakeBlock, n_blocks: usize) -> RefBlock {
-    let mut row = RefBlock {
-        bytes: vec![],
-        values: vec![],
-    };
+    let mut row = RefBlock { bytes: vec![], values: vec![] };
     for _ in 0..n_blocks {
         let b = make(rng);
         row.bytes.extend(b.bytes);
@@ -314,13 +300,7 @@ fn dot_matches_dequantize_then_dot() {
             let mut deq = vec![0f32; x.len()];
             dequantize_row(ty, &row.bytes, &mut deq).unwrap();
             check_dot(ty, "dot_row", dot_row(ty, &row.bytes, &x).unwrap(), &deq, &x);
-            check_dot(
-                ty,
-                "dot_row_portable",
-                dot_row_portable(ty, &row.bytes, &x).unwrap(),
-                &deq,
-                &x,
-            );
+            check_dot(ty, "dot_row_portable", dot_row_portable(ty, &row.bytes, &x).unwrap(), &deq, &x);
         }
     }
 }
@@ -390,10 +370,7 @@ fn q4_k_known_block() {
     for (i, &v) in out.iter().enumerate() {
         assert_eq!(v, want[i / 32], "value {i}");
     }
-    assert_eq!(
-        dot_row(GgmlType::Q4_K, &b, &[1.0; 256]).unwrap(),
-        32.0 * want.iter().sum::<f32>()
-    );
+    assert_eq!(dot_row(GgmlType::Q4_K, &b, &[1.0; 256]).unwrap(), 32.0 * want.iter().sum::<f32>());
 }
 
 #[test]
@@ -411,20 +388,14 @@ fn f16_conversion_is_exact_for_all_bit_patterns() {
 
 #[test]
 fn unsupported_types_and_bad_lengths_are_clear_errors() {
-    let e = dequantize_row(GgmlType::Q2_K, &[0; 84], &mut [0.0; 256])
-        .unwrap_err()
-        .to_string();
+    let e = dequantize_row(GgmlType::Q2_K, &[0; 84], &mut [0.0; 256]).unwrap_err().to_string();
     assert!(e.contains("Q2_K"), "{e}");
-    let e = dot_row(GgmlType::IQ4_XS, &[0; 136], &[0.0; 256])
-        .unwrap_err()
-        .to_string();
+    let e = dot_row(GgmlType::IQ4_XS, &[0; 136], &[0.0; 256]).unwrap_err().to_string();
     assert!(e.contains("IQ4_XS"), "{e}");
     // 33 values are not a whole number of Q8_0 blocks.
     let e = dot_row(GgmlType::Q8_0, &[0; 34], &[0.0; 33]).unwrap_err().to_string();
     assert!(e.contains("Q8_0") && e.contains("blocks"), "{e}");
     // Byte count disagrees with the value count.
-    let e = dequantize_row(GgmlType::Q6_K, &[0; 200], &mut [0.0; 256])
-        .unwrap_err()
-        .to_string();
+    let e = dequantize_row(GgmlType::Q6_K, &[0; 200], &mut [0.0; 256]).unwrap_err().to_string();
     assert!(e.contains("Q6_K") && e.contains("210"), "{e}");
 }

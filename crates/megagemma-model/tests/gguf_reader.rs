@@ -107,17 +107,9 @@ fn build(version: u32, alignment: Option<u32>) -> Layout {
     w.key("tokenizer.ggml.tokens", 9);
     w.u32(8).u64(4).str("<pad>").str("hello").str("wörld").str("");
     w.key("tokenizer.ggml.scores", 9);
-    w.u32(6)
-        .u64(3)
-        .raw(&0.5f32.to_le_bytes())
-        .raw(&(-1.25f32).to_le_bytes())
-        .raw(&3.0f32.to_le_bytes());
+    w.u32(6).u64(3).raw(&0.5f32.to_le_bytes()).raw(&(-1.25f32).to_le_bytes()).raw(&3.0f32.to_le_bytes());
     w.key("tokenizer.ggml.token_type", 9);
-    w.u32(5)
-        .u64(3)
-        .raw(&1i32.to_le_bytes())
-        .raw(&(-2i32).to_le_bytes())
-        .raw(&3i32.to_le_bytes());
+    w.u32(5).u64(3).raw(&1i32.to_le_bytes()).raw(&(-2i32).to_le_bytes()).raw(&3i32.to_le_bytes());
     w.key("test.flags", 9);
     w.u32(7).u64(3).raw(&[1, 0, 1]);
     // Array of arrays: [[1, 2], [3]] as u16.
@@ -140,9 +132,7 @@ fn build(version: u32, alignment: Option<u32>) -> Layout {
     let mut q8_bytes = vec![];
     for r in 0..Q8_ROWS {
         for b in 0..Q8_COLS / 32 {
-            q8_bytes.extend(q8_block(0.5 + r as f32 + b as f32 * 0.25, |j| {
-                (j as i32 * 7 - 100 + r as i32) as i8
-            }));
+            q8_bytes.extend(q8_block(0.5 + r as f32 + b as f32 * 0.25, |j| (j as i32 * 7 - 100 + r as i32) as i8));
         }
     }
     let q8_offset = f32_bytes.len().next_multiple_of(align);
@@ -151,12 +141,10 @@ fn build(version: u32, alignment: Option<u32>) -> Layout {
     let mut dims_at = [0; 2];
     let mut type_at = [0; 2];
     let mut offset_at = [0; 2];
-    for (i, (name, dims, ty, off)) in [
-        ("norm.weight", [F32_COLS, F32_ROWS], 0u32, 0usize),
-        ("blk.0.w", [Q8_COLS, Q8_ROWS], 8, q8_offset),
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, (name, dims, ty, off)) in
+        [("norm.weight", [F32_COLS, F32_ROWS], 0u32, 0usize), ("blk.0.w", [Q8_COLS, Q8_ROWS], 8, q8_offset)]
+            .into_iter()
+            .enumerate()
     {
         w.str(name);
         n_dims_at[i] = w.pos();
@@ -276,12 +264,7 @@ fn reads_back_everything_written() {
         assert_eq!(f.get_str("test.u8"), None, "wrong type");
         assert_eq!(f.get_u32("general.name"), None, "wrong type");
 
-        let tokens: Vec<&str> = f
-            .get_str_array("tokenizer.ggml.tokens")
-            .unwrap()
-            .iter()
-            .map(|s| s.as_str())
-            .collect();
+        let tokens: Vec<&str> = f.get_str_array("tokenizer.ggml.tokens").unwrap().iter().map(|s| s.as_str()).collect();
         assert_eq!(tokens, ["<pad>", "hello", "wörld", ""]);
         assert_eq!(f.get_f32_array("tokenizer.ggml.scores"), Some(&[0.5, -1.25, 3.0][..]));
         assert_eq!(f.get_i32_array("tokenizer.ggml.token_type"), Some(&[1, -2, 3][..]));
@@ -289,24 +272,14 @@ fn reads_back_everything_written() {
         assert_eq!(f.get_f32_array("tokenizer.ggml.token_type"), None, "wrong element type");
         assert_eq!(
             f.get_array("test.nested"),
-            Some(&GgufArray::Array(vec![
-                GgufArray::U16(vec![1, 2]),
-                GgufArray::U16(vec![3])
-            ]))
+            Some(&GgufArray::Array(vec![GgufArray::U16(vec![1, 2]), GgufArray::U16(vec![3])]))
         );
         let keys: Vec<&str> = f.metadata_entries().iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(
-            keys[..3],
-            ["general.architecture", "general.name", "test.u8"],
-            "file order kept"
-        );
+        assert_eq!(keys[..3], ["general.architecture", "general.name", "test.u8"], "file order kept");
 
         assert_eq!(f.tensors().len(), 2);
         let t0 = f.tensor("norm.weight").unwrap();
-        assert_eq!(
-            (t0.dims.clone(), t0.ggml_type, t0.offset),
-            (vec![8, 3], GgmlType::F32, 0)
-        );
+        assert_eq!((t0.dims.clone(), t0.ggml_type, t0.offset), (vec![8, 3], GgmlType::F32, 0));
         assert_eq!((t0.n_elements, t0.n_bytes, t0.shape()), (24, 96, vec![3, 8]));
         let t1 = f.tensor("blk.0.w").unwrap();
         assert_eq!((t1.dims.clone(), t1.ggml_type), (vec![64, 2], GgmlType::Q8_0));
@@ -345,18 +318,10 @@ fn tensors_work_as_rowdot_matrices() {
         matmul(m, &xs, &mut ys);
         for t in 0..2 {
             for r in 0..rows {
-                let want: f64 = (0..cols)
-                    .map(|c| dense[r * cols + c] as f64 * xs[t * cols + c] as f64)
-                    .sum();
-                let mag: f64 = (0..cols)
-                    .map(|c| (dense[r * cols + c] as f64 * xs[t * cols + c] as f64).abs())
-                    .sum();
+                let want: f64 = (0..cols).map(|c| dense[r * cols + c] as f64 * xs[t * cols + c] as f64).sum();
+                let mag: f64 = (0..cols).map(|c| (dense[r * cols + c] as f64 * xs[t * cols + c] as f64).abs()).sum();
                 let got = ys[t * rows + r] as f64;
-                assert!(
-                    (got - want).abs() <= 1e-5 * mag,
-                    "{} row {r} token {t}: {got} vs {want}",
-                    m.ggml_type()
-                );
+                assert!((got - want).abs() <= 1e-5 * mag, "{} row {r} token {t}: {got} vs {want}", m.ggml_type());
             }
         }
         let mut one = [0f32; 1];
@@ -372,10 +337,7 @@ fn unsupported_tensor_type_is_a_clear_error_at_use() {
     let f = open_bytes(&with(l.bytes.clone(), l.type_at[0], 26u32.to_le_bytes())).unwrap();
     let t = f.tensor("norm.weight").unwrap();
     assert_eq!(t.ggml_type, GgmlType::I32);
-    assert_has(
-        &f.matrix("norm.weight").err().unwrap().to_string(),
-        &["norm.weight", "I32"],
-    );
+    assert_has(&f.matrix("norm.weight").err().unwrap().to_string(), &["norm.weight", "I32"]);
     assert_has(&f.tensor_to_f32(t).unwrap_err().to_string(), &["norm.weight", "I32"]);
     assert_has(&f.matrix("absent").err().unwrap().to_string(), &["absent"]);
 }
@@ -395,16 +357,10 @@ fn every_truncation_is_rejected() {
 #[test]
 fn bad_magic_and_versions() {
     let l = build(3, None);
-    assert_has(
-        &open_err(&with(l.bytes.clone(), 0, b"GGML")),
-        &["not a GGUF file", "magic"],
-    );
+    assert_has(&open_err(&with(l.bytes.clone(), 0, b"GGML")), &["not a GGUF file", "magic"]);
     assert_has(&open_err(&with(l.bytes.clone(), 4, 1u32.to_le_bytes())), &["version 1"]);
     assert_has(&open_err(&with(l.bytes.clone(), 4, 4u32.to_le_bytes())), &["version 4"]);
-    assert_has(
-        &open_err(&with(l.bytes.clone(), 4, 3u32.to_be_bytes())),
-        &["big-endian"],
-    );
+    assert_has(&open_err(&with(l.bytes.clone(), 4, 3u32.to_be_bytes())), &["big-endian"]);
 }
 
 #[test]
@@ -412,34 +368,16 @@ fn absurd_counts_and_lengths() {
     let l = build(3, None);
     let b = &l.bytes;
     // Counts far beyond what the file could hold must fail before any allocation.
-    assert_has(
-        &open_err(&with(b.clone(), 8, (1u64 << 40).to_le_bytes())),
-        &["tensor count"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), 8, u64::MAX.to_le_bytes())),
-        &["tensor count"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), 16, (1u64 << 40).to_le_bytes())),
-        &["metadata count"],
-    );
+    assert_has(&open_err(&with(b.clone(), 8, (1u64 << 40).to_le_bytes())), &["tensor count"]);
+    assert_has(&open_err(&with(b.clone(), 8, u64::MAX.to_le_bytes())), &["tensor count"]);
+    assert_has(&open_err(&with(b.clone(), 16, (1u64 << 40).to_le_bytes())), &["metadata count"]);
     // A string length running past EOF, huge or just one byte too many.
-    assert_has(
-        &open_err(&with(b.clone(), l.name_len_at, u64::MAX.to_le_bytes())),
-        &["string length", "general.name"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.name_len_at, u64::MAX.to_le_bytes())), &["string length", "general.name"]);
     let just_past = (b.len() - l.name_len_at - 8 + 1) as u64;
-    assert_has(
-        &open_err(&with(b.clone(), l.name_len_at, just_past.to_le_bytes())),
-        &["string length"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.name_len_at, just_past.to_le_bytes())), &["string length"]);
     // An array count beyond the file: patch the tokens array length (after its u32 type).
     let tokens_at = find(b, b"tokenizer.ggml.tokens") + 21 + 4 + 4;
-    assert_has(
-        &open_err(&with(b.clone(), tokens_at, (1u64 << 50).to_le_bytes())),
-        &["array", "tokenizer.ggml.tokens"],
-    );
+    assert_has(&open_err(&with(b.clone(), tokens_at, (1u64 << 50).to_le_bytes())), &["array", "tokenizer.ggml.tokens"]);
 }
 
 #[test]
@@ -461,28 +399,16 @@ fn bad_tensor_infos() {
         &["norm.weight", "past end of file"],
     );
     // Dimensions whose product overflows.
-    let huge = with(
-        with(b.clone(), l.dims_at[0], (1u64 << 40).to_le_bytes()),
-        l.dims_at[0] + 8,
-        (1u64 << 40).to_le_bytes(),
-    );
+    let huge =
+        with(with(b.clone(), l.dims_at[0], (1u64 << 40).to_le_bytes()), l.dims_at[0] + 8, (1u64 << 40).to_le_bytes());
     assert_has(&open_err(&huge), &["norm.weight", "overflow"]);
-    assert_has(
-        &open_err(&with(b.clone(), l.type_at[1], 99u32.to_le_bytes())),
-        &["blk.0.w", "unknown ggml type id 99"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), l.offset_at[1], 8u64.to_le_bytes())),
-        &["blk.0.w", "aligned"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.type_at[1], 99u32.to_le_bytes())), &["blk.0.w", "unknown ggml type id 99"]);
+    assert_has(&open_err(&with(b.clone(), l.offset_at[1], 8u64.to_le_bytes())), &["blk.0.w", "aligned"]);
     assert_has(
         &open_err(&with(b.clone(), l.dims_at[1], 48u64.to_le_bytes())),
         &["blk.0.w", "multiple of the Q8_0 block size 32"],
     );
-    assert_has(
-        &open_err(&with(b.clone(), l.n_dims_at[0], 5u32.to_le_bytes())),
-        &["norm.weight", "dimensions"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.n_dims_at[0], 5u32.to_le_bytes())), &["norm.weight", "dimensions"]);
 }
 
 #[test]
@@ -490,34 +416,17 @@ fn bad_metadata_values() {
     let l = build(3, Some(64));
     let b = &l.bytes;
     assert_has(&open_err(&with(b.clone(), l.bool_at, [2u8])), &["test.bool", "bool"]);
-    assert_has(
-        &open_err(&with(b.clone(), l.f32_type_at, 13u32.to_le_bytes())),
-        &["test.f32", "value type 13"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), l.u16_key_at, b"test.u32")),
-        &["duplicate", "test.u32"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), l.alignment_at.unwrap(), 48u32.to_le_bytes())),
-        &["alignment"],
-    );
-    assert_has(
-        &open_err(&with(b.clone(), l.alignment_at.unwrap(), 0u32.to_le_bytes())),
-        &["alignment"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.f32_type_at, 13u32.to_le_bytes())), &["test.f32", "value type 13"]);
+    assert_has(&open_err(&with(b.clone(), l.u16_key_at, b"test.u32")), &["duplicate", "test.u32"]);
+    assert_has(&open_err(&with(b.clone(), l.alignment_at.unwrap(), 48u32.to_le_bytes())), &["alignment"]);
+    assert_has(&open_err(&with(b.clone(), l.alignment_at.unwrap(), 0u32.to_le_bytes())), &["alignment"]);
     // Invalid UTF-8 in a string value.
-    assert_has(
-        &open_err(&with(b.clone(), l.name_len_at + 8, [0xff])),
-        &["general.name", "UTF-8"],
-    );
+    assert_has(&open_err(&with(b.clone(), l.name_len_at + 8, [0xff])), &["general.name", "UTF-8"]);
 }
 
 #[test]
 fn missing_file() {
-    let e = GgufFile::open("/nonexistent/megagemma/model.gguf")
-        .unwrap_err()
-        .to_string();
+    let e = GgufFile::open("/nonexistent/megagemma/model.gguf").unwrap_err().to_string();
     assert_has(&e, &["/nonexistent/megagemma/model.gguf", "cannot open"]);
 }
 
@@ -547,19 +456,12 @@ fn real_gemma3_file_if_present() {
     assert!(f.tensors().iter().all(|t| t.ggml_type.is_supported()));
 
     // One matrix per quant type: Q8_0 (embedding / tied head), Q5_0, Q4_K, Q6_K.
-    for name in [
-        "token_embd.weight",
-        "blk.0.attn_q.weight",
-        "blk.0.attn_output.weight",
-        "blk.0.ffn_down.weight",
-    ] {
+    for name in ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_output.weight", "blk.0.ffn_down.weight"] {
         let info = f.tensor(name).unwrap();
         let m = f.matrix(name).unwrap();
         assert_eq!((m.cols(), m.rows()), (info.dims[0] as usize, info.dims[1] as usize));
         assert_eq!(m.stored_bytes(), info.n_bytes);
-        let x: Vec<f32> = (0..m.cols())
-            .map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0)
-            .collect();
+        let x: Vec<f32> = (0..m.cols()).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();
         let mut w = vec![0f32; m.cols()];
         let mut out = [0f32; 8];
         for start in [0, m.rows() / 2, m.rows() - 8] {
@@ -569,11 +471,7 @@ fn real_gemma3_file_if_present() {
                 let exact: f64 = w.iter().zip(&x).map(|(&w, &x)| w as f64 * x as f64).sum();
                 let mag: f64 = w.iter().zip(&x).map(|(&w, &x)| (w as f64 * x as f64).abs()).sum();
                 assert!(w.iter().all(|v| v.is_finite()), "{name} row {}", start + i);
-                assert!(
-                    (got as f64 - exact).abs() <= 1e-5 * mag,
-                    "{name} row {}: {got} vs {exact}",
-                    start + i
-                );
+                assert!((got as f64 - exact).abs() <= 1e-5 * mag, "{name} row {}: {got} vs {exact}", start + i);
             }
         }
     }

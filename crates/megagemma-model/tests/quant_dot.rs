@@ -59,7 +59,9 @@ fn row_result_is_independent_of_block() {
             let mut all = vec![0f32; m.rows()];
             m.dot_rows_with(kernel, 0, &x, &mut all);
             // Every (start, len) split must reproduce the same bits.
-            for &(start, len) in &[(0, 1), (1, 3), (2, 4), (3, 7), (m.rows() - 1, 1), (m.rows() / 2, m.rows() - m.rows() / 2)] {
+            for &(start, len) in
+                &[(0, 1), (1, 3), (2, 4), (3, 7), (m.rows() - 1, 1), (m.rows() / 2, m.rows() - m.rows() / 2)]
+            {
                 if start + len > m.rows() {
                     continue;
                 }

@@ -95,10 +95,7 @@ fn ref_q4_0_group(w: &[f32]) -> (Vec<u8>, f32, f32) {
         }
     }
     let d = bf16(m / -8.0);
-    let q = w
-        .iter()
-        .map(|&v| if d == 0.0 { 8 } else { ((v / d).round() + 8.0).clamp(0.0, 15.0) as u8 })
-        .collect();
+    let q = w.iter().map(|&v| if d == 0.0 { 8 } else { ((v / d).round() + 8.0).clamp(0.0, 15.0) as u8 }).collect();
     (q, d, -8.0 * d)
 }
 

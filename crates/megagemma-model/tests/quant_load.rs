@@ -133,7 +133,11 @@ fn dense_model(m: &Model) -> Model {
             pre_ffn_norm: l.pre_ffn_norm.clone(),
             mlp: densify_mlp(&l.mlp),
             post_ffn_norm: l.post_ffn_norm.clone(),
-            ple: l.ple.as_ref().map(|p| PleWeights { gate: densify(&p.gate), proj: densify(&p.proj), post_norm: p.post_norm.clone() }),
+            ple: l.ple.as_ref().map(|p| PleWeights {
+                gate: densify(&p.gate),
+                proj: densify(&p.proj),
+                post_norm: p.post_norm.clone(),
+            }),
             moe: l.moe.as_ref().map(|x| MoeWeights {
                 router_proj: densify(&x.router_proj),
                 router_scale: x.router_scale.clone(),
@@ -148,7 +152,11 @@ fn dense_model(m: &Model) -> Model {
         .collect();
     let weights = ModelWeights {
         embed: densify(&w.embed),
-        ple: w.ple.as_ref().map(|p| PleInputWeights { embed: densify(&p.embed), proj: densify(&p.proj), norm: p.norm.clone() }),
+        ple: w.ple.as_ref().map(|p| PleInputWeights {
+            embed: densify(&p.embed),
+            proj: densify(&p.proj),
+            norm: p.norm.clone(),
+        }),
         layers,
         final_norm: w.final_norm.clone(),
         lm_head: w.lm_head.as_ref().map(densify),
@@ -217,10 +225,18 @@ fn quantized_forward_equals_dense_forward_on_dequantized_weights() {
             // Norms and the per-layer model projection stay as stored.
             assert_eq!(q.weights.final_norm, original.weights.final_norm, "{tag}");
             if let (Some(a), Some(b)) = (&q.weights.ple, &original.weights.ple) {
-                assert_eq!(a.proj.stored_bytes(), b.proj.stored_bytes(), "{tag}: per_layer_model_projection must stay dense");
+                assert_eq!(
+                    a.proj.stored_bytes(),
+                    b.proj.stored_bytes(),
+                    "{tag}: per_layer_model_projection must stay dense"
+                );
             }
             for l in q.weights.layers.iter().filter_map(|l| l.moe.as_ref()) {
-                assert_eq!(l.router_proj.stored_bytes(), l.router_proj.rows() * l.router_proj.cols() * 2, "{tag}: router must stay bf16");
+                assert_eq!(
+                    l.router_proj.stored_bytes(),
+                    l.router_proj.rows() * l.router_proj.cols() * 2,
+                    "{tag}: router must stay bf16"
+                );
             }
 
             // Every product: the fused kernel against the f64 dot of the dequantized row.
@@ -244,7 +260,10 @@ fn quantized_forward_equals_dense_forward_on_dequantized_weights() {
             let want = greedy(d, &p, 8);
             let tol = if name(&dir) == "ple_shared_dw" { FORWARD_TOLERANCE_PLE_SHARED_DW } else { FORWARD_TOLERANCE };
             for (step, ((gi, gl), (wi, wl))) in got.iter().zip(&want).enumerate() {
-                assert_eq!(gi, wi, "{tag}: step {step}: greedy id differs from the dense forward on dequantized weights");
+                assert_eq!(
+                    gi, wi,
+                    "{tag}: step {step}: greedy id differs from the dense forward on dequantized weights"
+                );
                 let e = rel_l2(gl, wl);
                 assert!(e < tol, "{tag}: step {step}: logits differ by {e:.3e} relative L2 (tolerance {tol:.0e})");
             }
@@ -267,7 +286,10 @@ fn quantize_on_load_is_deterministic() {
             for ((n, x), (_, y)) in ma.iter().zip(&mb) {
                 assert_eq!(x.stored_bytes(), y.stored_bytes(), "{tag}: {n}");
                 let (fx, fy) = (to_f32(*x), to_f32(*y));
-                assert!(fx.iter().zip(&fy).all(|(p, q)| p.to_bits() == q.to_bits()), "{tag}: {n} differs between two loads");
+                assert!(
+                    fx.iter().zip(&fy).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{tag}: {n} differs between two loads"
+                );
             }
         }
     }
@@ -347,8 +369,18 @@ fn triplet(base: &str, q: &QuantMatrix, rows: usize, cols: usize) -> Vec<T> {
             shape: vec![rows, cols / 8],
             data: q.packed().iter().flat_map(|w| w.to_le_bytes()).collect(),
         },
-        T { name: format!("{base}.scales"), dtype: safetensors::Dtype::BF16, shape: vec![rows, cols / g], data: bf16(q.scales()) },
-        T { name: format!("{base}.biases"), dtype: safetensors::Dtype::BF16, shape: vec![rows, cols / g], data: bf16(q.biases()) },
+        T {
+            name: format!("{base}.scales"),
+            dtype: safetensors::Dtype::BF16,
+            shape: vec![rows, cols / g],
+            data: bf16(q.scales()),
+        },
+        T {
+            name: format!("{base}.biases"),
+            dtype: safetensors::Dtype::BF16,
+            shape: vec![rows, cols / g],
+            data: bf16(q.biases()),
+        },
     ]
 }
 
@@ -383,7 +415,12 @@ fn write_mlx(src: &Path, dst: &Path, group_of: impl Fn(&str) -> usize) -> Value 
             }
             out.extend(triplet(base, &q, rows, cols));
         } else {
-            out.push(T { name: n.to_string(), dtype: st_dtype(t.dtype), shape: t.shape.clone(), data: t.data.bytes().to_vec() });
+            out.push(T {
+                name: n.to_string(),
+                dtype: st_dtype(t.dtype),
+                shape: t.shape.clone(),
+                data: t.data.bytes().to_vec(),
+            });
         }
     }
     save(dst, &out);
@@ -475,7 +512,11 @@ fn mlx_per_module_group_size_override() {
     write_mlx(&src, &dst, |b| if b == q_proj { 32 } else { 64 });
     let m = Model::load(&dst).unwrap();
     let q = &m.weights.layers[0].attn.q;
-    assert_eq!(q.stored_bytes(), q.rows() * q.cols() / 2 + q.rows() * (q.cols() / 32) * 4, "layer 0 q_proj must use group 32");
+    assert_eq!(
+        q.stored_bytes(),
+        q.rows() * q.cols() / 2 + q.rows() * (q.cols() / 32) * 4,
+        "layer 0 q_proj must use group 32"
+    );
     // The values are those of a group-32 quantization of the bf16 weights.
     let ck = Checkpoint::open(&src).unwrap();
     let t = ck.get(&format!("{q_proj}.weight")).unwrap();

@@ -24,7 +24,10 @@ pub fn info(args: InfoArgs) -> Result<()> {
     let (c, p) = (&model.config, &model.plan);
     println!("model        {}", path.display());
     println!("architecture {} ({:?})", c.architecture, c.family);
-    println!("vocab {}  hidden {}  layers {}  heads {}  sliding window {}", c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.sliding_window);
+    println!(
+        "vocab {}  hidden {}  layers {}  heads {}  sliding window {}",
+        c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.sliding_window
+    );
     if c.ple_dim > 0 {
         println!("per-layer embeddings: {} per layer", c.ple_dim);
     }
@@ -49,7 +52,16 @@ pub fn info(args: InfoArgs) -> Result<()> {
             extras.push("k_eq_v");
         }
         let src = if l.is_kv_shared() { format!("{} (shared)", l.kv_source) } else { "own".to_string() };
-        println!("{:<6} {:<8} {:<9} {:<9} {:<10} {:<6} {}", l.index, kind, l.head_dim, l.num_kv_heads, src, l.mlp_width, extras.join(","));
+        println!(
+            "{:<6} {:<8} {:<9} {:<9} {:<10} {:<6} {}",
+            l.index,
+            kind,
+            l.head_dim,
+            l.num_kv_heads,
+            src,
+            l.mlp_width,
+            extras.join(",")
+        );
     }
     let bytes = model.weights.decode_bytes(p.moe_top_k);
     println!("weights streamed per decode step: {:.1} MB", bytes as f64 / 1e6);

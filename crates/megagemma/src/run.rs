@@ -118,7 +118,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             if text.trim().is_empty() {
                 bail!("empty prompt");
             }
-            let tok = tokenizer.as_ref().with_context(|| format!("no tokenizer found for {}: use --prompt-ids", dir.display()))?;
+            let tok = tokenizer
+                .as_ref()
+                .with_context(|| format!("no tokenizer found for {}: use --prompt-ids", dir.display()))?;
             if args.raw {
                 tok.encode(text, true)?
             } else {
@@ -223,7 +225,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn sampling_params(args: &RunArgs, defaults: &megagemma_engine::sampling::GenerationDefaults) -> Result<SamplingParams> {
+fn sampling_params(
+    args: &RunArgs,
+    defaults: &megagemma_engine::sampling::GenerationDefaults,
+) -> Result<SamplingParams> {
     let explicit = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some();
     if args.greedy {
         if explicit {

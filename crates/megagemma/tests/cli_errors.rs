@@ -18,7 +18,18 @@ fn scratch_copy(fixture: &str, tag: &str) -> PathBuf {
 }
 
 fn run_ids(model: &Path, ids: &str) -> std::process::Output {
-    megagemma(&["run", "--model", model.to_str().unwrap(), "--prompt-ids", ids, "--greedy", "--max-new-tokens", "2", "--output", "ids"])
+    megagemma(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        ids,
+        "--greedy",
+        "--max-new-tokens",
+        "2",
+        "--output",
+        "ids",
+    ])
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {

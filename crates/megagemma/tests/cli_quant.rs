@@ -66,7 +66,8 @@ fn run(model: &Path, extra: &[&str], dump: &Path, prompt: &str, n: &str) -> (Str
 }
 
 fn quantize(input: &Path, mode: &str, out: &Path, extra: &[&str]) -> std::process::Output {
-    let mut args = vec!["quantize", "--model", input.to_str().unwrap(), "--quant", mode, "--out", out.to_str().unwrap()];
+    let mut args =
+        vec!["quantize", "--model", input.to_str().unwrap(), "--quant", mode, "--out", out.to_str().unwrap()];
     args.extend_from_slice(extra);
     megagemma(&args)
 }
@@ -95,7 +96,8 @@ fn quantized_checkpoint_runs_bit_identically_to_quantize_on_load() {
             let extra: &[&str] = if fx == "sharded" { &["--max-shard-size", "64K"] } else { &[] };
             let q = quantize(&dir, mode, &out_dir, extra);
             assert!(q.status.success(), "{tag}: quantize failed: {}", stderr(&q));
-            let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap()).unwrap();
+            let cfg: Value =
+                serde_json::from_str(&std::fs::read_to_string(out_dir.join("config.json")).unwrap()).unwrap();
             let g = if mode == "q4" { 64 } else { 32 };
             assert_eq!(cfg["quantization"]["group_size"], g, "{tag}");
             assert_eq!(cfg["quantization"]["bits"], 4, "{tag}");
@@ -104,24 +106,42 @@ fn quantized_checkpoint_runs_bit_identically_to_quantize_on_load() {
                 assert_eq!(dir.join(f).exists(), out_dir.join(f).exists(), "{tag}: {f} not copied");
             }
             if fx == "sharded" {
-                assert!(shard_files(&out_dir).len() > 1, "{tag}: expected several shards, got {:?}", shard_files(&out_dir));
+                assert!(
+                    shard_files(&out_dir).len() > 1,
+                    "{tag}: expected several shards, got {:?}",
+                    shard_files(&out_dir)
+                );
                 assert!(out_dir.join("model.safetensors.index.json").exists(), "{tag}");
             }
 
             let (want_ids, want_logits) = run(&dir, &["--quant", mode], &tmp.join("a.json"), &prompt, &n);
             let (got_ids, got_logits) = run(&out_dir, &[], &tmp.join("b.json"), &prompt, &n);
             assert_eq!(got_ids, want_ids, "{tag}: ids of the written checkpoint differ from --quant {mode}");
-            assert!(got_logits == want_logits, "{tag}: logits of the written checkpoint are not bit-identical to --quant {mode}");
+            assert!(
+                got_logits == want_logits,
+                "{tag}: logits of the written checkpoint are not bit-identical to --quant {mode}"
+            );
             assert_eq!(want_ids.split(',').count(), n.parse::<usize>().unwrap(), "{tag}");
             // Quantization really happened: the logits differ from the bf16 model's.
             let (_, dense_logits) = run(&dir, &[], &tmp.join("c.json"), &prompt, &n);
             assert!(dense_logits != want_logits, "{tag}: --quant {mode} gave the bf16 logits");
 
             // The written checkpoint is smaller than the input.
-            let size = |d: &Path| -> u64 { shard_files(d).iter().map(|f| std::fs::metadata(d.join(f)).unwrap().len()).sum() };
+            let size =
+                |d: &Path| -> u64 { shard_files(d).iter().map(|f| std::fs::metadata(d.join(f)).unwrap().len()).sum() };
             assert!(size(&out_dir) < size(&dir), "{tag}: output is not smaller");
             // --quant on an already-quantized checkpoint is refused.
-            let again = megagemma(&["run", "--model", out_dir.to_str().unwrap(), "--prompt-ids", "2,3", "-n", "1", "--quant", mode]);
+            let again = megagemma(&[
+                "run",
+                "--model",
+                out_dir.to_str().unwrap(),
+                "--prompt-ids",
+                "2,3",
+                "-n",
+                "1",
+                "--quant",
+                mode,
+            ]);
             assert_user_error(&again, "already quantized");
         }
     }
@@ -146,7 +166,10 @@ fn quantize_refuses_bad_arguments_with_one_line() {
     let fresh = scratch("args2");
     assert_user_error(&quantize(&fx, "q8", &fresh, &[]), "expected none, q4 or q4_0");
     assert_user_error(&quantize(&fx, "none", &fresh, &[]), "q4 or --quant q4_0");
-    assert_user_error(&megagemma(&["quantize", "--model", fx.to_str().unwrap(), "--out", fresh.to_str().unwrap()]), "--quant");
+    assert_user_error(
+        &megagemma(&["quantize", "--model", fx.to_str().unwrap(), "--out", fresh.to_str().unwrap()]),
+        "--quant",
+    );
     assert_user_error(&megagemma(&["quantize", "--quant", "q4", "--out", fresh.to_str().unwrap()]), "--model");
     assert_user_error(&megagemma(&["quantize", "--quant", "q4", "--model", fx.to_str().unwrap()]), "--out");
     assert_user_error(&quantize(Path::new("/nonexistent/megagemma"), "q4", &fresh, &[]), "does not exist");
@@ -180,7 +203,12 @@ fn mlx_fixture_matches_its_expected_outputs() {
         let prompt: Vec<String> = c["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
         let want: Vec<String> = c["greedy_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
         let (ids, logits) = run(&dir, &[], &tmp.join("l.json"), &prompt.join(","), &c["max_new_tokens"].to_string());
-        assert_eq!(ids, want.join(","), "mlx_q4/{}: greedy ids differ from transformers on the dequantized weights", c["name"]);
+        assert_eq!(
+            ids,
+            want.join(","),
+            "mlx_q4/{}: greedy ids differ from transformers on the dequantized weights",
+            c["name"]
+        );
         if let Some(w) = c["logits"].as_array() {
             let got: Vec<Vec<f32>> = serde_json::from_slice(&logits).unwrap();
             for (step, (g, w)) in got.iter().zip(w).enumerate() {

@@ -14,7 +14,20 @@ fn demo_model_runs_and_says_its_weights_are_random() {
 #[test]
 fn json_output_has_the_documented_fields() {
     let d = fixtures_dir().join("ple_shared_dw");
-    let out = megagemma(&["run", "--model", d.to_str().unwrap(), "--prompt", "the cat", "--raw", "--greedy", "--ignore-eos", "-n", "5", "--output", "json"]);
+    let out = megagemma(&[
+        "run",
+        "--model",
+        d.to_str().unwrap(),
+        "--prompt",
+        "the cat",
+        "--raw",
+        "--greedy",
+        "--ignore-eos",
+        "-n",
+        "5",
+        "--output",
+        "json",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("stdout is one JSON object");
     assert_eq!(v["ids"].as_array().unwrap().len(), 5);
@@ -27,7 +40,19 @@ fn json_output_has_the_documented_fields() {
 fn chat_prompt_is_templated_unless_raw() {
     let d = fixtures_dir().join("ple_shared_dw");
     let get = |extra: &[&str]| {
-        let mut a = vec!["run", "--model", d.to_str().unwrap(), "--prompt", "the cat", "--greedy", "--ignore-eos", "-n", "3", "--output", "json"];
+        let mut a = vec![
+            "run",
+            "--model",
+            d.to_str().unwrap(),
+            "--prompt",
+            "the cat",
+            "--greedy",
+            "--ignore-eos",
+            "-n",
+            "3",
+            "--output",
+            "json",
+        ];
         a.extend_from_slice(extra);
         let out = megagemma(&a);
         assert!(out.status.success(), "{}", stderr(&out));
@@ -43,8 +68,22 @@ fn seeded_sampling_is_reproducible_and_seed_matters() {
     let d = fixtures_dir().join("ple_shared_dw");
     let run = |seed: &str| {
         let out = megagemma(&[
-            "run", "--model", d.to_str().unwrap(), "--prompt-ids", "2,10,11", "--temperature", "1.0", "--top-k", "50",
-            "--seed", seed, "--ignore-eos", "-n", "24", "--output", "ids",
+            "run",
+            "--model",
+            d.to_str().unwrap(),
+            "--prompt-ids",
+            "2,10,11",
+            "--temperature",
+            "1.0",
+            "--top-k",
+            "50",
+            "--seed",
+            seed,
+            "--ignore-eos",
+            "-n",
+            "24",
+            "--output",
+            "ids",
         ]);
         assert!(out.status.success(), "{}", stderr(&out));
         stdout(&out)
@@ -65,7 +104,18 @@ fn stops_at_eos_unless_ignored() {
         std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
     }
     let ids = |extra: &[&str]| {
-        let mut a = vec!["run", "--model", dst.to_str().unwrap(), "--prompt-ids", "2,10,11", "--greedy", "-n", "8", "--output", "ids"];
+        let mut a = vec![
+            "run",
+            "--model",
+            dst.to_str().unwrap(),
+            "--prompt-ids",
+            "2,10,11",
+            "--greedy",
+            "-n",
+            "8",
+            "--output",
+            "ids",
+        ];
         a.extend_from_slice(extra);
         let out = megagemma(&a);
         assert!(out.status.success(), "{}", stderr(&out));
@@ -74,7 +124,8 @@ fn stops_at_eos_unless_ignored() {
     let full = ids(&["--ignore-eos"]);
     let stop = full[2];
     let first = full.iter().position(|&t| t == stop).unwrap();
-    std::fs::write(dst.join("generation_config.json"), format!("{{\"eos_token_id\": [{stop}], \"bos_token_id\": 2}}")).unwrap();
+    std::fs::write(dst.join("generation_config.json"), format!("{{\"eos_token_id\": [{stop}], \"bos_token_id\": 2}}"))
+        .unwrap();
     assert_eq!(ids(&[]), full[..=first].to_vec(), "generation must stop right after the EOS id");
     assert_eq!(ids(&["--ignore-eos"]).len(), 8);
     std::fs::remove_dir_all(&dst).unwrap();

@@ -13,7 +13,8 @@ fn cli_greedy_ids_and_logits_match_transformers() {
     std::fs::create_dir_all(&tmp).unwrap();
     let mut checked = 0;
     for dir in fixtures() {
-        let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+        let expected: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         for case in expected["cases"].as_array().unwrap() {
             let name = format!("{}/{}", dir.file_name().unwrap().to_string_lossy(), case["name"].as_str().unwrap());
             let prompt: Vec<String> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();

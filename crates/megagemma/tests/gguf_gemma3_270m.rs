@@ -37,7 +37,8 @@ fn read_f32(path: &PathBuf) -> Vec<f64> {
 #[test]
 fn greedy_ids_and_first_logits_match_transformers() {
     let model = model_path();
-    let expected: Value = serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap()).unwrap();
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap()).unwrap();
     let threshold = expected["near_tie_margin"].as_f64().unwrap();
     let n = expected["max_new_tokens"].as_u64().unwrap().to_string();
     let tmp = std::env::temp_dir().join(format!("megagemma-gguf-{}", std::process::id()));
@@ -50,8 +51,19 @@ fn greedy_ids_and_first_logits_match_transformers() {
         let prompt: Vec<String> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
         let dump = tmp.join(format!("{name}.json"));
         let out = megagemma(&[
-            "run", "--model", model.to_str().unwrap(), "--prompt-ids", &prompt.join(","), "--greedy", "--ignore-eos",
-            "--max-new-tokens", &n, "--output", "ids", "--dump-logits", dump.to_str().unwrap(),
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt.join(","),
+            "--greedy",
+            "--ignore-eos",
+            "--max-new-tokens",
+            &n,
+            "--output",
+            "ids",
+            "--dump-logits",
+            dump.to_str().unwrap(),
         ]);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         let got: Vec<u64> = stdout(&out).trim().split(',').map(|s| s.parse().unwrap()).collect();

@@ -89,7 +89,16 @@ fn per_layer_inputs(plan: &ModelPlan, ple: &crate::weights::PleInputWeights, x: 
 }
 
 #[allow(clippy::too_many_arguments)]
-fn layer(plan: &ModelPlan, lp: &LayerPlan, lw: &LayerWeights, kv: &mut KvCache, x: &mut [f32], pli: Option<&[f32]>, t: usize, p0: usize) {
+fn layer(
+    plan: &ModelPlan,
+    lp: &LayerPlan,
+    lw: &LayerWeights,
+    kv: &mut KvCache,
+    x: &mut [f32],
+    pli: Option<&[f32]>,
+    t: usize,
+    p0: usize,
+) {
     let h = plan.hidden;
     let (hd, eps) = (lp.head_dim, plan.eps);
 
@@ -179,9 +188,7 @@ fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], t: usize
             let row = if j < p0 { src.value(j) } else { src.staged_value(j - p0) };
             &row[kvh * hd..(kvh + 1) * hd]
         };
-        let mut scores: Vec<f32> = (lo..=pos)
-            .map(|j| crate::simd::dot_f32(qv, key(j)) * plan.attn_scale)
-            .collect();
+        let mut scores: Vec<f32> = (lo..=pos).map(|j| crate::simd::dot_f32(qv, key(j)) * plan.attn_scale).collect();
         softmax(&mut scores);
         o.fill(0.0);
         for (j, p) in (lo..=pos).zip(&scores) {

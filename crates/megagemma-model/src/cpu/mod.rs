@@ -47,10 +47,7 @@ impl CpuBackend {
     fn run(&mut self, tokens: &[u32], keep: usize) -> Vec<StepOut> {
         let out = forward_chunk(&self.model.plan, &self.model.weights, &mut self.kv, tokens, keep);
         let v = self.model.plan.vocab_size;
-        out.logits
-            .chunks_exact(v)
-            .map(|l| StepOut { argmax: ops::argmax(l), logits: l.to_vec() })
-            .collect()
+        out.logits.chunks_exact(v).map(|l| StepOut { argmax: ops::argmax(l), logits: l.to_vec() }).collect()
     }
 }
 

@@ -227,10 +227,7 @@ pub(super) fn dequant_fn(ty: GgmlType) -> Option<DequantFn> {
 /// Errors name the type when it is unsupported or when the lengths disagree.
 pub fn dequantize_row(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
     let Some(f) = dequant_fn(ty) else {
-        bail!(
-            "cannot dequantize ggml type {ty}: only {} are supported",
-            supported_list()
-        );
+        bail!("cannot dequantize ggml type {ty}: only {} are supported", supported_list());
     };
     check_row(ty, bytes, out.len())?;
     f(bytes, out);

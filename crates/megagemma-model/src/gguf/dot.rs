@@ -372,10 +372,7 @@ pub(super) fn dot_kernel(ty: GgmlType) -> Option<DotFn> {
 
 fn checked(ty: GgmlType, bytes: &[u8], x: &[f32], k: Option<DotFn>) -> Result<f32> {
     let Some(k) = k else {
-        bail!(
-            "no dot kernel for ggml type {ty}: only {} are supported",
-            supported_list()
-        );
+        bail!("no dot kernel for ggml type {ty}: only {} are supported", supported_list());
     };
     check_row(ty, bytes, x.len())?;
     Ok(k(bytes, x))

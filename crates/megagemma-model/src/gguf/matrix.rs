@@ -43,16 +43,7 @@ impl GgufMatrix {
         let rows = info.dims[1..].iter().product::<u64>() as usize;
         let row_bytes = ty.row_bytes(cols)?;
         let start = file.data_offset() + info.offset as usize;
-        Ok(GgufMatrix {
-            mmap: file.mmap().clone(),
-            start,
-            rows,
-            cols,
-            row_bytes,
-            ggml_type: ty,
-            dot,
-            dequant,
-        })
+        Ok(GgufMatrix { mmap: file.mmap().clone(), start, rows, cols, row_bytes, ggml_type: ty, dot, dequant })
     }
 
     pub fn ggml_type(&self) -> GgmlType {
@@ -87,31 +78,15 @@ impl RowDot for GgufMatrix {
     }
 
     fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
-        assert_eq!(
-            x.len(),
-            self.cols,
-            "dot_rows: x has {} values, matrix has {} cols",
-            x.len(),
-            self.cols
-        );
-        assert!(
-            start + out.len() <= self.rows,
-            "dot_rows: rows {start}..{} out of range",
-            start + out.len()
-        );
+        assert_eq!(x.len(), self.cols, "dot_rows: x has {} values, matrix has {} cols", x.len(), self.cols);
+        assert!(start + out.len() <= self.rows, "dot_rows: rows {start}..{} out of range", start + out.len());
         for (i, o) in out.iter_mut().enumerate() {
             *o = (self.dot)(self.row_bytes(start + i), x);
         }
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {
-        assert_eq!(
-            out.len(),
-            self.cols,
-            "row_to_f32: out has {} values, matrix has {} cols",
-            out.len(),
-            self.cols
-        );
+        assert_eq!(out.len(), self.cols, "row_to_f32: out has {} values, matrix has {} cols", out.len(), self.cols);
         (self.dequant)(self.row_bytes(row), out);
     }
 

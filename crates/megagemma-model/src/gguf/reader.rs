@@ -69,9 +69,8 @@ pub enum GgufArray {
 }
 
 fn type_name(id: u32) -> &'static str {
-    const NAMES: [&str; 13] = [
-        "u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64",
-    ];
+    const NAMES: [&str; 13] =
+        ["u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64"];
     NAMES.get(id as usize).copied().unwrap_or("unknown")
 }
 
@@ -233,15 +232,8 @@ impl GgufFile {
         // SAFETY: the map is read-only; as with every mmap-based model loader, the file must not
         // be truncated or rewritten by another process while it is mapped.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| with_path(Error::msg(format!("cannot mmap: {e}"))))?;
-        let Parsed {
-            version,
-            metadata,
-            metadata_index,
-            tensors,
-            tensor_index,
-            alignment,
-            data_start,
-        } = parse(&mmap).map_err(with_path)?;
+        let Parsed { version, metadata, metadata_index, tensors, tensor_index, alignment, data_start } =
+            parse(&mmap).map_err(with_path)?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             mmap: Arc::new(mmap),
@@ -379,19 +371,13 @@ impl GgufFile {
     /// The raw (still quantized) bytes of a tensor of this file; bounds were checked at open.
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> &[u8] {
         let start = self.data_start + info.offset as usize;
-        self.mmap
-            .get(start..start + info.n_bytes)
-            .expect("tensor info does not belong to this GGUF file")
+        self.mmap.get(start..start + info.n_bytes).expect("tensor info does not belong to this GGUF file")
     }
 
     /// The whole tensor dequantized to f32 (in storage order), e.g. for norm weights.
     pub fn tensor_to_f32(&self, info: &GgufTensorInfo) -> Result<Vec<f32>> {
         let Some(f) = dequant_fn(info.ggml_type) else {
-            bail!(
-                "tensor '{}' has type {}, which cannot be dequantized",
-                info.name,
-                info.ggml_type
-            );
+            bail!("tensor '{}' has type {}, which cannot be dequantized", info.name, info.ggml_type);
         };
         let mut out = vec![0f32; info.n_elements as usize];
         f(self.tensor_bytes(info), &mut out);
@@ -423,11 +409,7 @@ impl<'a> Cursor<'a> {
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
         if n > self.remaining() {
-            bail!(
-                "GGUF truncated: {what} needs {n} bytes at offset {} but only {} remain",
-                self.pos,
-                self.remaining()
-            );
+            bail!("GGUF truncated: {what} needs {n} bytes at offset {} but only {} remain", self.pos, self.remaining());
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -534,12 +516,7 @@ impl<'a> Cursor<'a> {
             4 => GgufArray::U32(self.fixed(n, what, u32::from_le_bytes)?),
             5 => GgufArray::I32(self.fixed(n, what, i32::from_le_bytes)?),
             6 => GgufArray::F32(self.fixed(n, what, f32::from_le_bytes)?),
-            7 => GgufArray::Bool(
-                self.take(n, what)?
-                    .iter()
-                    .map(|&b| Self::bool(b, what))
-                    .collect::<Result<_>>()?,
-            ),
+            7 => GgufArray::Bool(self.take(n, what)?.iter().map(|&b| Self::bool(b, what)).collect::<Result<_>>()?),
             8 => {
                 let mut v = Vec::with_capacity(n.min(MAX_PREALLOC));
                 for _ in 0..n {
@@ -659,22 +636,13 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         if tensor_index.insert(name.clone(), i).is_some() {
             bail!("GGUF corrupt: duplicate tensor name '{name}'");
         }
-        tensors.push(GgufTensorInfo {
-            name,
-            dims,
-            ggml_type,
-            offset,
-            n_elements,
-            n_bytes,
-        });
+        tensors.push(GgufTensorInfo { name, dims, ggml_type, offset, n_elements, n_bytes });
     }
 
     // The data section starts at the first aligned offset after the tensor directory.
     let data_start = cur.pos.next_multiple_of(alignment);
     for t in &tensors {
-        let end = (data_start as u64)
-            .checked_add(t.offset)
-            .and_then(|s| s.checked_add(t.n_bytes as u64));
+        let end = (data_start as u64).checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes as u64));
         match end {
             Some(end) if end <= buf.len() as u64 => {}
             _ => bail!(
@@ -688,13 +656,5 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         }
     }
 
-    Ok(Parsed {
-        version,
-        metadata,
-        metadata_index,
-        tensors,
-        tensor_index,
-        alignment,
-        data_start,
-    })
+    Ok(Parsed { version, metadata, metadata_index, tensors, tensor_index, alignment, data_start })
 }

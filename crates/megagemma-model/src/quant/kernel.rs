@@ -119,7 +119,13 @@ const R: usize = 4;
 
 /// Calls `f(row0, out_block, prefetch_next)` for blocks of `R` rows, then single rows.
 #[inline(always)]
-fn for_blocks(m: &QuantMatrix, start: usize, out: &mut [f32], mut f4: impl FnMut(usize, &mut [f32], bool), mut f1: impl FnMut(usize, &mut [f32])) {
+fn for_blocks(
+    m: &QuantMatrix,
+    start: usize,
+    out: &mut [f32],
+    mut f4: impl FnMut(usize, &mut [f32], bool),
+    mut f1: impl FnMut(usize, &mut [f32]),
+) {
     let mut blocks = out.chunks_exact_mut(R);
     let mut row = start;
     for o in &mut blocks {
@@ -145,7 +151,8 @@ mod portable {
     #[inline(always)]
     fn mac8(acc: &mut [f32; 8], w: u32, s: f32, b: f32, x: &[f32]) {
         const MASK: [u32; 8] = [0xF, 0xF0, 0xF00, 0xF000, 0xF, 0xF0, 0xF00, 0xF000];
-        const UNSHIFT: [f32; 8] = [1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0];
+        const UNSHIFT: [f32; 8] =
+            [1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0];
         let lanes = [w, w, w, w, w >> 16, w >> 16, w >> 16, w >> 16];
         for k in 0..8 {
             let q = (lanes[k] & MASK[k]) as i32 as f32 * UNSHIFT[k];
@@ -185,9 +192,19 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], out: &mut [f32]) {
         match m.group_size {
-            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, x, o, p), |r, o| rows::<1, 4>(m, r, x, o, false)),
-            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, x, o, p), |r, o| rows::<1, 8>(m, r, x, o, false)),
-            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, x, o, p), |r, o| rows::<1, 16>(m, r, x, o, false)),
+            32 => {
+                for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, x, o, p), |r, o| rows::<1, 4>(m, r, x, o, false))
+            }
+            64 => {
+                for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, x, o, p), |r, o| rows::<1, 8>(m, r, x, o, false))
+            }
+            _ => for_blocks(
+                m,
+                start,
+                out,
+                |r, o, p| rows::<R, 16>(m, r, x, o, p),
+                |r, o| rows::<1, 16>(m, r, x, o, false),
+            ),
         }
     }
 
@@ -203,7 +220,13 @@ mod avx2 {
     /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, x: &[f32], out: &mut [f32], prefetch: bool) {
+    unsafe fn rows<const N: usize, const WPG: usize>(
+        m: &QuantMatrix,
+        row0: usize,
+        x: &[f32],
+        out: &mut [f32],
+        prefetch: bool,
+    ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
         debug_assert!((row0 + N) * wpr <= m.packed.len() && x.len() == m.cols && out.len() >= N);
@@ -241,7 +264,14 @@ mod avx2 {
     /// Prefetches group `g` of the next block's rows (one cache line of weights per 64 bytes of
     /// group data, scales and biases every 16 groups).
     #[inline(always)]
-    pub(super) unsafe fn prefetch_next<const N: usize, const WPG: usize>(m: &QuantMatrix, wg: *const u32, sbase: *const f32, g: usize, wpr: usize, ng: usize) {
+    pub(super) unsafe fn prefetch_next<const N: usize, const WPG: usize>(
+        m: &QuantMatrix,
+        wg: *const u32,
+        sbase: *const f32,
+        g: usize,
+        wpr: usize,
+        ng: usize,
+    ) {
         if (g * WPG * 4).is_multiple_of(64) {
             for r in 0..N {
                 _mm_prefetch::<_MM_HINT_T0>(wg.add((N + r) * wpr) as *const i8);
@@ -276,9 +306,27 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, xi: &[f32], out: &mut [f32]) {
         match m.group_size {
-            32 => for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, xi, o, p), |r, o| rows::<1, 4>(m, r, xi, o, false)),
-            64 => for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, xi, o, p), |r, o| rows::<1, 8>(m, r, xi, o, false)),
-            _ => for_blocks(m, start, out, |r, o, p| rows::<R, 16>(m, r, xi, o, p), |r, o| rows::<1, 16>(m, r, xi, o, false)),
+            32 => for_blocks(
+                m,
+                start,
+                out,
+                |r, o, p| rows::<R, 4>(m, r, xi, o, p),
+                |r, o| rows::<1, 4>(m, r, xi, o, false),
+            ),
+            64 => for_blocks(
+                m,
+                start,
+                out,
+                |r, o, p| rows::<R, 8>(m, r, xi, o, p),
+                |r, o| rows::<1, 8>(m, r, xi, o, false),
+            ),
+            _ => for_blocks(
+                m,
+                start,
+                out,
+                |r, o, p| rows::<R, 16>(m, r, xi, o, p),
+                |r, o| rows::<1, 16>(m, r, xi, o, false),
+            ),
         }
     }
 
@@ -298,7 +346,13 @@ mod avx512 {
     /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(m: &QuantMatrix, row0: usize, xi: &[f32], out: &mut [f32], prefetch: bool) {
+    unsafe fn rows<const N: usize, const WPG: usize>(
+        m: &QuantMatrix,
+        row0: usize,
+        xi: &[f32],
+        out: &mut [f32],
+        prefetch: bool,
+    ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
         debug_assert!((row0 + N) * wpr <= m.packed.len() && xi.len() == m.cols && out.len() >= N);
@@ -315,7 +369,10 @@ mod avx512 {
             // Per row, the group's 16 possible weights `q·scale + bias` (two roundings, exactly as
             // `QuantMatrix::dequantize`); vpermps reads only the low 4 bits of each index lane.
             let table: [__m512; N] = std::array::from_fn(|r| {
-                _mm512_add_ps(_mm512_mul_ps(codes, _mm512_set1_ps(*sbase.add(r * ng + g))), _mm512_set1_ps(*bbase.add(r * ng + g)))
+                _mm512_add_ps(
+                    _mm512_mul_ps(codes, _mm512_set1_ps(*sbase.add(r * ng + g))),
+                    _mm512_set1_ps(*bbase.add(r * ng + g)),
+                )
             });
             // Two words (16 weights) per step.
             for i in 0..WPG / 2 {

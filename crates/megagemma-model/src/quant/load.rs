@@ -158,7 +158,14 @@ impl MatrixRole {
     /// dense) and the router stay in their stored dtype. Norms and other vectors are never
     /// quantized.
     pub fn quantized_by_default(self) -> bool {
-        matches!(self, MatrixRole::Embedding | MatrixRole::PleTable | MatrixRole::LmHead | MatrixRole::Projection | MatrixRole::Expert)
+        matches!(
+            self,
+            MatrixRole::Embedding
+                | MatrixRole::PleTable
+                | MatrixRole::LmHead
+                | MatrixRole::Projection
+                | MatrixRole::Expert
+        )
     }
 }
 
@@ -191,7 +198,12 @@ pub fn quantize_matrix(name: &str, m: &dyn RowDot, mode: QuantMode) -> Result<Qu
         let b = &mut buf[..n * cols];
         b.par_chunks_mut(cols).enumerate().for_each(|(i, row)| m.row_to_f32(start + i, row));
         if let Some(i) = b.iter().position(|v| !v.is_finite()) {
-            bail!("tensor `{name}`: weight [{}, {}] = {} is not finite; cannot quantize", start + i / cols, i % cols, b[i]);
+            bail!(
+                "tensor `{name}`: weight [{}, {}] = {} is not finite; cannot quantize",
+                start + i / cols,
+                i % cols,
+                b[i]
+            );
         }
         let q = mode.quantize(b, n, cols);
         packed.extend_from_slice(q.packed());
@@ -231,7 +243,9 @@ impl MlxQuantConfig {
         let what = "config.json `quantization`";
         let obj = v.as_object().ok_or_else(|| Error::msg(format!("{what} must be an object, got {v}")))?;
         if let Some(m) = obj.get("quant_method") {
-            bail!("{what}: quant_method {m} is not supported (only MLX affine 4-bit checkpoints, or bf16/f16/f32 ones)");
+            bail!(
+                "{what}: quant_method {m} is not supported (only MLX affine 4-bit checkpoints, or bf16/f16/f32 ones)"
+            );
         }
         let (group_size, bits) = params(what, obj, 64, 4)?;
         let mut overrides = HashMap::new();
@@ -268,9 +282,10 @@ fn params(what: &str, o: &serde_json::Map<String, Value>, group_size: usize, bit
     let int = |k: &str, d: usize| -> Result<usize> {
         match o.get(k) {
             None => Ok(d),
-            Some(v) => {
-                v.as_u64().map(|x| x as usize).ok_or_else(|| Error::msg(format!("{what}: `{k}` must be a positive integer, got {v}")))
-            }
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| Error::msg(format!("{what}: `{k}` must be a positive integer, got {v}"))),
         }
     };
     Ok((int("group_size", group_size)?, int("bits", bits)?))
@@ -305,14 +320,21 @@ pub fn check_quantizable(ck: &Checkpoint, cfg: &ModelConfig, mode: QuantMode) ->
 
 fn mlx_config(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Option<MlxQuantConfig>> {
     match &cfg.quantization {
-        Some(v) => Ok(Some(MlxQuantConfig::from_json(v).map_err(|e| Error::msg(format!("{}: {e}", ck.dir.display())))?)),
+        Some(v) => {
+            Ok(Some(MlxQuantConfig::from_json(v).map_err(|e| Error::msg(format!("{}: {e}", ck.dir.display())))?))
+        }
         None => Ok(None),
     }
 }
 
 /// Loads the weights of a safetensors checkpoint: MLX-quantized tensors as stored, dense ones as
 /// stored or quantized with `mode`.
-pub fn load_safetensors_weights(ck: &Checkpoint, cfg: &ModelConfig, plan: &ModelPlan, mode: QuantMode) -> Result<ModelWeights> {
+pub fn load_safetensors_weights(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    plan: &ModelPlan,
+    mode: QuantMode,
+) -> Result<ModelWeights> {
     check_quantizable(ck, cfg, mode)?;
     let mlx = mlx_config(ck, cfg)?;
     let prefix = text_prefix(ck, cfg);
@@ -353,7 +375,10 @@ impl QuantSource<'_> {
             bail!("tensor `{base}.scales` is present but config.json has no `quantization` entry (group_size, bits)");
         };
         let Some((g, bits)) = mlx.params_for(base) else {
-            bail!("config.json `quantization` marks `{}` as not quantized, but `{base}.scales` is present", strip_prefix(base));
+            bail!(
+                "config.json `quantization` marks `{}` as not quantized, but `{base}.scales` is present",
+                strip_prefix(base)
+            );
         };
         if bits != 4 {
             bail!("tensor `{wname}`: {bits}-bit MLX quantization is not supported (only 4-bit supported)");
@@ -367,10 +392,18 @@ impl QuantSource<'_> {
         let lead: Vec<usize> = experts.into_iter().collect();
         let shape = |last: usize| -> Vec<usize> { lead.iter().copied().chain([rows, last]).collect() };
         let w = self.inner.ck.get(&wname).ok_or_else(|| {
-            Error::msg(format!("missing tensor `{wname}` (expected U32 {:?}) in {}", shape(cols / 8), self.inner.ck.dir.display()))
+            Error::msg(format!(
+                "missing tensor `{wname}` (expected U32 {:?}) in {}",
+                shape(cols / 8),
+                self.inner.ck.dir.display()
+            ))
         })?;
         if w.dtype != DType::U32 {
-            bail!("tensor `{wname}` has dtype {}, expected U32 {:?} (MLX 4-bit: 8 weights per word)", w.dtype.name(), shape(cols / 8));
+            bail!(
+                "tensor `{wname}` has dtype {}, expected U32 {:?} (MLX 4-bit: 8 weights per word)",
+                w.dtype.name(),
+                shape(cols / 8)
+            );
         }
         w.expect_shape(&shape(cols / 8))?;
         let s = self.inner.ck.require(&format!("{base}.scales"), &shape(cols / g))?;
@@ -397,10 +430,18 @@ impl QuantSource<'_> {
     /// `experts` matrices of a switch_glu tensor `layers.i.experts.switch_glu.X` (quantized or dense).
     fn switch_glu(&self, rel: &str, module: &str, experts: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
         if self.has(&format!("{module}.scales")) {
-            return Ok(self.mlx_matrices(module, Some(experts), rows, cols)?.into_iter().map(|m| Box::new(m) as Matrix).collect());
+            return Ok(self
+                .mlx_matrices(module, Some(experts), rows, cols)?
+                .into_iter()
+                .map(|m| Box::new(m) as Matrix)
+                .collect());
         }
         let t = self.inner.ck.require(&format!("{module}.weight"), &[experts, rows, cols])?;
-        (0..experts).map(|e| self.maybe_quantize(rel, module, Box::new(DenseMatrix::from_tensor_rows(t, e * rows, rows, cols)?))).collect()
+        (0..experts)
+            .map(|e| {
+                self.maybe_quantize(rel, module, Box::new(DenseMatrix::from_tensor_rows(t, e * rows, rows, cols)?))
+            })
+            .collect()
     }
 }
 

@@ -88,11 +88,7 @@ impl QuantMatrix {
         check_shape(&what, rows, cols, group_size)?;
         let words = rows * (cols / 8);
         if weight.len() != words {
-            bail!(
-                "{what}: weight has {} u32 words, expected [{rows}, {}] = {words}",
-                weight.len(),
-                cols / 8
-            );
+            bail!("{what}: weight has {} u32 words, expected [{rows}, {}] = {words}", weight.len(), cols / 8);
         }
         let groups = rows * (cols / group_size);
         for (name, v) in [("scales", scales), ("biases", biases)] {
@@ -100,7 +96,12 @@ impl QuantMatrix {
                 bail!("{what}: {name} has {} values, expected [{rows}, {}] = {groups}", v.len(), cols / group_size);
             }
             if let Some(i) = v.iter().position(|s| !s.is_finite()) {
-                bail!("{what}: {name}[{}, {}] = {} is not finite", i / (cols / group_size), i % (cols / group_size), v[i]);
+                bail!(
+                    "{what}: {name}[{}, {}] = {} is not finite",
+                    i / (cols / group_size),
+                    i % (cols / group_size),
+                    v[i]
+                );
             }
         }
         Ok(Self::from_parts_unchecked(rows, cols, group_size, weight.to_vec(), scales.to_vec(), biases.to_vec()))
@@ -228,7 +229,13 @@ impl RowDot for QuantMatrix {
         self.dot_rows_with(Kernel::detect(), start, x, out);
     }
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {
-        assert_eq!(out.len(), self.cols, "QuantMatrix::row_to_f32: out has {} values, expected {}", out.len(), self.cols);
+        assert_eq!(
+            out.len(),
+            self.cols,
+            "QuantMatrix::row_to_f32: out has {} values, expected {}",
+            out.len(),
+            self.cols
+        );
         let ng = self.groups_per_row();
         let words = &self.packed[row * (self.cols / 8)..(row + 1) * (self.cols / 8)];
         for (g, out_g) in out.chunks_exact_mut(self.group_size).enumerate() {

@@ -52,5 +52,9 @@ pub fn assert_user_error(o: &Output, needle: &str) {
     let lines: Vec<&str> = err.lines().filter(|l| !l.starts_with("note:")).collect();
     assert_eq!(lines.len(), 1, "expected one error line, got: {err:?}");
     assert!(lines[0].starts_with("error: "), "error line should start with `error: `: {err:?}");
-    assert!(lines[0].to_lowercase().contains(&needle.to_lowercase()), "error line {:?} should mention {needle:?}", lines[0]);
+    assert!(
+        lines[0].to_lowercase().contains(&needle.to_lowercase()),
+        "error line {:?} should mention {needle:?}",
+        lines[0]
+    );
 }
