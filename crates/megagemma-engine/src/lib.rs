@@ -1,3 +1,4 @@
+pub mod backends;
 pub mod chat_template;
 pub mod generate;
 pub mod gguf_tokenizer;

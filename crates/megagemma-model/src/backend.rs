@@ -1,37 +1,143 @@
 //! The interface every compute backend (CPU reference, CUDA) offers the engine.
 //!
-//! One sequence per backend instance for now. `verify` exists for speculative decoding: it
-//! runs several tokens in one pass and *stages* their KV rows; `commit` keeps the accepted
-//! prefix. `truncate_to` rolls committed state back where the cache allows it.
+//! A backend holds one model's weights and any number of independent *sequences*, each with
+//! its own KV cache, created and freed by handle. Calls say what they want back
+//! ([`Want`]): greedy decoding asks for the argmax only, so no vocab-sized vector crosses the
+//! interface (on a GPU: no device-to-host copy of the logits). `verify` runs several tokens of
+//! one sequence in one pass and *stages* their KV rows; `commit` keeps the accepted prefix. The
+//! final-normed hidden state of each sequence's newest committed position stays inside the
+//! backend, where the MTP drafter (`draft`) reads it together with the sequence's KV cache.
 
+use crate::error::Error;
+use crate::plan::ModelPlan;
 use crate::Result;
+use std::fmt;
+
+/// A sequence handle. Handles are not reused while the backend lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u32);
+
+impl fmt::Display for SeqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// What a call hands back for each position it was asked about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// The argmax only (greedy and speculative greedy).
+    Argmax,
+    /// The argmax and the full final logits (sampling, `--dump-logits`).
+    Logits,
+    /// The argmax and the `n` most likely tokens with their log-probabilities.
+    TopLogprobs(usize),
+}
 
 /// Output of one position.
-#[derive(Clone, Debug)]
-pub struct StepOut {
-    /// Final logits (after softcap), `vocab_size` floats.
-    pub logits: Vec<f32>,
-    /// Index of the largest logit (first wins ties).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PosOut {
+    /// Index of the largest final logit (first wins ties).
     pub argmax: u32,
+    /// Final logits (after softcap), `vocab_size` floats — only for [`Want::Logits`], else empty.
+    pub logits: Vec<f32>,
+    /// `(token, log-probability)`, most likely first — only for [`Want::TopLogprobs`], else empty.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// The drafter's proposal: `ids[i]` is its argmax at draft step `i`; `probs[i]` its full
+/// distribution (softmax of its logits) when asked for (speculative sampling), else empty.
+#[derive(Clone, Debug, Default)]
+pub struct Draft {
+    pub ids: Vec<u32>,
+    pub probs: Vec<Vec<f32>>,
+}
+
+/// Counters a test or a benchmark can read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Vocab-sized logit vectors handed to the caller (greedy paths keep this at zero).
+    pub logits_copies: u64,
+    /// Weight passes run (one per prefill chunk, step, verify).
+    pub passes: u64,
 }
 
 pub trait Backend: Send {
     fn name(&self) -> &str;
-    fn vocab_size(&self) -> usize;
-    /// Committed positions (tokens whose KV rows are in the cache).
-    fn position(&self) -> usize;
-    /// Run a prompt (appended after the committed positions); commit it; logits of its last token.
-    fn prefill(&mut self, tokens: &[u32]) -> Result<StepOut>;
-    /// One token (M = 1), committed.
-    fn decode(&mut self, token: u32) -> Result<StepOut>;
-    /// Several tokens in one pass; logits for every position; KV rows staged, not committed.
-    fn verify(&mut self, tokens: &[u32]) -> Result<Vec<StepOut>>;
-    /// Keep the first `accepted` staged rows of the last `verify`, drop the rest.
-    fn commit(&mut self, accepted: usize) -> Result<()>;
-    /// Roll back to `len` committed positions (drops staged rows too).
-    fn truncate_to(&mut self, len: usize) -> Result<()>;
-    /// Forget the whole sequence.
-    fn reset(&mut self);
-    /// Bytes of weights one decode step reads.
+    /// The layer plan of the loaded model.
+    fn plan(&self) -> &ModelPlan;
+    fn vocab_size(&self) -> usize {
+        self.plan().vocab_size
+    }
+    /// Longest sequence (committed + staged positions) this backend accepts.
+    fn max_context(&self) -> usize;
+    /// Bytes of weights one decode step streams.
     fn decode_weight_bytes(&self) -> usize;
+    fn stats(&self) -> BackendStats;
+
+    /// A new, empty sequence.
+    fn new_sequence(&mut self) -> Result<SeqId>;
+    /// A new sequence holding a copy of `seq`'s committed state (KV rows, hidden state).
+    fn fork(&mut self, seq: SeqId) -> Result<SeqId>;
+    /// Forget a sequence and release its memory.
+    fn free(&mut self, seq: SeqId) -> Result<()>;
+    /// Committed positions of `seq`.
+    fn seq_len(&self, seq: SeqId) -> Result<usize>;
+
+    /// Run a prompt (appended after `seq`'s committed positions) and commit it; output of its
+    /// last token.
+    fn prefill(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<PosOut>;
+    /// Advance several sequences by one token each, in one weight pass; committed. Outputs in
+    /// the order of `batch`. Each column is computed exactly as a lone sequence would be.
+    fn step(&mut self, batch: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>>;
+    /// Several tokens of one sequence in one pass; output for every position; KV rows staged,
+    /// not committed. Column `i` equals what `step` would give after the first `i` tokens.
+    fn verify(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<Vec<PosOut>>;
+    /// Keep the first `accepted` staged rows of the last `verify` of `seq`, drop the rest.
+    fn commit(&mut self, seq: SeqId, accepted: usize) -> Result<()>;
+    /// Roll `seq` back to `len` committed positions (drops staged rows too).
+    fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()>;
+
+    /// One token of one sequence (M = 1), committed.
+    fn decode(&mut self, seq: SeqId, token: u32, want: Want) -> Result<PosOut> {
+        let mut out = self.step(&[(seq, token)], want)?;
+        out.pop().ok_or_else(|| Error::msg("backend returned no output for a decode step"))
+    }
+
+    /// Whether an MTP assistant is loaded beside the target.
+    fn has_drafter(&self) -> bool {
+        false
+    }
+    /// Draft `k` tokens after `token`, the target's prediction from `seq`'s newest committed
+    /// position (not yet fed): the assistant reads `seq`'s KV cache and hidden state.
+    fn draft(&mut self, seq: SeqId, token: u32, k: usize, with_probs: bool) -> Result<Draft> {
+        let _ = (seq, token, k, with_probs);
+        Err(Error::invalid_input(format!("the {} backend has no drafter loaded (give --assistant DIR)", self.name())))
+    }
+}
+
+/// The `n` most likely tokens of a logits row with their log-probabilities (log-softmax in
+/// f64), most likely first; ties keep the lower id first.
+pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_z = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(idx.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    if n < idx.len() && n > 0 {
+        idx.select_nth_unstable_by(n - 1, by_logit);
+    }
+    idx.truncate(n);
+    idx.sort_by(by_logit);
+    idx.into_iter().map(|i| (i, (logits[i as usize] as f64 - log_z) as f32)).collect()
+}
+
+/// A [`PosOut`] for one logits row, as `want` asks.
+pub fn pos_out(logits: &[f32], want: Want) -> PosOut {
+    let argmax = crate::cpu::ops::argmax(logits);
+    match want {
+        Want::Argmax => PosOut { argmax, ..Default::default() },
+        Want::Logits => PosOut { argmax, logits: logits.to_vec(), ..Default::default() },
+        Want::TopLogprobs(n) => PosOut { argmax, top_logprobs: top_logprobs(logits, n), ..Default::default() },
+    }
 }

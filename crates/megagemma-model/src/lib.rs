@@ -18,6 +18,6 @@ pub mod quant;
 pub mod simd;
 pub mod weights;
 
-pub use backend::{Backend, StepOut};
+pub use backend::{Backend, PosOut, SeqId, Want};
 pub use error::{Error, Result};
 pub use model::Model;

@@ -14,7 +14,7 @@ use megagemma_model::matrix::RowDot;
 use megagemma_model::quant::load::{quantize_matrix, MlxQuantConfig, QuantMode};
 use megagemma_model::quant::{quantize_affine, QuantMatrix};
 use megagemma_model::weights::*;
-use megagemma_model::{Backend, Model};
+use megagemma_model::{Backend, Model, Want};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -169,12 +169,13 @@ use megagemma_model::plan::ModelPlan;
 /// Greedy decode: (argmax, logits) of the prefill and of `n − 1` decode steps.
 fn greedy(model: Arc<Model>, prompt: &[u32], n: usize) -> Vec<(u32, Vec<f32>)> {
     let mut b = CpuBackend::new(model);
-    let mut s = b.prefill(prompt).unwrap();
+    let seq = b.new_sequence().unwrap();
+    let mut s = b.prefill(seq, prompt, Want::Logits).unwrap();
     let mut out = vec![];
     for i in 0..n {
         out.push((s.argmax, s.logits.clone()));
         if i + 1 < n {
-            s = b.decode(s.argmax).unwrap();
+            s = b.decode(seq, s.argmax, Want::Logits).unwrap();
         }
     }
     out

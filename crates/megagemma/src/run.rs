@@ -2,11 +2,11 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
 use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
-use megagemma_engine::generate::{generate, GenerateParams};
+use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::sampling::{read_generation_config, SamplingParams};
 use megagemma_engine::tokenizer::Tokenizer;
-use megagemma_model::cpu::CpuBackend;
 use megagemma_model::gguf::GgufFile;
 use megagemma_model::Model;
 use std::io::Write;
@@ -75,6 +75,60 @@ pub struct RunArgs {
     /// affine group 64) or q4_0 (symmetric group 32). See docs/quantization.md.
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
+    /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
+    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    pub backend: String,
+    /// Context length: the longest prompt + generation a sequence may hold.
+    #[arg(short = 'c', long)]
+    pub ctx: Option<usize>,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+}
+
+/// Speculative decoding flags (output ids stay exactly greedy's).
+#[derive(Args, Debug)]
+pub struct DraftArgs {
+    /// Who drafts: none, mtp (the MTP assistant, --assistant DIR), lookup (n-gram match in
+    /// prompt + output) or oracle (synthetic: the true greedy continuation, --acceptance A).
+    #[arg(long, default_value = "none", value_name = "none|mtp|lookup|oracle")]
+    pub draft: String,
+    /// The MTP assistant checkpoint (Gemma4AssistantForCausalLM) for --draft mtp.
+    #[arg(long, value_name = "DIR")]
+    pub assistant: Option<PathBuf>,
+    /// Tokens drafted per round.
+    #[arg(long = "k", default_value_t = 4, value_name = "N")]
+    pub k: usize,
+    /// Longest n-gram --draft lookup matches.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub lookup_ngram: usize,
+    /// --draft oracle: probability that each drafted token is right (synthetic, for measuring).
+    #[arg(long, default_value_t = 0.7, value_name = "A")]
+    pub acceptance: f64,
+    /// Print one stderr line of speculation counters at the end.
+    #[arg(long)]
+    pub stats: bool,
+    /// Print one stderr line per speculation round: `draft pos=<p> ids=<a,b,..> accepted=<n>`.
+    #[arg(long)]
+    pub trace_drafts: bool,
+}
+
+impl DraftArgs {
+    pub fn params(&self, seed: Option<u64>) -> Result<DraftParams> {
+        let mode = match self.draft.as_str() {
+            "none" => DraftMode::None,
+            "mtp" => DraftMode::Mtp,
+            "lookup" => DraftMode::Lookup { max_ngram: self.lookup_ngram },
+            "oracle" => DraftMode::Oracle { acceptance: self.acceptance, seed: seed.unwrap_or(0) },
+            other => bail!("unknown --draft `{other}` (expected none, mtp, lookup or oracle)"),
+        };
+        if mode == DraftMode::Mtp && self.assistant.is_none() {
+            bail!("--draft mtp needs --assistant DIR (a Gemma 4 assistant checkpoint)");
+        }
+        if mode != DraftMode::Mtp && self.assistant.is_some() {
+            bail!("--assistant is only used with --draft mtp");
+        }
+        Ok(DraftParams { mode, k: self.k, trace: self.trace_drafts })
+    }
 }
 
 /// The bundled demo model: a tiny random Gemma 4 committed with the sources.
@@ -100,6 +154,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             demo_model_dir()
         }
     };
+    let draft = args.draft.params(args.seed)?;
+    let backend_kind: BackendKind = args.backend.parse()?;
+    if let Some(path) = &args.draft.assistant {
+        bail!("--assistant {}: loading MTP assistants is not available in this build yet", path.display());
+    }
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(Model::load_with(&dir, quant)?);
@@ -156,16 +215,17 @@ pub fn run(args: RunArgs) -> Result<()> {
         stop_ids,
         ignore_eos: args.ignore_eos,
         keep_logits: args.dump_logits.is_some(),
+        draft,
     };
 
-    let mut backend = CpuBackend::new(model.clone());
+    let mut backend = open_backend(model.clone(), &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {
         (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),
         (OutputFormat::Text, None) => bail!("no tokenizer found for {}: use --output ids", dir.display()),
         _ => None,
     };
-    let gen = generate(&mut backend, &prompt, &params, |tok| {
+    let gen = generate(backend.as_mut(), &prompt, &params, |tok| {
         if let Some(s) = stream.as_mut() {
             if let Ok(Some(piece)) = s.step(tok) {
                 let mut out = stdout.lock();
@@ -208,6 +268,9 @@ pub fn run(args: RunArgs) -> Result<()> {
             });
             println!("{obj}");
         }
+    }
+    if let (true, Some(spec)) = (args.draft.stats, &gen.spec) {
+        eprintln!("{}", spec.summary(gen.decode_tokens_per_second()));
     }
     if gen.ids.is_empty() {
         eprintln!("load {load_secs:.2}s | prompt {} tokens | nothing generated", gen.prompt_tokens);

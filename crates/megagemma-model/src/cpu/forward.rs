@@ -32,13 +32,38 @@ fn norm_rows(x: &[f32], width: usize, w: &[f32], eps: f32) -> Vec<f32> {
     y
 }
 
+/// One sequence's part of a batched pass: `tokens` at positions `kv.len() ..`, their K/V rows
+/// staged in `kv`; outputs are kept for the segment's last `keep` positions.
+pub struct Segment<'a> {
+    pub kv: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub keep: usize,
+}
+
 /// Run `tokens` at positions `kv.len() ..`, staging their K/V rows in `kv`, and return logits
 /// and hidden states for the last `keep` positions.
 pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, tokens: &[u32], keep: usize) -> ChunkOut {
-    let t = tokens.len();
+    let mut out = ChunkOut { logits: Vec::new(), hidden: Vec::new() };
+    forward_batch(plan, w, &mut [Segment { kv, tokens, keep }], &mut out);
+    out
+}
+
+/// One weight pass over several segments (sequences), each with its own cache and positions:
+/// every product is a matmul with one column per token of every segment, and attention reads
+/// each token's own cache. `out` is reused across calls (no per-step allocation of the
+/// vocab-sized logits once it has grown). A column's arithmetic never depends on the others.
+pub fn forward_batch(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment<'_>], out: &mut ChunkOut) {
     let h = plan.hidden;
-    let p0 = kv.len();
-    kv.begin_stage(t);
+    let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+    let t = tokens.len();
+    let mut rows = Vec::with_capacity(segs.len());
+    let mut r0 = 0;
+    for s in segs.iter_mut() {
+        let p0 = s.kv.len();
+        s.kv.begin_stage(s.tokens.len());
+        rows.push(Rows { start: r0, len: s.tokens.len(), p0 });
+        r0 += s.tokens.len();
+    }
 
     // §2.1 token embedding, scaled by sqrt(H).
     let mut x = vec![0f32; t * h];
@@ -49,22 +74,33 @@ pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, token
     }
 
     // §2.2 per-layer inputs: [T, L, P].
-    let pli = w.ple.as_ref().map(|ple| per_layer_inputs(plan, ple, &x, tokens));
+    let pli = w.ple.as_ref().map(|ple| per_layer_inputs(plan, ple, &x, &tokens));
 
     for (lp, lw) in plan.layers.iter().zip(&w.layers) {
-        layer(plan, lp, lw, kv, &mut x, pli.as_deref(), t, p0);
+        layer(plan, lp, lw, segs, &rows, &mut x, pli.as_deref());
     }
 
-    // §2.4 final norm and LM head on the kept positions.
-    let keep = keep.min(t);
-    let mut hidden = x[(t - keep) * h..].to_vec();
-    rms_norm_chunks(&mut hidden, h, Some(&w.final_norm), plan.eps);
-    let head = w.lm_head.as_deref().unwrap_or(w.embed.as_ref());
-    let mut logits = linear(head, &hidden, keep);
-    if let Some(cap) = plan.final_softcap {
-        logits.par_iter_mut().for_each(|v| *v = softcap(*v, cap));
+    // §2.4 final norm and LM head on the kept positions of every segment.
+    out.hidden.clear();
+    for (s, r) in segs.iter().zip(&rows) {
+        let keep = s.keep.min(r.len);
+        out.hidden.extend_from_slice(&x[(r.start + r.len - keep) * h..(r.start + r.len) * h]);
     }
-    ChunkOut { logits, hidden }
+    rms_norm_chunks(&mut out.hidden, h, Some(&w.final_norm), plan.eps);
+    let head = w.lm_head.as_deref().unwrap_or(w.embed.as_ref());
+    let kept = out.hidden.len() / h;
+    out.logits.resize(kept * head.rows(), 0.0);
+    matmul(head, &out.hidden, &mut out.logits);
+    if let Some(cap) = plan.final_softcap {
+        out.logits.par_iter_mut().for_each(|v| *v = softcap(*v, cap));
+    }
+}
+
+/// Where a segment's tokens sit in the batch: rows `start .. start + len`, positions `p0 ..`.
+struct Rows {
+    start: usize,
+    len: usize,
+    p0: usize,
 }
 
 fn per_layer_inputs(plan: &ModelPlan, ple: &crate::weights::PleInputWeights, x: &[f32], tokens: &[u32]) -> Vec<f32> {
@@ -93,24 +129,22 @@ fn layer(
     plan: &ModelPlan,
     lp: &LayerPlan,
     lw: &LayerWeights,
-    kv: &mut KvCache,
+    segs: &mut [Segment<'_>],
+    rows: &[Rows],
     x: &mut [f32],
     pli: Option<&[f32]>,
-    t: usize,
-    p0: usize,
 ) {
     let h = plan.hidden;
+    let t = x.len() / h;
     let (hd, eps) = (lp.head_dim, plan.eps);
 
-    // 2–5: pre-attention norm, Q projection, per-head q_norm, RoPE.
+    // 2–5: pre-attention norm, Q projection, per-head q_norm, RoPE at each token's position.
     let a = norm_rows(x, h, &lw.input_norm, eps);
     let mut q = linear(lw.attn.q.as_ref(), &a, t);
     rms_norm_chunks(&mut q, hd, Some(&lw.attn.q_norm), eps);
-    for (ti, row) in q.chunks_exact_mut(lp.q_width()).enumerate() {
-        row.chunks_exact_mut(hd).for_each(|head| rope(head, p0 + ti, &lp.inv_freq));
-    }
+    rope_rows(&mut q, lp.q_width(), hd, rows, &lp.inv_freq);
 
-    // 6–11: this layer's own K/V (skipped on KV-shared layers), staged in the cache.
+    // 6–11: this layer's own K/V (skipped on KV-shared layers), staged in each sequence's cache.
     if let (Some(wk), Some(k_norm)) = (&lw.attn.k, &lw.attn.k_norm) {
         let mut k = linear(wk.as_ref(), &a, t);
         // k_eq_v: values are the raw key projection (taken before k_norm and RoPE).
@@ -119,17 +153,24 @@ fn layer(
             None => k.clone(),
         };
         rms_norm_chunks(&mut k, hd, Some(k_norm), eps);
-        for (ti, row) in k.chunks_exact_mut(lp.kv_width()).enumerate() {
-            row.chunks_exact_mut(hd).for_each(|head| rope(head, p0 + ti, &lp.inv_freq));
-        }
+        rope_rows(&mut k, lp.kv_width(), hd, rows, &lp.inv_freq);
         if plan.v_norm {
             rms_norm_chunks(&mut v, hd, None, eps);
         }
-        kv.stage_rows(lp.index, &k, &v);
+        let kw = lp.kv_width();
+        for (s, r) in segs.iter_mut().zip(rows) {
+            let span = r.start * kw..(r.start + r.len) * kw;
+            s.kv.stage_rows(lp.index, &k[span.clone()], &v[span]);
+        }
     }
 
     // 12–15: attention over the source layer's cache, output projection, post-attention norm.
-    let o = attention(plan, lp, kv, &q, t, p0);
+    let qw = lp.q_width();
+    let mut o = vec![0f32; t * qw];
+    for (s, r) in segs.iter().zip(rows) {
+        let span = r.start * qw..(r.start + r.len) * qw;
+        attention(plan, lp, s.kv, &q[span.clone()], &mut o[span], r.len, r.p0);
+    }
     let mut o = linear(lw.attn.o.as_ref(), &o, t);
     rms_norm_chunks(&mut o, h, Some(&lw.post_attn_norm), eps);
     x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
@@ -169,11 +210,11 @@ fn layer(
 
 /// Scaled dot-product attention for every (token, head), keys in chronological order: the
 /// committed cache (inside the window) followed by this chunk's staged rows up to the query.
-fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], t: usize, p0: usize) -> Vec<f32> {
+fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], out: &mut [f32], t: usize, p0: usize) {
     let hd = lp.head_dim;
     let group = lp.num_heads / lp.num_kv_heads;
     let src = kv.layer(lp.kv_source);
-    let mut out = vec![0f32; t * lp.q_width()];
+    debug_assert_eq!(out.len(), t * lp.q_width());
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (ti, head) = (idx / lp.num_heads, idx % lp.num_heads);
         let pos = p0 + ti;
@@ -197,7 +238,15 @@ fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], t: usize
             }
         }
     });
-    out
+}
+
+/// RoPE on every head of every row, each row at its own position (its segment's `p0` + offset).
+fn rope_rows(x: &mut [f32], width: usize, hd: usize, rows: &[Rows], inv_freq: &[f32]) {
+    for r in rows {
+        for (ti, row) in x[r.start * width..(r.start + r.len) * width].chunks_exact_mut(width).enumerate() {
+            row.chunks_exact_mut(hd).for_each(|head| rope(head, r.p0 + ti, inv_freq));
+        }
+    }
 }
 
 /// Gated GELU MLP: `down(gelu(gate(x)) · up(x))`.

@@ -1,8 +1,9 @@
 //! KV cache of the CPU backend.
 //!
 //! One cache per layer that owns K/V (KV-shared layers read their donor's). Full-attention
-//! layers keep every position; sliding layers keep a ring of `window` slots (slot = pos mod W),
-//! so their memory never grows past the window. A multi-token pass does not write the ring
+//! layers keep every position; sliding layers keep a ring of `W + 1` slots (slot = pos mod
+//! (W + 1)), so their memory never grows past the window: a target query needs the W newest
+//! keys, the MTP drafter (which queries from the position after the newest one) the W + 1 newest. A multi-token pass does not write the ring
 //! while it runs: its rows are *staged* and committed afterwards — all of them for prefill and
 //! decode, only the accepted ones after a speculative verify — because a candidate's ring slot
 //! may still hold a key that an earlier query in the same pass (or the next pass, after a
@@ -11,9 +12,13 @@
 use crate::plan::ModelPlan;
 use crate::{bail, Result};
 
+#[derive(Clone)]
 pub struct LayerKv {
     width: usize,
+    /// Ring slots (`W + 1`) of a sliding layer; `None` for full attention.
     ring: Option<usize>,
+    /// The sliding window `W` itself.
+    window: Option<usize>,
     k: Vec<f32>,
     v: Vec<f32>,
     /// Staged rows for positions `committed .. committed + staged`.
@@ -59,6 +64,7 @@ impl LayerKv {
     }
 }
 
+#[derive(Clone)]
 pub struct KvCache {
     /// Indexed by layer; `None` for KV-shared layers.
     layers: Vec<Option<LayerKv>>,
@@ -76,7 +82,8 @@ impl KvCache {
             .map(|l| {
                 (!l.is_kv_shared()).then(|| LayerKv {
                     width: l.kv_width(),
-                    ring: l.window,
+                    ring: l.window.map(|w| w + 1),
+                    window: l.window,
                     k: Vec::new(),
                     v: Vec::new(),
                     staged_k: Vec::new(),
@@ -157,14 +164,15 @@ impl KvCache {
             return Ok(());
         }
         for l in self.layers.iter_mut().flatten() {
-            if let Some(n) = l.ring {
-                // The ring holds [len_old − n, len_old); a query at `len` needs [len − n + 1, len).
+            if let (Some(n), Some(w)) = (l.ring, l.window) {
+                // The ring holds [len_old − n, len_old); the position after `len` needs the
+                // W + 1 newest keys before it (the drafter's view): [len − W, len).
                 let oldest = self.len.saturating_sub(n);
-                if (len + 1).saturating_sub(n) < oldest {
+                let needed = len.saturating_sub(w);
+                if needed < oldest {
                     bail!(
-                        "cannot roll back from {} to {len}: the sliding-window cache no longer holds position {}",
-                        self.len,
-                        (len + 1).saturating_sub(n)
+                        "cannot roll back from {} to {len}: the sliding-window cache no longer holds position {needed}",
+                        self.len
                     );
                 }
             }

@@ -1,0 +1,61 @@
+//! Backend selection: which compute backend runs a loaded model.
+
+use anyhow::{bail, Result};
+use megagemma_model::backend::Backend;
+use megagemma_model::cpu::CpuBackend;
+use megagemma_model::Model;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// CUDA when a device is present, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl FromStr for BackendKind {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => BackendKind::Auto,
+            "cpu" => BackendKind::Cpu,
+            "cuda" => BackendKind::Cuda,
+            other => bail!("unknown backend `{other}` (expected cpu, cuda or auto)"),
+        })
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Auto => "auto",
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct BackendOptions {
+    pub kind: BackendKind,
+    /// Longest sequence (prompt + generated); `None` = the backend's default.
+    pub max_context: Option<usize>,
+}
+
+/// Open the backend `opts` asks for over `model`.
+pub fn open_backend(model: Arc<Model>, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
+    match opts.kind {
+        BackendKind::Cpu | BackendKind::Auto => {
+            let mut b = CpuBackend::new(model);
+            if let Some(n) = opts.max_context {
+                b = b.with_max_context(n);
+            }
+            Ok(Box::new(b))
+        }
+        BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend"),
+    }
+}
