@@ -18,7 +18,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a prompt.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Download a known model into the local cache and print its path.
     Pull(pull::PullArgs),
     /// Describe a model: architecture, layer plan, bytes streamed per decode step.
@@ -30,7 +30,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run::run(args),
+        Command::Run(args) => run::run(*args),
         Command::Pull(args) => pull::pull(args),
         Command::Info(args) => info::info(args),
         Command::Quantize(args) => quantize::quantize(args),
