@@ -132,6 +132,51 @@ impl Sampler {
         Ok(self.draw())
     }
 
+    /// The distribution `sample` draws from, after temperature, top-k, top-p and min-p:
+    /// `(token, probability)` pairs summing to 1 (one pair when the choice is deterministic).
+    /// Speculative sampling compares the target's and the drafter's distributions through this.
+    pub fn distribution(&mut self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SamplingError> {
+        if logits.is_empty() {
+            return Err(SamplingError::EmptyLogits);
+        }
+        let best = argmax(logits).ok_or(SamplingError::NoFiniteLogits)?;
+        let best_logit = logits[best as usize];
+        if best_logit == f32::NEG_INFINITY {
+            return Err(SamplingError::NoFiniteLogits);
+        }
+        if self.params.is_greedy() || self.params.top_k == 1 || best_logit == f32::INFINITY {
+            return Ok(vec![(best, 1.0)]);
+        }
+        self.collect_candidates(logits);
+        self.apply_top_k();
+        if self.params.top_p < 1.0 {
+            self.candidates.sort_unstable_by(by_logit_desc);
+        }
+        self.compute_weights(best_logit);
+        self.apply_top_p();
+        self.apply_min_p();
+        let total: f64 = self.weights.iter().sum();
+        Ok(self.candidates.iter().zip(&self.weights).map(|(c, w)| (c.0, w / total)).collect())
+    }
+
+    /// A uniform draw in [0, 1) from the sampler's seeded stream.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// Draw a token from `(token, weight)` pairs (weights need not sum to 1; at least one > 0).
+    pub fn draw_from(&mut self, dist: &[(u32, f64)]) -> u32 {
+        let total: f64 = dist.iter().map(|d| d.1).sum();
+        let mut remaining = self.rng.random::<f64>() * total;
+        for &(tok, w) in dist {
+            if remaining < w {
+                return tok;
+            }
+            remaining -= w;
+        }
+        dist.iter().rev().find(|d| d.1 > 0.0).map_or(dist[0].0, |d| d.0)
+    }
+
     fn collect_candidates(&mut self, logits: &[f32]) {
         self.candidates.clear();
         self.candidates.extend(

@@ -7,10 +7,12 @@
 //! (`lookup`, no weights), and a synthetic `oracle` that knows the greedy continuation and keeps
 //! each drafted token right with a given probability (to measure speedup against acceptance).
 
-use super::decode::want;
+use super::decode::{choose, want};
 use super::stop::StopRule;
 use super::{decode, GenerateParams, Generation};
+use crate::sampling::Sampler;
 use anyhow::{bail, Result};
+use megagemma_model::backend::PosOut;
 use megagemma_model::backend::{Backend, SeqId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -173,9 +175,6 @@ pub fn run(
     on_token: &mut dyn FnMut(u32) -> bool,
     out: &mut Generation,
 ) -> Result<()> {
-    if !params.sampling.is_greedy() {
-        bail!("speculative sampling is not available yet: use --draft none with --temperature, or --greedy");
-    }
     if params.draft.k == 0 {
         bail!("--k must be at least 1 when drafting");
     }
@@ -209,6 +208,7 @@ pub fn run(
     };
 
     let want = want(params);
+    let mut sampler = Sampler::new(params.sampling.clone())?;
     let mut stop = StopRule::new(params);
     let mut stats = SpecStats::default();
     let mut history = prompt.to_vec();
@@ -234,7 +234,8 @@ pub fn run(
         }
     };
 
-    let mut done = emit(first.argmax, first.logits, out, &mut history);
+    let tok = choose(&mut sampler, &first)?;
+    let mut done = emit(tok, first.logits, out, &mut history);
     while !done {
         let t = *history.last().expect("a token was emitted");
         // A round emits the accepted drafts plus the target's own next token.
@@ -243,7 +244,8 @@ pub fn run(
         drafts.truncate(k);
         if drafts.is_empty() {
             let o = backend.decode(seq, t, want)?;
-            done = emit(o.argmax, o.logits, out, &mut history);
+            let tok = choose(&mut sampler, &o)?;
+            done = emit(tok, o.logits, out, &mut history);
             continue;
         }
         let pos = backend.seq_len(seq)?;
@@ -251,7 +253,12 @@ pub fn run(
         block.push(t);
         block.extend_from_slice(&drafts);
         let mut outs = backend.verify(seq, &block, want)?;
-        let accepted = drafts.iter().zip(&outs).take_while(|(d, o)| **d == o.argmax).count();
+        let (accepted, next) = if sampler.params().is_greedy() {
+            let n = drafts.iter().zip(&outs).take_while(|(d, o)| **d == o.argmax).count();
+            (n, outs[n].argmax)
+        } else {
+            accept_sampled(&mut sampler, &drafts, &outs)?
+        };
         stats.record(drafts.len(), accepted);
         if params.draft.trace {
             let ids: Vec<String> = drafts.iter().map(|d| d.to_string()).collect();
@@ -262,7 +269,7 @@ pub fn run(
         // fewer when a stop id ends the round early).
         let mut fed = 1;
         for i in 0..=accepted {
-            let tok = if i < accepted { drafts[i] } else { outs[i].argmax };
+            let tok = if i < accepted { drafts[i] } else { next };
             let logits = std::mem::take(&mut outs[i].logits);
             done = emit(tok, logits, out, &mut history);
             if done {
@@ -279,9 +286,39 @@ pub fn run(
     Ok(())
 }
 
+/// Speculative sampling (the standard accept/reject rule) for drafters that propose one token
+/// per position deterministically, i.e. whose distribution q is one-hot at the draft `d`:
+/// accept `d` with probability min(1, p(d)/q(d)) = p(d); on rejection draw from the residual
+/// max(0, p − q), which is p without `d`, renormalised. `p` is the target's distribution after
+/// the sampling transforms (temperature, top-k, top-p, min-p), so every emitted token is
+/// distributed exactly as plain sampling's. Returns (accepted drafts, the token after them).
+fn accept_sampled(sampler: &mut Sampler, drafts: &[u32], outs: &[PosOut]) -> Result<(usize, u32)> {
+    for (i, &d) in drafts.iter().enumerate() {
+        let p = sampler.distribution(&outs[i].logits)?;
+        let p_d = p.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+        if sampler.uniform() < p_d {
+            continue;
+        }
+        let residual: Vec<(u32, f64)> = p.into_iter().filter(|x| x.0 != d).collect();
+        if residual.iter().all(|x| x.1 <= 0.0) {
+            // p was one-hot at d: rejection has probability 0; only rounding gets here.
+            continue;
+        }
+        return Ok((i, sampler.draw_from(&residual)));
+    }
+    let last = sampler.distribution(&outs[drafts.len()].logits)?;
+    Ok((drafts.len(), sampler.draw_from(&last)))
+}
+
 /// The plain greedy continuation of `prompt` (what the oracle drafter knows), on its own sequence.
 fn greedy_truth(backend: &mut dyn Backend, prompt: &[u32], params: &GenerateParams) -> Result<Vec<u32>> {
-    let plain = GenerateParams { draft: Default::default(), keep_logits: false, ..params.clone() };
+    // Greedy even when the generation samples: drafts must not depend on the sampler's stream.
+    let plain = GenerateParams {
+        draft: Default::default(),
+        keep_logits: false,
+        sampling: crate::sampling::SamplingParams::greedy(),
+        ..params.clone()
+    };
     let seq = backend.new_sequence()?;
     let mut g = Generation::new(prompt.len());
     let r = decode::run(backend, seq, prompt, &plain, &mut |_| true, &mut g);
