@@ -59,3 +59,10 @@ pub fn open_backend(model: Arc<Model>, opts: &BackendOptions) -> Result<Box<dyn 
         BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend"),
     }
 }
+
+/// A model of a real shape with random weights, built on the device without a checkpoint
+/// (`bench --synthetic`).
+pub fn open_synthetic(name: &str, quant: &str, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
+    let _ = (quant, opts);
+    bail!("--synthetic {name}: synthetic models are built on a GPU, and this build has no CUDA backend")
+}

@@ -74,6 +74,17 @@ pub trait Backend: Send {
     /// Bytes of weights one decode step streams.
     fn decode_weight_bytes(&self) -> usize;
     fn stats(&self) -> BackendStats;
+    /// What computes: the CPU model or the GPU name.
+    fn device_name(&self) -> String;
+    /// The read bandwidth of the memory the weights stream from, in GB/s, when the backend
+    /// measures it itself (a GPU); `None` lets the caller measure host memory.
+    fn measure_read_bandwidth(&mut self) -> Result<Option<f64>> {
+        Ok(None)
+    }
+    /// Kernel launches per decode step (GPU backends).
+    fn launches_per_token(&self) -> Option<f64> {
+        None
+    }
 
     /// A new, empty sequence.
     fn new_sequence(&mut self) -> Result<SeqId>;

@@ -15,6 +15,16 @@ pub trait RowDot: Send + Sync {
     fn cols(&self) -> usize;
     /// `out[i] = dot(row(start + i), x)` for every `i < out.len()`; `x.len() == cols()`.
     fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]);
+    /// `outs[t·n + i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols()` vectors and
+    /// `n = outs.len() / T` rows: a kernel may decode each row once for every vector. Every
+    /// result must be bit-identical to [`RowDot::dot_rows`] on the same row and vector.
+    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [f32]) {
+        let t = xs.len() / self.cols();
+        let n = outs.len() / t;
+        for (ti, out) in outs.chunks_exact_mut(n).enumerate() {
+            self.dot_rows(start, &xs[ti * self.cols()..(ti + 1) * self.cols()], out);
+        }
+    }
     /// Dequantize / convert one row into `out` (`out.len() == cols()`), exactly.
     fn row_to_f32(&self, row: usize, out: &mut [f32]);
     /// Bytes of weight data streamed by one full matvec (for bandwidth figures).
@@ -45,9 +55,7 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
             let start = b * ROW_BLOCK;
             let n = ROW_BLOCK.min(rows - start);
             let mut block_out = vec![0f32; t * n];
-            for (ti, out) in block_out.chunks_exact_mut(n).enumerate() {
-                w.dot_rows(start, &xs[ti * cols..(ti + 1) * cols], out);
-            }
+            w.dot_rows_multi(start, xs, &mut block_out);
             (start, block_out)
         })
         .collect();

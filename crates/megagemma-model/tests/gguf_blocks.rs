@@ -10,7 +10,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use half::f16;
-use megagemma_model::gguf::{dequantize_row, dot_row, dot_row_portable, f16_to_f32, GgmlType};
+use megagemma_model::gguf::{dequantize_row, dot_row, dot_row_multi, dot_row_portable, f16_to_f32, GgmlType, MULTI};
 
 /// splitmix64: small deterministic generator (the crate has no rand dependency).
 struct Rng(u64);
@@ -301,6 +301,26 @@ fn dot_matches_dequantize_then_dot() {
             dequantize_row(ty, &row.bytes, &mut deq).unwrap();
             check_dot(ty, "dot_row", dot_row(ty, &row.bytes, &x).unwrap(), &deq, &x);
             check_dot(ty, "dot_row_portable", dot_row_portable(ty, &row.bytes, &x).unwrap(), &deq, &x);
+        }
+    }
+}
+
+#[test]
+fn multi_column_dots_are_bit_identical_to_single_dots() {
+    // Verify and prefill decode each row once for several tokens: every column must be exactly
+    // the single-vector result, or speculative decoding would stop being lossless.
+    let mut rng = Rng(11);
+    for (ty, make) in all_types() {
+        for n_blocks in [1, 3, 9] {
+            let n_blocks = if ty.block_size() == 1 { n_blocks * 97 } else { n_blocks };
+            let row = ref_row(&mut rng, make, n_blocks);
+            let xs: Vec<Vec<f32>> =
+                (0..MULTI).map(|_| (0..row.values.len()).map(|_| rng.unit() * 100.0).collect()).collect();
+            let multi = dot_row_multi(ty, &row.bytes, std::array::from_fn(|n| xs[n].as_slice())).unwrap();
+            for (n, x) in xs.iter().enumerate() {
+                let single = dot_row(ty, &row.bytes, x).unwrap();
+                assert_eq!(multi[n].to_bits(), single.to_bits(), "{ty} column {n}: {} vs {single}", multi[n]);
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `megagemma`: run Gemma models from the command line.
 
+mod bench;
 mod info;
 mod pull;
 mod quantize;
@@ -23,6 +24,8 @@ enum Command {
     Pull(pull::PullArgs),
     /// Describe a model: architecture, layer plan, bytes streamed per decode step.
     Info(info::InfoArgs),
+    /// Measure decode speed against the memory bandwidth ceiling.
+    Bench(Box<bench::BenchArgs>),
     /// Write a 4-bit (MLX-layout) copy of a bf16/f16/f32 checkpoint.
     Quantize(quantize::QuantizeArgs),
 }
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run::run(*args),
         Command::Pull(args) => pull::pull(args),
+        Command::Bench(args) => bench::bench(*args),
         Command::Info(args) => info::info(args),
         Command::Quantize(args) => quantize::quantize(args),
     };

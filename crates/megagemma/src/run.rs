@@ -311,7 +311,7 @@ fn sampling_params(
     Ok(p)
 }
 
-fn rayon_threads(n: usize) -> Result<()> {
+pub fn rayon_threads(n: usize) -> Result<()> {
     if n == 0 {
         bail!("--threads must be at least 1");
     }

@@ -83,3 +83,32 @@ fn greedy_ids_and_first_logits_match_transformers() {
     assert!(compared_tokens >= 40, "only {compared_tokens} ids compared before near ties");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// Real weights through the multi-column kernels: speculative decoding (verify passes of up to
+/// 5 columns over Q4_K / Q6_K / Q8_0 rows) prints exactly the greedy ids.
+#[test]
+fn speculative_decoding_on_real_weights_equals_greedy() {
+    let model = model_path();
+    let base = [
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "2,818,5279,529,7001,563,9079,236761,818,5279,529",
+        "--greedy",
+        "--ignore-eos",
+        "-n",
+        "24",
+        "--output",
+        "ids",
+    ];
+    let plain = megagemma(&base);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    for extra in [&["--draft", "oracle", "--acceptance", "0.6", "--k", "4"][..], &["--draft", "lookup", "--k", "5"][..]]
+    {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let out = megagemma(&args);
+        assert!(out.status.success(), "{extra:?}: {}", stderr(&out));
+        assert_eq!(stdout(&out), stdout(&plain), "{extra:?} changed the output on real weights");
+    }
+}

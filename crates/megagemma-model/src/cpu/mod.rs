@@ -161,6 +161,17 @@ impl Backend for CpuBackend {
     fn stats(&self) -> BackendStats {
         self.stats
     }
+    fn device_name(&self) -> String {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        format!("{cpu}, {} threads", rayon::current_num_threads())
+    }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
         let id = SeqId(self.next_id);

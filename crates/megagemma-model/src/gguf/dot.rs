@@ -7,6 +7,12 @@
 //! at the end. Work is phrased as fixed-size loops over 32-value groups, which LLVM turns into
 //! 8-wide SIMD with short dependency chains; blocks a few hundred bytes ahead are prefetched.
 //!
+//! Every kernel is generic over `N`, the number of activation vectors (columns) it dots each row
+//! with: a block is decoded once and multiplied into N accumulator sets, so a multi-token pass
+//! (speculative verify, prefill) reads and decodes each weight once for N tokens. Column `n`'s
+//! arithmetic is exactly the single-column kernel's — the same decoded weight, the same
+//! multiply-adds in the same order — so every column is bit-identical to an `N = 1` call.
+//!
 //! Every kernel is compiled twice from the same generic source: a portable build (baseline
 //! x86-64 is SSE2: no FMA, no byte→int widening) and, on x86-64, an AVX2+FMA build chosen at run
 //! time (1.5–3× faster on the dev VM). The FMA build fuses `w·x + acc` (one rounding instead of
@@ -89,86 +95,122 @@ fn hsum2(a: &[f32; LANES], b: &[f32; LANES]) -> f32 {
     hsum(&s)
 }
 
+/// Per-column lane sums.
+#[inline(always)]
+fn hsum_cols<const N: usize>(acc: &[[f32; LANES]; N]) -> [f32; N] {
+    std::array::from_fn(|n| hsum(&acc[n]))
+}
+
+#[inline(always)]
+fn hsum2_cols<const N: usize>(a: &[[f32; LANES]; N], b: &[[f32; LANES]; N]) -> [f32; N] {
+    std::array::from_fn(|n| hsum2(&a[n], &b[n]))
+}
+
+/// `acc[n][j] += w[j] · xs[n][at + j]` for 32 decoded weights and every column `n`.
+#[inline(always)]
+fn fma_cols<M: Madd, const N: usize>(acc: &mut [[f32; LANES]; N], w: &[f32; 32], xs: &[&[f32]; N], at: usize) {
+    for n in 0..N {
+        let x: &[f32; 32] = xs[n][at..at + 32].try_into().unwrap();
+        for j in 0..32 {
+            acc[n][j] = M::madd(w[j], x[j], acc[n][j]);
+        }
+    }
+}
+
 // ---- plain float rows (block size 1: any length, so a scalar tail handles the remainder) ----
 
 #[inline(always)]
-fn dot_floats<M: Madd, const B: usize>(w: &[u8], x: &[f32], load: impl Fn(&[u8; B]) -> f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    let mut wc = w.chunks_exact(B * LANES);
-    let mut xc = x.chunks_exact(LANES);
-    for (wb, xb) in (&mut wc).zip(&mut xc) {
+fn dot_floats<M: Madd, const B: usize, const N: usize>(
+    w: &[u8],
+    xs: [&[f32]; N],
+    load: impl Fn(&[u8; B]) -> f32,
+) -> [f32; N] {
+    let cols = xs[0].len();
+    let full = cols / LANES * LANES;
+    let mut acc = [[0f32; LANES]; N];
+    for (c, wb) in w[..full * B].chunks_exact(B * LANES).enumerate() {
         prefetch_ahead(wb);
-        for i in 0..LANES {
-            let v = load(wb[B * i..B * (i + 1)].try_into().unwrap());
-            acc[i] = M::madd(v, xb[i], acc[i]);
+        let v: [f32; 32] = std::array::from_fn(|i| load(wb[B * i..B * (i + 1)].try_into().unwrap()));
+        fma_cols::<M, N>(&mut acc, &v, &xs, c * LANES);
+    }
+    let mut tail = [0f32; N];
+    for (i, wb) in w[full * B..].chunks_exact(B).enumerate() {
+        let v = load(wb.try_into().unwrap());
+        for n in 0..N {
+            tail[n] = M::madd(v, xs[n][full + i], tail[n]);
         }
     }
-    let mut tail = 0f32;
-    for (wb, &xv) in wc.remainder().chunks_exact(B).zip(xc.remainder()) {
-        tail = M::madd(load(wb.try_into().unwrap()), xv, tail);
-    }
-    hsum(&acc) + tail
+    let sums = hsum_cols(&acc);
+    std::array::from_fn(|n| sums[n] + tail[n])
 }
 
 #[inline(always)]
-fn dot_f32<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    dot_floats::<M, 4>(w, x, |b| f32::from_le_bytes(*b))
+fn dot_f32<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_floats::<M, 4, N>(w, xs, |b| f32::from_le_bytes(*b))
 }
 
 #[inline(always)]
-fn dot_f16<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    dot_floats::<M, 2>(w, x, |b| super::blocks::f16_to_f32(u16::from_le_bytes(*b)))
+fn dot_f16<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_floats::<M, 2, N>(w, xs, |b| super::blocks::f16_to_f32(u16::from_le_bytes(*b)))
 }
 
 #[inline(always)]
-fn dot_bf16<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    dot_floats::<M, 2>(w, x, |b| f32::from_bits((u16::from_le_bytes(*b) as u32) << 16))
+fn dot_bf16<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_floats::<M, 2, N>(w, xs, |b| f32::from_bits((u16::from_le_bytes(*b) as u32) << 16))
 }
 
 // ---- 32-value blocks ----
 
+/// A kernel over 32-value blocks of `bs` bytes, each decoded by `decode` into 32 weights.
 #[inline(always)]
-fn dot_q8_0<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    for (blk, xb) in w.chunks_exact(34).zip(x.chunks_exact(32)) {
+fn dot_blocks32<M: Madd, const N: usize>(
+    w: &[u8],
+    xs: [&[f32]; N],
+    bs: usize,
+    decode: impl Fn(&[u8]) -> [f32; 32],
+) -> [f32; N] {
+    let mut acc = [[0f32; LANES]; N];
+    for (b, blk) in w.chunks_exact(bs).enumerate() {
         prefetch_ahead(blk);
-        let d = f16_at(blk, 0);
-        let qs: &[u8; 32] = blk[2..34].try_into().unwrap();
-        for j in 0..32 {
-            acc[j] = M::madd((qs[j] as i8) as f32 * d, xb[j], acc[j]);
-        }
+        fma_cols::<M, N>(&mut acc, &decode(blk), &xs, 32 * b);
     }
-    hsum(&acc)
+    hsum_cols(&acc)
 }
 
 #[inline(always)]
-fn dot_q4_0<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    for (blk, xb) in w.chunks_exact(18).zip(x.chunks_exact(32)) {
-        prefetch_ahead(blk);
+fn dot_q8_0<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_blocks32::<M, N>(w, xs, 34, |blk| {
+        let d = f16_at(blk, 0);
+        std::array::from_fn(|j| (blk[2 + j] as i8) as f32 * d)
+    })
+}
+
+#[inline(always)]
+fn dot_q4_0<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_blocks32::<M, N>(w, xs, 18, |blk| {
         let d = f16_at(blk, 0);
         let qs: &[u8; 16] = blk[2..18].try_into().unwrap();
+        let mut v = [0f32; 32];
         for j in 0..16 {
-            acc[j] = M::madd(((qs[j] & 0xf) as i32 - 8) as f32 * d, xb[j], acc[j]);
-            acc[j + 16] = M::madd(((qs[j] >> 4) as i32 - 8) as f32 * d, xb[j + 16], acc[j + 16]);
+            v[j] = ((qs[j] & 0xf) as i32 - 8) as f32 * d;
+            v[j + 16] = ((qs[j] >> 4) as i32 - 8) as f32 * d;
         }
-    }
-    hsum(&acc)
+        v
+    })
 }
 
 #[inline(always)]
-fn dot_q4_1<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    for (blk, xb) in w.chunks_exact(20).zip(x.chunks_exact(32)) {
-        prefetch_ahead(blk);
+fn dot_q4_1<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_blocks32::<M, N>(w, xs, 20, |blk| {
         let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
         let qs: &[u8; 16] = blk[4..20].try_into().unwrap();
+        let mut v = [0f32; 32];
         for j in 0..16 {
-            acc[j] = M::madd(M::madd((qs[j] & 0xf) as f32, d, m), xb[j], acc[j]);
-            acc[j + 16] = M::madd(M::madd((qs[j] >> 4) as f32, d, m), xb[j + 16], acc[j + 16]);
+            v[j] = M::madd((qs[j] & 0xf) as f32, d, m);
+            v[j + 16] = M::madd((qs[j] >> 4) as f32, d, m);
         }
-    }
-    hsum(&acc)
+        v
+    })
 }
 
 /// The 32 five-bit values of a Q5_0/Q5_1 block: nibbles from `qs`, 5th bit `i` from bit `i` of
@@ -191,34 +233,24 @@ fn q5_values(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
 }
 
 #[inline(always)]
-fn dot_q5_0<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    for (blk, xb) in w.chunks_exact(22).zip(x.chunks_exact(32)) {
-        prefetch_ahead(blk);
+fn dot_q5_0<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_blocks32::<M, N>(w, xs, 22, |blk| {
         let d = f16_at(blk, 0);
         let q = q5_values(blk[2..6].try_into().unwrap(), blk[6..22].try_into().unwrap());
         // (q - 16)·d as q·d − 16·d: both products and their difference are exact in f32
         // (5-bit × 11-bit significands), so this equals the dequantized weight bit for bit.
         let m = -16.0 * d;
-        for j in 0..32 {
-            acc[j] = M::madd(M::madd(q[j] as f32, d, m), xb[j], acc[j]);
-        }
-    }
-    hsum(&acc)
+        std::array::from_fn(|j| M::madd(q[j] as f32, d, m))
+    })
 }
 
 #[inline(always)]
-fn dot_q5_1<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; LANES];
-    for (blk, xb) in w.chunks_exact(24).zip(x.chunks_exact(32)) {
-        prefetch_ahead(blk);
+fn dot_q5_1<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_blocks32::<M, N>(w, xs, 24, |blk| {
         let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
         let q = q5_values(blk[4..8].try_into().unwrap(), blk[8..24].try_into().unwrap());
-        for j in 0..32 {
-            acc[j] = M::madd(M::madd(q[j] as f32, d, m), xb[j], acc[j]);
-        }
-    }
-    hsum(&acc)
+        std::array::from_fn(|j| M::madd(q[j] as f32, d, m))
+    })
 }
 
 // ---- 256-value super-blocks ----
@@ -226,10 +258,10 @@ fn dot_q5_1<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
 /// Q4_K and Q5_K share everything but the 5th bit (`Q5`: bit `s` of `qh[l]` belongs to value `l`
 /// of sub-block `s`). Two accumulator sets (low/high nibble sub-blocks) keep FMA chains short.
 #[inline(always)]
-fn dot_k4<M: Madd, const Q5: bool>(w: &[u8], x: &[f32]) -> f32 {
+fn dot_k4<M: Madd, const Q5: bool, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     let (bs, qs_off) = if Q5 { (176, 48) } else { (144, 16) };
-    let (mut acc_lo, mut acc_hi) = ([0f32; LANES], [0f32; LANES]);
-    for (blk, xs) in w.chunks_exact(bs).zip(x.chunks_exact(256)) {
+    let (mut acc_lo, mut acc_hi) = ([[0f32; LANES]; N], [[0f32; LANES]; N]);
+    for (b, blk) in w.chunks_exact(bs).enumerate() {
         prefetch_ahead(blk);
         let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
         let (sc, mn) = k4_scales_mins(blk[4..16].try_into().unwrap());
@@ -250,42 +282,35 @@ fn dot_k4<M: Madd, const Q5: bool>(w: &[u8], x: &[f32]) -> f32 {
             }
             let (d1, m1) = (d * sc[2 * c] as f32, dmin * mn[2 * c] as f32);
             let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * mn[2 * c + 1] as f32);
-            let x1: &[f32; 32] = xs[64 * c..64 * c + 32].try_into().unwrap();
-            let x2: &[f32; 32] = xs[64 * c + 32..64 * c + 64].try_into().unwrap();
-            for l in 0..32 {
-                acc_lo[l] = M::madd(M::madd(d1, lo[l] as f32, -m1), x1[l], acc_lo[l]);
-                acc_hi[l] = M::madd(M::madd(d2, hi[l] as f32, -m2), x2[l], acc_hi[l]);
-            }
+            let w1: [f32; 32] = std::array::from_fn(|l| M::madd(d1, lo[l] as f32, -m1));
+            let w2: [f32; 32] = std::array::from_fn(|l| M::madd(d2, hi[l] as f32, -m2));
+            fma_cols::<M, N>(&mut acc_lo, &w1, &xs, 256 * b + 64 * c);
+            fma_cols::<M, N>(&mut acc_hi, &w2, &xs, 256 * b + 64 * c + 32);
         }
     }
-    hsum2(&acc_lo, &acc_hi)
+    hsum2_cols(&acc_lo, &acc_hi)
 }
 
 #[inline(always)]
-fn dot_q4_k<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    dot_k4::<M, false>(w, x)
+fn dot_q4_k<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_k4::<M, false, N>(w, xs)
 }
 
 #[inline(always)]
-fn dot_q5_k<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    dot_k4::<M, true>(w, x)
+fn dot_q5_k<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    dot_k4::<M, true, N>(w, xs)
 }
 
-/// 32 Q6_K values whose first and last 16 have scales `s0` and `s1`.
+/// 32 Q6_K weights whose first and last 16 have scales `s0` and `s1`.
 #[inline(always)]
-fn q6k_pass<M: Madd>(acc: &mut [f32; LANES], q: &[i8; 32], x: &[f32; 32], s0: f32, s1: f32) {
-    for j in 0..16 {
-        acc[j] = M::madd(s0 * q[j] as f32, x[j], acc[j]);
-    }
-    for j in 16..32 {
-        acc[j] = M::madd(s1 * q[j] as f32, x[j], acc[j]);
-    }
+fn q6k_weights(q: &[i8], s0: f32, s1: f32) -> [f32; 32] {
+    std::array::from_fn(|j| if j < 16 { s0 * q[j] as f32 } else { s1 * q[j] as f32 })
 }
 
 #[inline(always)]
-fn dot_q6_k<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
-    let (mut acc_a, mut acc_b) = ([0f32; LANES], [0f32; LANES]);
-    for (blk, xs) in w.chunks_exact(210).zip(x.chunks_exact(256)) {
+fn dot_q6_k<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+    let (mut acc_a, mut acc_b) = ([[0f32; LANES]; N], [[0f32; LANES]; N]);
+    for (b, blk) in w.chunks_exact(210).enumerate() {
         prefetch_ahead(blk);
         let d = f16_at(blk, 208);
         let scale = |i: usize| d * (blk[192 + i] as i8) as f32;
@@ -299,34 +324,30 @@ fn dot_q6_k<M: Madd>(w: &[u8], x: &[f32]) -> f32 {
             for pp in 0..2 {
                 let (p0, p1) = (2 * pp, 2 * pp + 1);
                 let (sa, sb) = (8 * h + 2 * p0, 8 * h + 2 * p1);
-                q6k_pass::<M>(
-                    &mut acc_a,
-                    q[32 * p0..32 * p0 + 32].try_into().unwrap(),
-                    xs[128 * h + 32 * p0..128 * h + 32 * p0 + 32].try_into().unwrap(),
-                    scale(sa),
-                    scale(sa + 1),
-                );
-                q6k_pass::<M>(
-                    &mut acc_b,
-                    q[32 * p1..32 * p1 + 32].try_into().unwrap(),
-                    xs[128 * h + 32 * p1..128 * h + 32 * p1 + 32].try_into().unwrap(),
-                    scale(sb),
-                    scale(sb + 1),
-                );
+                let wa = q6k_weights(&q[32 * p0..32 * p0 + 32], scale(sa), scale(sa + 1));
+                let wb = q6k_weights(&q[32 * p1..32 * p1 + 32], scale(sb), scale(sb + 1));
+                fma_cols::<M, N>(&mut acc_a, &wa, &xs, 256 * b + 128 * h + 32 * p0);
+                fma_cols::<M, N>(&mut acc_b, &wb, &xs, 256 * b + 128 * h + 32 * p1);
             }
         }
     }
-    hsum2(&acc_a, &acc_b)
+    hsum2_cols(&acc_a, &acc_b)
 }
 
 /// A dot kernel: `bytes` encodes exactly `x.len()` values (checked by the caller).
 pub(super) type DotFn = fn(&[u8], &[f32]) -> f32;
 
+/// Columns a multi-column kernel takes at once (accumulators for more would spill).
+pub const MULTI: usize = 4;
+
+/// A row against [`MULTI`] columns at once; column `n` equals the [`DotFn`] result for `xs[n]`.
+pub(super) type DotMultiFn = fn(&[u8], [&[f32]; MULTI]) -> [f32; MULTI];
+
 macro_rules! kernels {
     ($($ty:ident => $f:ident),* $(,)?) => {
-        fn portable_kernel(ty: GgmlType) -> Option<DotFn> {
+        fn portable_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
             match ty {
-                $(GgmlType::$ty => Some(|w, x| $f::<Unfused>(w, x)),)*
+                $(GgmlType::$ty => Some((|w, x| $f::<Unfused, 1>(w, [x])[0], |w, xs| $f::<Unfused, MULTI>(w, xs))),)*
                 _ => None,
             }
         }
@@ -336,18 +357,21 @@ macro_rules! kernels {
             use super::*;
             $(
                 #[target_feature(enable = "avx2,fma")]
-                pub(super) unsafe fn $f(w: &[u8], x: &[f32]) -> f32 {
-                    super::$f::<Fused>(w, x)
+                pub(super) unsafe fn $f<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+                    super::$f::<Fused, N>(w, xs)
                 }
             )*
         }
 
         /// Only called after `is_x86_feature_detected!` confirmed AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
-        fn avx2_kernel(ty: GgmlType) -> Option<DotFn> {
+        fn avx2_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
             match ty {
                 // SAFETY: the CPU supports avx2+fma (checked by the only caller).
-                $(GgmlType::$ty => Some(|w, x| unsafe { avx2::$f(w, x) }),)*
+                $(GgmlType::$ty => Some((
+                    |w, x| unsafe { avx2::$f::<1>(w, [x])[0] },
+                    |w, xs| unsafe { avx2::$f::<MULTI>(w, xs) },
+                )),)*
                 _ => None,
             }
         }
@@ -362,7 +386,7 @@ kernels! {
 
 /// The fastest dot kernel for `ty` on this CPU (AVX2+FMA unless `MEGAGEMMA_SIMD=portable` or the
 /// CPU lacks it, see [`crate::simd::level`]), or `None` when the type is unsupported.
-pub(super) fn dot_kernel(ty: GgmlType) -> Option<DotFn> {
+pub(super) fn dot_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::level() != crate::simd::Level::Portable {
         return avx2_kernel(ty);
@@ -370,8 +394,8 @@ pub(super) fn dot_kernel(ty: GgmlType) -> Option<DotFn> {
     portable_kernel(ty)
 }
 
-fn checked(ty: GgmlType, bytes: &[u8], x: &[f32], k: Option<DotFn>) -> Result<f32> {
-    let Some(k) = k else {
+fn checked(ty: GgmlType, bytes: &[u8], x: &[f32], k: Option<(DotFn, DotMultiFn)>) -> Result<f32> {
+    let Some((k, _)) = k else {
         bail!("no dot kernel for ggml type {ty}: only {} are supported", supported_list());
     };
     check_row(ty, bytes, x.len())?;
@@ -389,4 +413,16 @@ pub fn dot_row(ty: GgmlType, bytes: &[u8], x: &[f32]) -> Result<f32> {
 /// tests and benchmarks can check and compare both builds on any machine.
 pub fn dot_row_portable(ty: GgmlType, bytes: &[u8], x: &[f32]) -> Result<f32> {
     checked(ty, bytes, x, portable_kernel(ty))
+}
+
+/// [`dot_row`] for [`MULTI`] vectors at once (the row is decoded once); each result is
+/// bit-identical to `dot_row(ty, bytes, xs[n])`.
+pub fn dot_row_multi(ty: GgmlType, bytes: &[u8], xs: [&[f32]; MULTI]) -> Result<[f32; MULTI]> {
+    let Some((_, k)) = dot_kernel(ty) else {
+        bail!("no dot kernel for ggml type {ty}: only {} are supported", supported_list());
+    };
+    for x in xs {
+        check_row(ty, bytes, x.len())?;
+    }
+    Ok(k(bytes, xs))
 }

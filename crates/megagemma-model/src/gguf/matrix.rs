@@ -6,7 +6,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
-use super::dot::{dot_kernel, DotFn};
+use super::dot::{dot_kernel, DotFn, DotMultiFn, MULTI};
 use super::reader::{GgufFile, GgufTensorInfo};
 use crate::bail;
 use crate::error::Result;
@@ -23,13 +23,14 @@ pub struct GgufMatrix {
     row_bytes: usize,
     ggml_type: GgmlType,
     dot: DotFn,
+    dot_multi: DotMultiFn,
     dequant: DequantFn,
 }
 
 impl GgufMatrix {
     pub fn from_tensor(file: &GgufFile, info: &GgufTensorInfo) -> Result<GgufMatrix> {
         let ty = info.ggml_type;
-        let (Some(dot), Some(dequant)) = (dot_kernel(ty), dequant_fn(ty)) else {
+        let (Some((dot, dot_multi)), Some(dequant)) = (dot_kernel(ty), dequant_fn(ty)) else {
             bail!(
                 "tensor '{}' has ggml type {ty}, which has no CPU kernel (supported: {})",
                 info.name,
@@ -43,7 +44,17 @@ impl GgufMatrix {
         let rows = info.dims[1..].iter().product::<u64>() as usize;
         let row_bytes = ty.row_bytes(cols)?;
         let start = file.data_offset() + info.offset as usize;
-        Ok(GgufMatrix { mmap: file.mmap().clone(), start, rows, cols, row_bytes, ggml_type: ty, dot, dequant })
+        Ok(GgufMatrix {
+            mmap: file.mmap().clone(),
+            start,
+            rows,
+            cols,
+            row_bytes,
+            ggml_type: ty,
+            dot,
+            dot_multi,
+            dequant,
+        })
     }
 
     pub fn ggml_type(&self) -> GgmlType {
@@ -82,6 +93,28 @@ impl RowDot for GgufMatrix {
         assert!(start + out.len() <= self.rows, "dot_rows: rows {start}..{} out of range", start + out.len());
         for (i, o) in out.iter_mut().enumerate() {
             *o = (self.dot)(self.row_bytes(start + i), x);
+        }
+    }
+
+    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [f32]) {
+        let (cols, t) = (self.cols, xs.len() / self.cols);
+        let n = outs.len() / t;
+        assert_eq!(xs.len(), t * cols, "dot_rows_multi: xs is not [T, {cols}]");
+        assert!(start + n <= self.rows, "dot_rows_multi: rows {start}..{} out of range", start + n);
+        let x = |ti: usize| &xs[ti * cols..(ti + 1) * cols];
+        for r in 0..n {
+            let bytes = self.row_bytes(start + r);
+            let mut ti = 0;
+            while ti + MULTI <= t {
+                let ys = (self.dot_multi)(bytes, std::array::from_fn(|j| x(ti + j)));
+                for (j, y) in ys.into_iter().enumerate() {
+                    outs[(ti + j) * n + r] = y;
+                }
+                ti += MULTI;
+            }
+            for ti in ti..t {
+                outs[ti * n + r] = (self.dot)(bytes, x(ti));
+            }
         }
     }
 

@@ -1,0 +1,225 @@
+//! `megagemma bench`: how fast a model decodes and how close that is to the memory wall.
+//!
+//! One run measures, on the backend that decodes: the read bandwidth the machine reaches (a
+//! streaming read over a buffer much larger than the caches), prefill speed, decode ms/token,
+//! the cost of a verify pass of k + 1 columns against a decode step, and — from the weight
+//! bytes one decode step streams — the achieved GB/s and its share of the measured bandwidth.
+//! A table for people, then one JSON line for tools. Speculative drafting (`--draft`) is timed
+//! end to end on the same prompt.
+
+use crate::run::{resolve_model, DraftArgs};
+use anyhow::{bail, Result};
+use clap::Args;
+use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::generate::{generate, DraftMode, GenerateParams};
+use megagemma_model::backend::{Backend, Want};
+use megagemma_model::Model;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model: checkpoint directory, .gguf file or a name `megagemma pull` knows.
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// Random weights of a real shape built on the device, no checkpoint needed:
+    /// e2b, e4b, 26b-a4b, 31b or tiny (CUDA backend).
+    #[arg(long, conflicts_with = "model")]
+    pub synthetic: Option<String>,
+    /// Weights: none (as stored), q4 (MLX affine g64), q4_0 (symmetric g32); synthetic: q4, q4_0, bf16.
+    #[arg(long, default_value = "none")]
+    pub quant: String,
+    /// Prompt tokens prefilled before decoding.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// Decode steps timed.
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Context length of the sequence.
+    #[arg(short = 'c', long)]
+    pub ctx: Option<usize>,
+    /// Compute backend: cpu, cuda, or auto.
+    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    pub backend: String,
+    /// Worker threads on the CPU (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+}
+
+/// Figures of one bench run.
+struct Figures {
+    read_gbps: f64,
+    prefill_tps: f64,
+    decode_ms: f64,
+    verify_cols: usize,
+    verify_ms: f64,
+    weight_bytes: usize,
+    spec_tps: Option<(f64, f64)>,
+}
+
+pub fn bench(args: BenchArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        crate::run::rayon_threads(n)?;
+    }
+    if args.prompt_len == 0 || args.tokens == 0 {
+        bail!("--prompt-len and --tokens must be at least 1");
+    }
+    let kind: BackendKind = args.backend.parse()?;
+    let opts = BackendOptions { kind, max_context: args.ctx };
+    let (label, mut backend): (String, Box<dyn Backend>) = match (&args.model, &args.synthetic) {
+        (Some(m), None) => {
+            let path = resolve_model(m)?;
+            let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
+            let model = Arc::new(Model::load_with(&path, quant)?);
+            (path.display().to_string(), open_backend(model, &opts)?)
+        }
+        (None, Some(name)) => (
+            format!("synthetic {name} {}", args.quant),
+            megagemma_engine::backends::open_synthetic(name, &args.quant, &opts)?,
+        ),
+        _ => bail!("give --model M or --synthetic e2b|e4b|26b-a4b|31b|tiny"),
+    };
+    let draft = args.draft.params(None)?;
+    if draft.mode == DraftMode::Mtp {
+        bail!("bench --draft mtp is not available yet: use lookup or oracle");
+    }
+    let need = args.prompt_len + args.tokens + draft.k + 2;
+    if need > backend.max_context() {
+        bail!("--prompt-len + --tokens need a context of {need}, more than {}: raise --ctx", backend.max_context());
+    }
+    let f = measure(backend.as_mut(), &args, &draft)?;
+    report(&label, backend.as_ref(), &args, &f);
+    Ok(())
+}
+
+/// A deterministic prompt of in-vocabulary ids that avoids the special tokens at the bottom.
+fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
+    let span = (vocab.saturating_sub(1000)).max(1) as u64;
+    (0..n as u64).map(|i| (1000.min(vocab as u64 - 1) + (i * 7919 + 13) % span) as u32).collect()
+}
+
+fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::generate::DraftParams) -> Result<Figures> {
+    let read_gbps = measure_read_bandwidth(b)?;
+    let vocab = b.vocab_size();
+    let prompt = prompt_ids(args.prompt_len, vocab);
+
+    // Warm up (kernel compilation, caches, graph capture), then time prefill and decode.
+    let warm = b.new_sequence()?;
+    let o = b.prefill(warm, &prompt[..prompt.len().min(8)], Want::Argmax)?;
+    b.decode(warm, o.argmax, Want::Argmax)?;
+    b.free(warm)?;
+
+    let seq = b.new_sequence()?;
+    let t0 = Instant::now();
+    let mut tok = b.prefill(seq, &prompt, Want::Argmax)?.argmax;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for _ in 0..args.tokens {
+        tok = b.decode(seq, tok, Want::Argmax)?.argmax;
+    }
+    let decode_ms = t1.elapsed().as_secs_f64() * 1e3 / args.tokens as f64;
+
+    // Verify passes of k + 1 columns, each discarded (commit 0) so the position stays put.
+    let verify_cols = draft.k + 1;
+    let block: Vec<u32> = (0..verify_cols).map(|i| prompt[i % prompt.len()]).collect();
+    b.verify(seq, &block, Want::Argmax)?;
+    b.commit(seq, 0)?;
+    let reps = (args.tokens / verify_cols).clamp(4, 64);
+    let t2 = Instant::now();
+    for _ in 0..reps {
+        b.verify(seq, &block, Want::Argmax)?;
+        b.commit(seq, 0)?;
+    }
+    let verify_ms = t2.elapsed().as_secs_f64() * 1e3 / reps as f64;
+    b.free(seq)?;
+
+    let spec_tps = if draft.mode == DraftMode::None {
+        None
+    } else {
+        let params = GenerateParams { draft: draft.clone(), ..GenerateParams::greedy(args.tokens) };
+        let g = generate(b, &prompt, &params, |_| true)?;
+        let mean = g.spec.as_ref().map_or(0.0, |s| s.mean_accepted());
+        Some((g.decode_tokens_per_second(), mean))
+    };
+    Ok(Figures {
+        read_gbps,
+        prefill_tps: args.prompt_len as f64 / prefill_s,
+        decode_ms,
+        verify_cols,
+        verify_ms,
+        weight_bytes: b.decode_weight_bytes(),
+        spec_tps,
+    })
+}
+
+/// Read bandwidth of the memory the backend streams weights from: the device's (from the
+/// backend) or, for the CPU, a parallel sum over a 1 GiB buffer.
+fn measure_read_bandwidth(b: &mut dyn Backend) -> Result<f64> {
+    if let Some(gbps) = b.measure_read_bandwidth()? {
+        return Ok(gbps);
+    }
+    use rayon::prelude::*;
+    let data: Vec<f32> = vec![1.0; 256 << 20];
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let s: f32 = data.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((data.len() * 4) as f64 / secs / 1e9);
+    }
+    Ok(best)
+}
+
+fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
+    let tps = 1e3 / f.decode_ms;
+    let gbps = f.weight_bytes as f64 / (f.decode_ms / 1e3) / 1e9;
+    let pct = 100.0 * gbps / f.read_gbps;
+    let ceiling = f.read_gbps * 1e9 / f.weight_bytes as f64;
+    let launches = b.launches_per_token();
+    println!("model            {label}");
+    println!("backend          {} ({})", b.name(), b.device_name());
+    println!("read bandwidth   {:.1} GB/s (measured now)", f.read_gbps);
+    println!("weights/token    {:.3} GB", f.weight_bytes as f64 / 1e9);
+    println!("prefill          {:.1} tok/s ({} tokens)", f.prefill_tps, args.prompt_len);
+    println!("decode           {:.3} ms/token = {:.1} tok/s ({} tokens)", f.decode_ms, tps, args.tokens);
+    println!("achieved         {gbps:.1} GB/s = {pct:.1}% of the measured bandwidth (ceiling {ceiling:.0} tok/s)");
+    println!(
+        "verify           {} columns in {:.3} ms = {:.2}x a decode step",
+        f.verify_cols,
+        f.verify_ms,
+        f.verify_ms / f.decode_ms
+    );
+    if let Some(l) = launches {
+        println!("launches/token   {l:.1}");
+    }
+    if let Some((s, mean)) = f.spec_tps {
+        println!("speculative      {s:.1} tok/s with --draft {} (mean accepted/round {mean:.2})", args.draft.draft);
+    }
+    let json = serde_json::json!({
+        "model": label,
+        "backend": b.name(),
+        "device": b.device_name(),
+        "read_gbps": f.read_gbps,
+        "weight_bytes_per_token": f.weight_bytes,
+        "prompt_len": args.prompt_len,
+        "prefill_tok_s": f.prefill_tps,
+        "decode_tokens": args.tokens,
+        "decode_ms_per_token": f.decode_ms,
+        "decode_tok_s": tps,
+        "achieved_gbps": gbps,
+        "bandwidth_pct": pct,
+        "ceiling_tok_s": ceiling,
+        "verify_columns": f.verify_cols,
+        "verify_ms": f.verify_ms,
+        "verify_over_decode": f.verify_ms / f.decode_ms,
+        "launches_per_token": launches,
+        "draft": args.draft.draft,
+        "spec_tok_s": f.spec_tps.map(|s| s.0),
+        "spec_mean_accepted": f.spec_tps.map(|s| s.1),
+    });
+    println!("{json}");
+}

@@ -1,0 +1,56 @@
+//! `megagemma bench`: the documented figures, as a table and one JSON line, and clear errors.
+
+mod common;
+use common::*;
+
+#[test]
+fn bench_prints_the_table_and_a_json_line() {
+    let d = fixtures_dir().join("sliding_wrap");
+    let out = megagemma(&[
+        "bench",
+        "--model",
+        d.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--prompt-len",
+        "8",
+        "--tokens",
+        "6",
+        "--draft",
+        "oracle",
+        "--acceptance",
+        "1",
+        "--k",
+        "3",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for label in ["read bandwidth", "weights/token", "prefill", "decode", "achieved", "verify", "speculative"] {
+        assert!(text.lines().any(|l| l.starts_with(label)), "no `{label}` line in:\n{text}");
+    }
+    let json: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(json["backend"], "cpu");
+    assert_eq!(json["verify_columns"], 4);
+    assert_eq!(json["spec_mean_accepted"], 3.0, "always-right drafts are all accepted");
+    for key in ["read_gbps", "decode_tok_s", "prefill_tok_s", "achieved_gbps", "bandwidth_pct", "verify_ms"] {
+        assert!(json[key].as_f64().is_some_and(|v| v > 0.0), "{key} = {}", json[key]);
+    }
+    assert!(json["weight_bytes_per_token"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn bench_errors_are_one_line() {
+    let d = fixtures_dir().join("sliding_wrap");
+    for (args, needle) in [
+        (vec!["bench"], "--model"),
+        (vec!["bench", "--synthetic", "e4b", "--backend", "cpu"], "GPU"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--tokens", "0"], "--tokens"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--ctx", "16"], "--ctx"),
+    ] {
+        let out = megagemma(&args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = stderr(&out);
+        assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "{err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
