@@ -1,0 +1,179 @@
+// Per-row and elementwise stages of a layer: embedding, norms, RoPE, activations, residual
+// updates, PLE inputs, MoE routing, KV commit, softcap + argmax. Activations are f32 [T, width].
+#include "common.cuh"
+
+// x[t] = embed[tokens[t]] · scale. One block per token.
+extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
+  int t = blockIdx.x;
+  u64 row = tokens[t];
+  for (int c = threadIdx.x; c < E.cols; c += blockDim.x)
+    x[(u64)t * E.cols + c] = __fmul_rn(mat_elem(E, row, c), scale);
+}
+
+// RMSNorm of each `dim`-wide chunk (one block per chunk): n = x̂·w (w may be null).
+// mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in f64.
+extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
+                                    int mode) {
+  u64 base = (u64)blockIdx.x * dim;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    double v = x[base + i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  __syncthreads();
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float n = __fmul_rn(x[base + i], r);
+    if (w) n = __fmul_rn(n, w[i]);
+    if (mode == 1) y[base + i] = __fadd_rn(y[base + i], n);
+    else y[base + i] = n;
+  }
+}
+
+// Rotate-half RoPE on [T, heads, hd]; token t is at position p0 + t. One block per (t, head).
+extern "C" __global__ void rope(float* x, const float* __restrict__ inv_freq, int heads, int hd, int p0) {
+  int t = blockIdx.x / heads;
+  float* h = x + (u64)blockIdx.x * hd;
+  int half = hd / 2;
+  float p = (float)(p0 + t);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float f = inv_freq[i];
+    if (f == 0.f) continue;
+    float s, c;
+    sincosf(__fmul_rn(p, f), &s, &c);
+    float a = h[i], b = h[i + half];
+    h[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    h[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  }
+}
+
+// g = gelu(g) · u over n elements.
+extern "C" __global__ void gelu_mul(float* g, const float* __restrict__ u, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) g[i] = __fmul_rn(gelu_tanh(g[i]), u[i]);
+}
+
+// PLE gate: g[t, i] = gelu(g[t, i]) · pli[t, layer·p + i] for g: [T, p], pli: [T, L·p].
+extern "C" __global__ void ple_gate(float* g, const float* __restrict__ pli, int p, int lp, int layer, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= T * p) return;
+  int t = i / p, k = i % p;
+  g[i] = __fmul_rn(gelu_tanh(g[i]), pli[(u64)t * lp + (u64)layer * p + k]);
+}
+
+// PLE inputs: c[t] = (c[t] + table[tokens[t]] · embed_scale) · input_scale, c already projected
+// and normed. One block per token.
+extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
+                                       float input_scale) {
+  int t = blockIdx.x;
+  u64 row = tokens[t];
+  for (int i = threadIdx.x; i < table.cols; i += blockDim.x) {
+    u64 j = (u64)t * table.cols + i;
+    c[j] = __fmul_rn(__fadd_rn(c[j], __fmul_rn(mat_elem(table, row, i), embed_scale)), input_scale);
+  }
+}
+
+// x *= s over n elements.
+extern "C" __global__ void scale(float* x, float s, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __fmul_rn(x[i], s);
+}
+
+// x += y over n elements.
+extern "C" __global__ void add(float* x, const float* __restrict__ y, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// y = x over n elements.
+extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i];
+}
+
+// Router input: z[t, i] = z[t, i] · s[i] · root (z already RMS-normed without weight).
+extern "C" __global__ void router_scale(float* z, const float* __restrict__ s, float root, int h, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < T * h) z[i] = __fmul_rn(__fmul_rn(z[i], s[i % h]), root);
+}
+
+// MoE routing, one thread per token: softmax over the E router logits, top-k by probability
+// (lower index first among equals), weight = p / Σ_topk p · per_expert_scale.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
+                                     int* idx, float* wts, int E, int k, int T) {
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const float* l = logits + (u64)t * E;
+  float mx = NEG_INF;
+  for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+  float sum = 0.f;
+  for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+  float inv = 1.f / sum;
+  unsigned long long taken[4] = {0, 0, 0, 0};  // up to 256 experts
+  float total = 0.f;
+  for (int s = 0; s < k; s++) {
+    int best = -1;
+    float bp = -1.f;
+    for (int e = 0; e < E; e++) {
+      if (taken[e >> 6] & (1ull << (e & 63))) continue;
+      float p = expf(l[e] - mx) * inv;
+      if (p > bp) { bp = p; best = e; }
+    }
+    taken[best >> 6] |= 1ull << (best & 63);
+    idx[t * k + s] = best;
+    wts[t * k + s] = bp;
+    total += bp;
+  }
+  for (int s = 0; s < k; s++) wts[t * k + s] = wts[t * k + s] / total * per_expert_scale[idx[t * k + s]];
+}
+
+// out[t, :] = Σ_s wts[t, s] · ys[idx[t, s], t, :] in routing order; ys: [E, T, h].
+extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const int* __restrict__ idx,
+                                       const float* __restrict__ wts, int k, int h, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= T * h) return;
+  int t = i / h;
+  float a = 0.f;
+  for (int s = 0; s < k; s++) a = __fadd_rn(a, __fmul_rn(wts[t * k + s], ys[((u64)idx[t * k + s] * T) * h + i]));
+  out[i] = a;
+}
+
+// Copy `n` staged K/V rows of `width` floats into the cache at positions p0.. (slot = pos mod
+// slots for a ring, pos for a full cache). One block per row.
+extern "C" __global__ void kv_commit(float* cache, const float* __restrict__ staged, int width, int p0, int slots) {
+  int i = blockIdx.x;
+  int pos = p0 + i;
+  u64 slot = slots > 0 ? (u64)(pos % slots) : (u64)pos;
+  for (int c = threadIdx.x; c < width; c += blockDim.x) cache[slot * width + c] = staged[(u64)i * width + c];
+}
+
+// Final softcap (cap > 0) in place and argmax per row (first index wins ties). One block per row.
+extern "C" __global__ void softcap_argmax(float* logits, int V, float cap, unsigned* ids) {
+  float* l = logits + (u64)blockIdx.x * V;
+  float best = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+    float v = l[i];
+    if (cap > 0.f) {
+      v = __fmul_rn(cap, tanhf(__fdiv_rn(v, cap)));
+      l[i] = v;
+    }
+    if (v > best) { best = v; bi = i; }
+  }
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+  }
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+      if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
+    ids[blockIdx.x] = (unsigned)bi;
+  }
+}
