@@ -4,13 +4,15 @@
 #include "common.cuh"
 
 // q, out: [T, heads·hd]. Committed rows: kc/vc [slots or max_len, kv_heads·hd]; staged rows
-// (positions p0 + i): ks/vs [T, kv_heads·hd]. window 0 = full attention; ring 0 = full cache,
+// (positions p0 + i, p0 = pos[0]): ks/vs [T, kv_heads·hd]. window 0 = full attention; ring 0 = full cache,
 // else the number of ring slots (slot = pos mod ring).
 extern "C" __global__ void attention(const float* __restrict__ q, const float* __restrict__ kc,
                                      const float* __restrict__ vc, const float* __restrict__ ks,
                                      const float* __restrict__ vs, float* __restrict__ out, int heads, int kv_heads,
-                                     int hd, int p0, int window, int ring, float scale) {
+                                     int hd, const int* __restrict__ pos_ptr, int window, int ring,
+                                     float scale) {
   extern __shared__ float scores[];
+  int p0 = pos_ptr[0];
   int t = blockIdx.x / heads, head = blockIdx.x % heads;
   int kvh = head / (heads / kv_heads);
   int pos = p0 + t;

@@ -31,9 +31,12 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
   }
 }
 
-// Rotate-half RoPE on [T, heads, hd]; token t is at position p0 + t. One block per (t, head).
-extern "C" __global__ void rope(float* x, const float* __restrict__ inv_freq, int heads, int hd, int p0) {
+// Rotate-half RoPE on [T, heads, hd]; token t is at position p0 + t, p0 = pos[0] (read on the
+// device so a captured decode graph serves every step). One block per (t, head).
+extern "C" __global__ void rope(float* x, const float* __restrict__ inv_freq, int heads, int hd,
+                                const int* __restrict__ pos) {
   int t = blockIdx.x / heads;
+  int p0 = pos[0];
   float* h = x + (u64)blockIdx.x * hd;
   int half = hd / 2;
   float p = (float)(p0 + t);
@@ -139,10 +142,13 @@ extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys,
   out[i] = a;
 }
 
-// Copy `n` staged K/V rows of `width` floats into the cache at positions p0.. (slot = pos mod
-// slots for a ring, pos for a full cache). One block per row.
-extern "C" __global__ void kv_commit(float* cache, const float* __restrict__ staged, int width, int p0, int slots) {
-  int i = blockIdx.x;
+// Copy `n` staged K and V rows of `width` floats into the cache at positions p0.. (slot = pos mod
+// slots for a ring, pos for a full cache). Blocks 0..n copy keys, n..2n values.
+extern "C" __global__ void kv_commit(float* cache_k, float* cache_v, const float* __restrict__ staged_k,
+                                     const float* __restrict__ staged_v, int n, int width, int p0, int slots) {
+  int i = blockIdx.x % n;
+  float* cache = blockIdx.x < n ? cache_k : cache_v;
+  const float* staged = blockIdx.x < n ? staged_k : staged_v;
   int pos = p0 + i;
   u64 slot = slots > 0 ? (u64)(pos % slots) : (u64)pos;
   for (int c = threadIdx.x; c < width; c += blockDim.x) cache[slot * width + c] = staged[(u64)i * width + c];

@@ -5,4 +5,12 @@
 //! sequence's KV cache and scratch, and runs the forward pass stage by stage on one stream.
 
 pub mod compile;
+pub mod device;
 pub mod libs;
+pub mod model;
+pub mod seq;
+pub mod synthetic;
+pub mod weights;
+
+pub use model::CudaModel;
+pub use seq::{CudaSeq, PosOut, Want, MAX_CHUNK};
