@@ -241,6 +241,7 @@ fn bench(name: &str) -> Result<()> {
         bytes / 1e9
     );
     println!("  measured read bandwidth {bw:.0} GB/s");
+    cm.take_profile();
     for graphs in [false, true] {
         let mut seq = CudaSeq::new(&cm, prompt_len + steps + 2)?;
         seq.set_graphs(graphs);
@@ -268,6 +269,13 @@ fn bench(name: &str) -> Result<()> {
             bytes as u64,
             100.0 * gbs / bw
         );
+        let profile = cm.take_profile();
+        if !profile.is_empty() {
+            println!("  per-kernel time (synchronised launches; prefill and decode):");
+            for (k, n, secs) in profile {
+                println!("    {k:<40} {n:>7} launches {:>9.3} ms  {:>7.2} us each", secs * 1e3, secs * 1e6 / n as f64);
+            }
+        }
     }
     Ok(())
 }

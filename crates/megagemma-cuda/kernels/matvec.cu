@@ -130,3 +130,95 @@ matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
   if (W.fmt == FMT_Q4) matvec_q4_row(W, r, x, y, m);
   else matvec_dense_row(W, r, x, y, m);
 }
+
+// ---- 4-bit affine, many rows per warp -------------------------------------------------------
+//
+// A warp takes 8 rows and walks their columns in chunks of 512 (16 weights per lane): the lane's
+// 16 activations are loaded once per chunk and reused for all 8 rows, and the 8 rows' weight
+// loads are all in flight together. `wpr` warps share the same 8 rows, splitting the chunks
+// (chunk c goes to warp c mod wpr); their partial sums are added in warp order. Columns are
+// processed one after another with the same instructions, so every column's result is the same
+// whatever the number of columns. Needs cols % 16 == 0 (group sizes are ≥ 32).
+
+#define Q4_ROWS 8
+#define Q4_CHUNK 512
+
+__device__ __forceinline__ float nibble_f32(unsigned w, int k) {
+  // 2^23 + q as a float, minus 2^23: exact, no integer-to-float conversion.
+  return __uint_as_float(0x4B000000u | ((w >> (4 * k)) & 15u)) - 8388608.f;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr) {
+  __shared__ float red[8][Q4_ROWS][MAXM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int groups_per_block = 8 / wpr;
+  const int g = warp / wpr, ws = warp % wpr;
+  const int row0 = (blockIdx.x * groups_per_block + g) * Q4_ROWS;
+  const int cols = W.cols, nw = cols >> 3, ng = cols / W.gs;
+  const int nchunks = (cols + Q4_CHUNK - 1) / Q4_CHUNK;
+  const unsigned* __restrict__ wbase = (const unsigned*)W.w;
+  const float2* __restrict__ sbase = (const float2*)W.sb;
+  for (int j = 0; j < m; j++) {
+    float acc[Q4_ROWS];
+#pragma unroll
+    for (int r = 0; r < Q4_ROWS; r++) acc[r] = 0.f;
+    // Two of this warp's chunks per step, all their weight loads issued before either is used.
+    for (int c = ws; c < nchunks; c += 2 * wpr) {
+      uint2 wv[2][Q4_ROWS];
+      float2 sb[2][Q4_ROWS];
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int col = (c + h * wpr) * Q4_CHUNK + lane * 16;
+        if (c + h * wpr < nchunks && col < cols) {
+#pragma unroll
+          for (int r = 0; r < Q4_ROWS; r++) {
+            const int row = min(row0 + r, W.rows - 1);
+            wv[h][r] = __ldcs((const uint2*)(wbase + (u64)row * nw + (col >> 3)));
+            sb[h][r] = sbase[(u64)row * ng + col / W.gs];
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int col = (c + h * wpr) * Q4_CHUNK + lane * 16;
+        if (c + h * wpr < nchunks && col < cols) {
+          float xv[16];
+          const float4* xp = (const float4*)(x + (u64)j * cols + col);
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            float4 t = __ldg(xp + i);
+            xv[4 * i] = t.x;
+            xv[4 * i + 1] = t.y;
+            xv[4 * i + 2] = t.z;
+            xv[4 * i + 3] = t.w;
+          }
+#pragma unroll
+          for (int r = 0; r < Q4_ROWS; r++) {
+            float a = acc[r];
+#pragma unroll
+            for (int k = 0; k < 8; k++) a = fmaf(fmaf(nibble_f32(wv[h][r].x, k), sb[h][r].x, sb[h][r].y), xv[k], a);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+              a = fmaf(fmaf(nibble_f32(wv[h][r].y, k), sb[h][r].x, sb[h][r].y), xv[8 + k], a);
+            acc[r] = a;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < Q4_ROWS; r++) {
+      float s = warp_sum(acc[r]);
+      if (lane == 0) red[warp][r][j] = s;
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < groups_per_block * Q4_ROWS * m; i += blockDim.x) {
+    const int gg = i / (Q4_ROWS * m), r = (i / m) % Q4_ROWS, j = i % m;
+    const int row = (blockIdx.x * groups_per_block + gg) * Q4_ROWS + r;
+    if (row >= W.rows) continue;
+    float s = 0.f;
+    for (int w = 0; w < wpr; w++) s += red[gg * wpr + w][r][j];
+    y[(u64)j * W.rows + row] = s;
+  }
+}

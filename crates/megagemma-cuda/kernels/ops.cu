@@ -154,32 +154,55 @@ extern "C" __global__ void kv_commit(float* cache_k, float* cache_v, const float
   for (int c = threadIdx.x; c < width; c += blockDim.x) cache[slot * width + c] = staged[(u64)i * width + c];
 }
 
-// Final softcap (cap > 0) in place and argmax per row (first index wins ties). One block per row.
-extern "C" __global__ void softcap_argmax(float* logits, int V, float cap, unsigned* ids) {
-  float* l = logits + (u64)blockIdx.x * V;
+// (value, index) pair order for the argmax: larger value first, then the lower index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+}
+
+// Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:
+// `split` blocks per row write (value, index) pairs to partial[row·split + b].
+extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float cap, float2* partial, int split) {
+  int row = blockIdx.x / split, b = blockIdx.x % split;
+  float* l = logits + (u64)row * V;
+  int per = (V + split - 1) / split;
+  int lo = b * per, hi = min(V, lo + per);
   float best = NEG_INF;
   int bi = 0x7fffffff;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     float v = l[i];
     if (cap > 0.f) {
       v = __fmul_rn(cap, tanhf(__fdiv_rn(v, cap)));
       l[i] = v;
     }
-    if (v > best) { best = v; bi = i; }
+    if (better(v, i, best, bi)) { best = v; bi = i; }
   }
+  warp_argmax(best, bi);
   __shared__ float sv[32];
   __shared__ int si[32];
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
-  }
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) { sv[warp] = best; si[warp] = bi; }
   __syncthreads();
   if (threadIdx.x == 0) {
     for (int w = 1; w < (int)(blockDim.x >> 5); w++)
-      if (sv[w] > best || (sv[w] == best && si[w] < bi)) { best = sv[w]; bi = si[w]; }
-    ids[blockIdx.x] = (unsigned)bi;
+      if (better(sv[w], si[w], best, bi)) { best = sv[w]; bi = si[w]; }
+    partial[blockIdx.x] = make_float2(best, __int_as_float(bi));
   }
+}
+
+// ids[row] = the best of the row's `split` candidates. One warp per row.
+extern "C" __global__ void argmax_final(const float2* __restrict__ partial, int split, unsigned* ids) {
+  float best = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int b = threadIdx.x; b < split; b += 32) {
+    float2 p = partial[blockIdx.x * split + b];
+    if (better(p.x, __float_as_int(p.y), best, bi)) { best = p.x; bi = __float_as_int(p.y); }
+  }
+  warp_argmax(best, bi);
+  if (threadIdx.x == 0) ids[blockIdx.x] = (unsigned)bi;
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 /// Every kernel entry point, by file.
 const FUNCTIONS: [(&str, &[&str]); 4] = [
-    ("matvec.cu", &["matvec"]),
+    ("matvec.cu", &["matvec", "matvec_q4"]),
     (
         "ops.cu",
         &[
@@ -30,7 +30,8 @@ const FUNCTIONS: [(&str, &[&str]); 4] = [
             "moe_route",
             "moe_combine",
             "kv_commit",
-            "softcap_argmax",
+            "softcap_argmax_partial",
+            "argmax_final",
         ],
     ),
     ("attention.cu", &["attention"]),
@@ -113,6 +114,8 @@ pub struct Gpu {
     pub sms: u32,
     launches: AtomicU64,
     capturing: AtomicBool,
+    /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
+    profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
 }
 
 // SAFETY: the context and stream handles may be used from any thread (the driver API is
@@ -162,7 +165,17 @@ impl Gpu {
         funcs["attention"]
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
-        Ok(Gpu { ctx, stream, funcs, name, sms, launches: AtomicU64::new(0), capturing: AtomicBool::new(false) })
+        let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
+        Ok(Gpu {
+            ctx,
+            stream,
+            funcs,
+            name,
+            sms,
+            launches: AtomicU64::new(0),
+            capturing: AtomicBool::new(false),
+            profile,
+        })
     }
 
     pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
@@ -220,9 +233,18 @@ impl Gpu {
         }
         let mut args = args.to_vec();
         let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::as_mut_ptr).collect();
-        if !self.capturing.load(Ordering::Relaxed) {
+        let capturing = self.capturing.load(Ordering::Relaxed);
+        if !capturing {
             self.count_launch();
         }
+        let timed = self.profile.as_ref().filter(|_| !capturing);
+        let start = match timed {
+            Some(_) => {
+                self.sync()?;
+                Some(std::time::Instant::now())
+            }
+            None => None,
+        };
         // SAFETY: argument lists match the kernels' signatures (see kernels/*.cu); every pointer
         // is a live device allocation sized by the caller.
         unsafe {
@@ -235,7 +257,19 @@ impl Gpu {
                 &mut ptrs,
             )
         }
-        .map_err(|e| cuda_err(&format!("launch {name}"), e))
+        .map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        if let (Some(p), Some(t0)) = (timed, start) {
+            self.sync()?;
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let key = match args.first() {
+                Some(Arg::Mat(m)) => format!("{name} {}x{} grid {grid}", m.rows, m.cols),
+                _ => format!("{name} grid {grid}"),
+            };
+            let e = p.entry(key).or_default();
+            e.0 += 1;
+            e.1 += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
     }
 
     /// While set, kernel launches are being captured into a graph and are not counted.
@@ -246,6 +280,15 @@ impl Gpu {
     /// Counts one launch (a kernel or a whole graph).
     pub fn count_launch(&self) {
         self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// With `MEGAGEMMA_CUDA_PROFILE=1`: `(kernel, launches, seconds)` so far, slowest first; then cleared.
+    pub fn take_profile(&self) -> Vec<(String, u64, f64)> {
+        let Some(p) = &self.profile else { return vec![] };
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = p.drain().map(|(k, (n, s))| (k, n, s)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
     }
 
     /// Launches so far (kernels, and graphs as one each).

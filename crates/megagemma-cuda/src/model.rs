@@ -78,6 +78,12 @@ impl CudaModel {
         self.gpu.launches()
     }
 
+    /// Per-kernel launch counts and seconds since the last call, slowest first (only with
+    /// `MEGAGEMMA_CUDA_PROFILE=1`, which synchronises around every launch).
+    pub fn take_profile(&self) -> Vec<(String, u64, f64)> {
+        self.gpu.take_profile()
+    }
+
     /// Measured read bandwidth in GB/s: a read-only reduction over `bytes` of device memory, best of 5.
     pub fn read_bandwidth(&self, bytes: usize) -> Result<f64> {
         let bytes = bytes / 16 * 16;

@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu};
+use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -18,6 +18,9 @@ pub const MAX_CHUNK: usize = 64;
 /// Columns one matvec launch handles.
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
+const ATTENTION_WARPS: usize = 32;
+/// Blocks per row of the softcap + argmax pass.
+const ARGMAX_SPLIT: usize = 64;
 
 /// What a forward returns per position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +63,8 @@ struct Scratch {
     pg: DevBuf,
     logits: DevBuf,
     ids: DevBuf,
+    /// Per-block (value, index) candidates of the argmax.
+    partial: DevBuf,
     /// `[p0, token 0, token 1, …]` as u32: the chunk's first position and its tokens, uploaded
     /// in one copy and read by the kernels on the device.
     meta: DevBuf,
@@ -137,6 +142,7 @@ impl CudaSeq {
             pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
             logits: gpu.alloc_zeros(f32s(t * plan.vocab_size))?,
             ids: gpu.alloc_zeros(t * 4)?,
+            partial: gpu.alloc_zeros(t * ARGMAX_SPLIT * 8)?,
             meta: gpu.alloc_zeros((t + 1) * 4)?,
             zr: gpu.alloc_zeros(f32s(t * h))?,
             rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
@@ -314,16 +320,24 @@ impl CudaSeq {
     /// arithmetic is independent of the others, so the split does not change any bit).
     fn matvec(&self, w: &DevMat, x: u64, y: u64, t: usize) -> Result<()> {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
-        let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
+        // 4-bit matrices with 16-aligned rows take the many-rows-per-warp kernel; `wpr` warps
+        // split each row group's 512-column chunks.
+        let q4_fast = w.fmt == FMT_Q4 && cols.is_multiple_of(16);
+        // Each warp takes its chunks two at a time: aim for at least two per warp.
+        let chunks = cols.div_ceil(512);
+        let wpr = [8, 4, 2, 1].into_iter().find(|&w| 2 * w <= chunks).unwrap_or(1);
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
-            let args = [
-                Arg::Mat(*w),
-                Arg::Ptr(x + f32s(c0 * cols) as u64),
-                Arg::Ptr(y + f32s(c0 * rows) as u64),
-                Arg::I32(m as i32),
-            ];
-            self.gpu().launch("matvec", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)?;
+            let (xp, yp) = (x + f32s(c0 * cols) as u64, y + f32s(c0 * rows) as u64);
+            if q4_fast {
+                let rows_per_block = 8 * (8 / wpr);
+                let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32), Arg::I32(wpr as i32)];
+                self.gpu().launch("matvec_q4", rows.div_ceil(rows_per_block) as u32, 256, 0, &args)?;
+            } else {
+                let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
+                let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32)];
+                self.gpu().launch("matvec", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)?;
+            }
         }
         Ok(())
     }
@@ -383,8 +397,17 @@ impl CudaSeq {
         self.norm(s.a.ptr, s.x.at(f32s(first * h)), w.final_norm, h, n, false)?;
         self.matvec(&w.lm_head, s.a.ptr, s.logits.ptr, n)?;
         let cap = plan.final_softcap.unwrap_or(0.0);
-        let args = [Arg::Ptr(s.logits.ptr), Arg::I32(plan.vocab_size as i32), Arg::F32(cap), Arg::Ptr(s.ids.ptr)];
-        self.gpu().launch("softcap_argmax", n as u32, 1024, 0, &args)
+        let v = plan.vocab_size as i32;
+        let args = [
+            Arg::Ptr(s.logits.ptr),
+            Arg::I32(v),
+            Arg::F32(cap),
+            Arg::Ptr(s.partial.ptr),
+            Arg::I32(ARGMAX_SPLIT as i32),
+        ];
+        self.gpu().launch("softcap_argmax_partial", (n * ARGMAX_SPLIT) as u32, 256, 0, &args)?;
+        let args = [Arg::Ptr(s.partial.ptr), Arg::I32(ARGMAX_SPLIT as i32), Arg::Ptr(s.ids.ptr)];
+        self.gpu().launch("argmax_final", n as u32, 32, 0, &args)
     }
 
     fn layer(&self, lp: &LayerPlan, lw: &DevLayer, t: usize) -> Result<()> {
@@ -474,7 +497,10 @@ impl CudaSeq {
             Some(w) => w.min(self.max_len),
             None => self.max_len,
         };
-        let smem = f32s(keys);
+        let smem = f32s(lp.head_dim + keys + ATTENTION_WARPS * lp.head_dim);
+        if lp.head_dim > 512 {
+            bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
+        }
         if smem > 200 * 1024 {
             bail!("attention over {keys} keys needs {smem} bytes of shared memory (at most 200 KB)");
         }
@@ -493,7 +519,7 @@ impl CudaSeq {
             Arg::I32(c.ring as i32),
             Arg::F32(self.model.plan.attn_scale),
         ];
-        self.gpu().launch("attention", (t * lp.num_heads) as u32, 128, smem as u32, &args)
+        self.gpu().launch("attention", (t * lp.num_heads) as u32, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
     /// `out = down(gelu(gate·x) · up·x)` for `t` columns.
