@@ -7,17 +7,14 @@
 //! `gpu_check bench [e4b|e2b|tiny…]`: synthetic q4 decode speed against measured bandwidth.
 //! `gpu_check all`: the three in turn. Exit status 1 when a check fails.
 
+use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
 use megagemma_cuda::{CudaModel, CudaSeq, Want};
-use megagemma_model::cpu::forward::forward_chunk;
-use megagemma_model::cpu::kv::KvCache;
-use megagemma_model::cpu::ops::argmax;
 use megagemma_model::{Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 const STEPS: usize = 24;
-const REL_L2_MAX: f64 = 1e-3;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -44,13 +41,7 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
         if !rest.is_empty() {
             return Ok(rest.iter().map(PathBuf::from).collect());
         }
-        let mut v: Vec<PathBuf> = std::fs::read_dir("tests/fixtures")
-            .map_err(|e| megagemma_model::Error::msg(format!("tests/fixtures: {e}")))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.join("expected.json").is_file())
-            .collect();
-        v.sort();
-        Ok(v)
+        fixture_dirs(Path::new("tests/fixtures"))
     };
     match cmd {
         "fixtures" => fixtures_check(&fixtures()?),
@@ -74,126 +65,41 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
     }
 }
 
-/// `(name, prompt ids)` of each case of a fixture's expected.json.
-fn cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
-    let path = dir.join("expected.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.display())))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.display())))?;
-    let mut out = Vec::new();
-    for c in v["cases"].as_array().into_iter().flatten() {
-        let ids: Vec<u32> =
-            c["prompt_ids"].as_array().into_iter().flatten().filter_map(|x| x.as_u64()).map(|x| x as u32).collect();
-        if !ids.is_empty() {
-            out.push((c["name"].as_str().unwrap_or("?").to_string(), ids));
-        }
-    }
-    Ok(out)
-}
-
-fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
-}
-
-/// Greedy CPU reference: logits of the prompt's last position and of each of `steps − 1` decode steps.
-fn cpu_greedy(model: &Model, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut kv = KvCache::new(&model.plan);
-    let (mut ids, mut logits) = (vec![], vec![]);
-    let mut input = prompt.to_vec();
-    for _ in 0..steps {
-        let out = forward_chunk(&model.plan, &model.weights, &mut kv, &input, 1);
-        kv.commit(input.len()).expect("commit");
-        let next = argmax(&out.logits);
-        ids.push(next);
-        logits.push(out.logits);
-        input = vec![next];
-    }
-    (ids, logits)
-}
-
-fn cuda_greedy(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
-    let mut seq = CudaSeq::new(cm, prompt.len() + steps + 1)?;
-    let mut out = seq.prefill(prompt, true)?;
-    let (mut ids, mut logits) = (vec![], vec![]);
-    for step in 0..steps {
-        ids.push(out.argmax);
-        logits.push(out.logits.take().unwrap_or_default());
-        if step + 1 < steps {
-            out = seq.forward(&[out.argmax], Want { all_positions: false, logits: true })?.remove(0);
-            seq.commit(1)?;
-        }
-    }
-    Ok((ids, logits))
-}
-
 fn fixtures_check(dirs: &[PathBuf]) -> Result<bool> {
     let mut all_ok = true;
     for dir in dirs {
         let model = Model::load(dir)?;
         let cm = CudaModel::load(&model)?;
-        for (name, prompt) in cases(dir)? {
-            let (cpu_ids, cpu_logits) = cpu_greedy(&model, &prompt, STEPS);
-            let (gpu_ids, gpu_logits) = cuda_greedy(&cm, &prompt, STEPS)?;
-            let same = cpu_ids.iter().zip(&gpu_ids).take_while(|(a, b)| a == b).count();
-            let worst =
-                cpu_logits.iter().zip(&gpu_logits).take(same.max(1)).map(|(c, g)| rel_l2(g, c)).fold(0.0, f64::max);
-            let ok = same == STEPS && worst <= REL_L2_MAX;
-            all_ok &= ok;
+        for (name, prompt) in fixture_cases(dir)? {
+            let r = compare_greedy(&model, &cm, &prompt, STEPS)?;
+            all_ok &= r.ok();
             println!(
                 "fixture {:<14} {:<10} prompt {:>3}  ids equal {:>2}/{STEPS}  max rel L2 {:.2e}  {}",
                 dir.file_name().unwrap_or_default().to_string_lossy(),
                 name,
                 prompt.len(),
-                same,
-                worst,
-                if ok { "ok" } else { "FAIL" }
+                r.ids_equal,
+                r.max_rel_l2,
+                if r.ok() { "ok" } else { "FAIL" }
             );
-            if !ok {
-                println!("  cpu  {cpu_ids:?}\n  cuda {gpu_ids:?}");
+            if !r.ok() {
+                println!("  cpu  {:?}\n  cuda {:?}", r.cpu_ids, r.cuda_ids);
             }
         }
     }
     Ok(all_ok)
 }
 
-/// A T-token forward (verify) against T single decode steps, then a partial commit.
 fn verify_one(label: &str, cm: &Arc<CudaModel>, prompt: &[u32], t: usize) -> Result<bool> {
-    let max_len = prompt.len() + t + 2;
-    let mut dec = CudaSeq::new(cm, max_len)?;
-    let mut ver = CudaSeq::new(cm, max_len)?;
-    let first = dec.prefill(prompt, false)?.argmax;
-    ver.prefill(prompt, false)?;
-    let mut feed = vec![first];
-    let mut step_logits = vec![];
-    for i in 0..t {
-        let o = dec.forward(&[feed[i]], Want { all_positions: false, logits: true })?.remove(0);
-        dec.commit(1)?;
-        feed.push(o.argmax);
-        step_logits.push(o.logits.unwrap());
-    }
-    let cols = ver.forward(&feed[..t], Want { all_positions: true, logits: true })?;
-    let mut equal = cols.iter().zip(&step_logits).filter(|(c, s)| c.logits.as_deref() == Some(&s[..])).count();
-    // Accept part of the candidates, then decode the next one: must equal that decode step.
-    let keep = t / 2;
-    ver.commit(keep)?;
-    let next = ver.forward(&[feed[keep]], Want { all_positions: false, logits: true })?.remove(0);
-    let after_commit = next.logits.as_deref() == Some(&step_logits[keep][..]);
-    equal += after_commit as usize;
-    let ok = equal == t + 1;
+    let r = verify_columns(cm, prompt, t)?;
     println!(
         "verify {label:<28} prompt {:>3}  T={t}: {}/{t} columns bit-identical to decode, partial commit {}  {}",
         prompt.len(),
-        equal - after_commit as usize,
-        if after_commit { "exact" } else { "DIFFERS" },
-        if ok { "ok" } else { "FAIL" }
+        r.columns_equal,
+        if r.partial_commit_exact { "exact" } else { "DIFFERS" },
+        if r.ok() { "ok" } else { "FAIL" }
     );
-    Ok(ok)
+    Ok(r.ok())
 }
 
 fn verify_all(dirs: &[PathBuf]) -> Result<bool> {
@@ -201,7 +107,7 @@ fn verify_all(dirs: &[PathBuf]) -> Result<bool> {
     for dir in dirs {
         let model = Model::load(dir)?;
         let cm = CudaModel::load(&model)?;
-        if let Some((_, prompt)) = cases(dir)?.into_iter().next() {
+        if let Some((_, prompt)) = fixture_cases(dir)?.into_iter().next() {
             let label = dir.file_name().unwrap_or_default().to_string_lossy().to_string();
             ok &= verify_one(&label, &cm, &prompt, 8)?;
         }

@@ -148,8 +148,11 @@ __device__ __forceinline__ float nibble_f32(unsigned w, int k) {
   return __uint_as_float(0x4B000000u | ((w >> (4 * k)) & 15u)) - 8388608.f;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr) {
+// With `gate` non-null the input is gelu(x)·gate instead of x (the GeGLU and PLE gates fused into
+// the projection that consumes them); `gate_stride` is the gate's row stride.
+template <bool GATED>
+__device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __restrict__ x, float* __restrict__ y, int m,
+                                               int wpr, const float* __restrict__ gate, int gate_stride) {
   __shared__ float red[8][Q4_ROWS][MAXM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int groups_per_block = 8 / wpr;
@@ -193,6 +196,17 @@ matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int 
             xv[4 * i + 2] = t.z;
             xv[4 * i + 3] = t.w;
           }
+          if (GATED) {
+            const float4* gp = (const float4*)(gate + (u64)j * gate_stride + col);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+              float4 t = __ldg(gp + i);
+              xv[4 * i] = __fmul_rn(gelu_tanh(xv[4 * i]), t.x);
+              xv[4 * i + 1] = __fmul_rn(gelu_tanh(xv[4 * i + 1]), t.y);
+              xv[4 * i + 2] = __fmul_rn(gelu_tanh(xv[4 * i + 2]), t.z);
+              xv[4 * i + 3] = __fmul_rn(gelu_tanh(xv[4 * i + 3]), t.w);
+            }
+          }
 #pragma unroll
           for (int r = 0; r < Q4_ROWS; r++) {
             float a = acc[r];
@@ -221,4 +235,15 @@ matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int 
     for (int w = 0; w < wpr; w++) s += red[gg * wpr + w][r][j];
     y[(u64)j * W.rows + row] = s;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr) {
+  matvec_q4_body<false>(W, x, y, m, wpr, nullptr, 0);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr,
+                const float* __restrict__ gate, int gate_stride) {
+  matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride);
 }

@@ -31,38 +31,72 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
   }
 }
 
-// Rotate-half RoPE on [T, heads, hd]; token t is at position p0 + t, p0 = pos[0] (read on the
-// device so a captured decode graph serves every step). One block per (t, head).
-extern "C" __global__ void rope(float* x, const float* __restrict__ inv_freq, int heads, int hd,
-                                const int* __restrict__ pos) {
-  int t = blockIdx.x / heads;
-  int p0 = pos[0];
+// Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
+// on [T, heads, hd]; token t is at position pos[0] + t. One block per (t, head); hd ≤ 512.
+extern "C" __global__ void head_norm_rope(float* x, const float* __restrict__ w, const float* __restrict__ inv_freq,
+                                          int heads, int hd, const int* __restrict__ pos, float eps) {
+  __shared__ float hv[512];
   float* h = x + (u64)blockIdx.x * hd;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    double v = h[i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)hd + (double)eps));
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    float n = __fmul_rn(h[i], r);
+    hv[i] = w ? __fmul_rn(n, w[i]) : n;
+  }
+  __syncthreads();
   int half = hd / 2;
-  float p = (float)(p0 + t);
+  float p = (float)(pos[0] + (int)(blockIdx.x / heads));
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float f = inv_freq[i];
-    if (f == 0.f) continue;
-    float s, c;
-    sincosf(__fmul_rn(p, f), &s, &c);
-    float a = h[i], b = h[i + half];
-    h[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    h[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    float a = hv[i], b = hv[i + half];
+    float f = inv_freq ? inv_freq[i] : 0.f;
+    if (f != 0.f) {
+      float sn, cs;
+      sincosf(__fmul_rn(p, f), &sn, &cs);
+      float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+      b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+      a = a2;
+    }
+    h[i] = a;
+    h[i + half] = b;
   }
 }
 
-// g = gelu(g) · u over n elements.
-extern "C" __global__ void gelu_mul(float* g, const float* __restrict__ u, u64 n) {
-  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) g[i] = __fmul_rn(gelu_tanh(g[i]), u[i]);
+// End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
+// per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
+extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
+                                    float* a, const float* __restrict__ w2, int dim, float eps) {
+  u64 base = (u64)blockIdx.x * dim;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    double v = o[base + i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  double ss2 = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = __fadd_rn(x[base + i], __fmul_rn(__fmul_rn(o[base + i], r), w1[i]));
+    if (scale != 1.f) v = __fmul_rn(v, scale);
+    x[base + i] = v;
+    ss2 += (double)v * (double)v;
+  }
+  if (!w2) return;
+  ss2 = block_sum_d(ss2);
+  float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) a[base + i] = __fmul_rn(__fmul_rn(x[base + i], r2), w2[i]);
 }
 
-// PLE gate: g[t, i] = gelu(g[t, i]) · pli[t, layer·p + i] for g: [T, p], pli: [T, L·p].
-extern "C" __global__ void ple_gate(float* g, const float* __restrict__ pli, int p, int lp, int layer, int T) {
+// x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).
+extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= T * p) return;
-  int t = i / p, k = i % p;
-  g[i] = __fmul_rn(gelu_tanh(g[i]), pli[(u64)t * lp + (u64)layer * p + k]);
+  if (i >= T * n) return;
+  int t = i / n, k = i % n;
+  x[i] = __fmul_rn(gelu_tanh(x[i]), gate[(u64)t * stride + k]);
 }
 
 // PLE inputs: c[t] = (c[t] + table[tokens[t]] · embed_scale) · input_scale, c already projected

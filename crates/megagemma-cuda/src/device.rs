@@ -13,15 +13,15 @@ use std::sync::Arc;
 
 /// Every kernel entry point, by file.
 const FUNCTIONS: [(&str, &[&str]); 4] = [
-    ("matvec.cu", &["matvec", "matvec_q4"]),
+    ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated"]),
     (
         "ops.cu",
         &[
             "embed_gather",
             "rms_norm",
-            "rope",
-            "gelu_mul",
-            "ple_gate",
+            "head_norm_rope",
+            "add_norm",
+            "gelu_gate",
             "ple_combine",
             "scale",
             "add",

@@ -4,6 +4,7 @@
 //! uploaded into arenas ([`weights`]); [`CudaModel`] holds them and the device, [`CudaSeq`] one
 //! sequence's KV cache and scratch, and runs the forward pass stage by stage on one stream.
 
+pub mod check;
 pub mod compile;
 pub mod device;
 pub mod libs;

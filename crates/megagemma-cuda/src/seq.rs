@@ -22,6 +22,13 @@ const ATTENTION_WARPS: usize = 32;
 /// Blocks per row of the softcap + argmax pass.
 const ARGMAX_SPLIT: usize = 64;
 
+/// The second input of a gated projection: `[t, ≥ cols]` floats with row stride `stride`.
+#[derive(Clone, Copy)]
+struct Gate {
+    ptr: u64,
+    stride: usize,
+}
+
 /// What a forward returns per position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Want {
@@ -319,20 +326,40 @@ impl CudaSeq {
     /// `y[t] = W·x[t]` for `t` columns, in launches of up to eight columns (each column's
     /// arithmetic is independent of the others, so the split does not change any bit).
     fn matvec(&self, w: &DevMat, x: u64, y: u64, t: usize) -> Result<()> {
+        self.matvec_impl(w, x, None, y, t)
+    }
+
+    /// `y[t] = W·(gelu(x[t]) · gate[t])`: fused into the 4-bit kernel, else a separate pass over `x`.
+    fn matvec_gated(&self, w: &DevMat, x: u64, gate: Gate, y: u64, t: usize) -> Result<()> {
+        self.matvec_impl(w, x, Some(gate), y, t)
+    }
+
+    fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         // 4-bit matrices with 16-aligned rows take the many-rows-per-warp kernel; `wpr` warps
-        // split each row group's 512-column chunks.
-        let q4_fast = w.fmt == FMT_Q4 && cols.is_multiple_of(16);
-        // Each warp takes its chunks two at a time: aim for at least two per warp.
+        // split each row group's 512-column chunks, each warp taking its chunks two at a time.
+        let q4_fast = w.fmt == FMT_Q4 && cols.is_multiple_of(16) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
+        if let (Some(g), false) = (gate, q4_fast) {
+            let args =
+                [Arg::Ptr(x), Arg::Ptr(g.ptr), Arg::I32(cols as i32), Arg::I32(g.stride as i32), Arg::I32(t as i32)];
+            self.elementwise("gelu_gate", t * cols, &args)?;
+        }
         let chunks = cols.div_ceil(512);
         let wpr = [8, 4, 2, 1].into_iter().find(|&w| 2 * w <= chunks).unwrap_or(1);
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let (xp, yp) = (x + f32s(c0 * cols) as u64, y + f32s(c0 * rows) as u64);
             if q4_fast {
-                let rows_per_block = 8 * (8 / wpr);
-                let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32), Arg::I32(wpr as i32)];
-                self.gpu().launch("matvec_q4", rows.div_ceil(rows_per_block) as u32, 256, 0, &args)?;
+                let grid = rows.div_ceil(8 * (8 / wpr)) as u32;
+                let mut args = vec![Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32), Arg::I32(wpr as i32)];
+                let name = match gate {
+                    Some(g) => {
+                        args.extend([Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)]);
+                        "matvec_q4_gated"
+                    }
+                    None => "matvec_q4",
+                };
+                self.gpu().launch(name, grid, 256, 0, &args)?;
             } else {
                 let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
                 let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32)];
@@ -388,14 +415,17 @@ impl CudaSeq {
             self.gpu().launch("ple_combine", t as u32, 256, 0, &args)?;
         }
 
-        for (lp, lw) in plan.layers.iter().zip(&w.layers) {
-            self.layer(lp, lw, t)?;
+        // Each layer starts with `a` = its input norm of `x` and ends by writing the next layer's
+        // (or the final) norm into `a`.
+        self.norm(s.a.ptr, s.x.ptr, w.layers[0].input_norm, h, t, false)?;
+        for (i, (lp, lw)) in plan.layers.iter().zip(&w.layers).enumerate() {
+            let next_norm = w.layers.get(i + 1).map_or(w.final_norm, |l| l.input_norm);
+            self.layer(lp, lw, next_norm, t)?;
         }
 
-        // §2.4 final norm, LM head, softcap, argmax of the wanted positions.
+        // §2.4 LM head on the final-normed wanted positions, softcap, argmax.
         let n = t - first;
-        self.norm(s.a.ptr, s.x.at(f32s(first * h)), w.final_norm, h, n, false)?;
-        self.matvec(&w.lm_head, s.a.ptr, s.logits.ptr, n)?;
+        self.matvec(&w.lm_head, s.a.at(f32s(first * h)), s.logits.ptr, n)?;
         let cap = plan.final_softcap.unwrap_or(0.0);
         let v = plan.vocab_size as i32;
         let args = [
@@ -410,21 +440,31 @@ impl CudaSeq {
         self.gpu().launch("argmax_final", n as u32, 32, 0, &args)
     }
 
-    fn layer(&self, lp: &LayerPlan, lw: &DevLayer, t: usize) -> Result<()> {
+    /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, on exit `s.a`
+    /// holds `x` normed with `next_norm`.
+    fn layer(&self, lp: &LayerPlan, lw: &DevLayer, next_norm: u64, t: usize) -> Result<()> {
         let m = &*self.model;
         let (plan, s) = (&m.plan, &self.s);
-        let (h, hd) = (plan.hidden, lp.head_dim);
+        let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
         let pos = self.s.meta.ptr;
-
-        // 2–5: pre-attention norm, Q, q_norm, RoPE.
-        self.norm(s.a.ptr, s.x.ptr, lw.input_norm, h, t, false)?;
-        self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?;
-        self.norm(s.q.ptr, s.q.ptr, lw.q_norm, hd, t * lp.num_heads, false)?;
-        let rope = |x: u64, heads: usize| {
-            let args = [Arg::Ptr(x), Arg::Ptr(lw.inv_freq), Arg::I32(heads as i32), Arg::I32(hd as i32), Arg::Ptr(pos)];
-            self.gpu().launch("rope", (t * heads) as u32, 64, 0, &args)
+        // Per-head norm (weight or none) and RoPE (or none) on a [t, heads, hd] buffer.
+        let head_norm_rope = |x: u64, w: u64, rope: bool, heads: usize| {
+            let freq = if rope { lw.inv_freq } else { 0 };
+            let args = [
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(freq),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::Ptr(pos),
+                Arg::F32(eps),
+            ];
+            self.gpu().launch("head_norm_rope", (t * heads) as u32, 128, 0, &args)
         };
-        rope(s.q.ptr, lp.num_heads)?;
+
+        // 3–5: Q, q_norm, RoPE.
+        self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?;
+        head_norm_rope(s.q.ptr, lw.q_norm, true, lp.num_heads)?;
 
         // 6–11: own K/V, computed straight into this layer's staging rows.
         if let (Some(wk), Some(k_norm), Some(c)) = (&lw.k, lw.k_norm, &self.caches[lp.index]) {
@@ -438,55 +478,56 @@ impl CudaSeq {
                     self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
                 }
             }
-            self.norm(sk, sk, k_norm, hd, t * lp.num_kv_heads, false)?;
-            rope(sk, lp.num_kv_heads)?;
+            head_norm_rope(sk, k_norm, true, lp.num_kv_heads)?;
             if plan.v_norm {
-                self.norm(sv, sv, 0, hd, t * lp.num_kv_heads, false)?;
+                head_norm_rope(sv, 0, false, lp.num_kv_heads)?;
             }
         }
 
-        // 12–15: attention over the source layer's cache, O projection, post-attention norm.
+        // 12–15: attention over the source layer's cache, O projection, post-attention norm and
+        // residual, then the pre-feed-forward norm.
         self.attention(lp, t)?;
         self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
-        self.norm(s.x.ptr, s.o.ptr, lw.post_attn_norm, h, t, true)?;
+        self.add_norm(s.o.ptr, lw.post_attn_norm, 1.0, lw.pre_ffn_norm, t)?;
 
         // 16–19: feed-forward (dense MLP, plus the MoE branch).
-        self.norm(s.a.ptr, s.x.ptr, lw.pre_ffn_norm, h, t, false)?;
         self.mlp(&lw.gate, &lw.up, &lw.down, s.a.ptr, s.f.ptr, t)?;
         if let Some(moe) = &lw.moe {
             self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
             self.moe(moe, t)?;
             self.elementwise("add", t * h, &[Arg::Ptr(s.f.ptr), Arg::Ptr(s.e.ptr), Arg::U64((t * h) as u64)])?;
         }
-        self.norm(s.x.ptr, s.f.ptr, lw.post_ffn_norm, h, t, true)?;
 
-        // 20–24: per-layer embedding injection.
-        if let Some(ple) = &lw.ple {
-            let p = plan.ple_dim;
-            self.matvec(&ple.gate, s.x.ptr, s.pg.ptr, t)?;
-            let lpw = plan.layers.len() * p;
-            let args = [
-                Arg::Ptr(s.pg.ptr),
-                Arg::Ptr(s.pli.ptr),
-                Arg::I32(p as i32),
-                Arg::I32(lpw as i32),
-                Arg::I32(lp.index as i32),
-                Arg::I32(t as i32),
-            ];
-            self.elementwise("ple_gate", t * p, &args)?;
-            self.matvec(&ple.proj, s.pg.ptr, s.o.ptr, t)?;
-            self.norm(s.x.ptr, s.o.ptr, ple.post_norm, h, t, true)?;
+        // 20–25: per-layer embedding injection, the per-layer scalar, the next norm.
+        match &lw.ple {
+            Some(ple) => {
+                self.add_norm(s.f.ptr, lw.post_ffn_norm, 1.0, 0, t)?;
+                let p = plan.ple_dim;
+                let lpw = plan.layers.len() * p;
+                self.matvec(&ple.gate, s.x.ptr, s.pg.ptr, t)?;
+                let gate = Gate { ptr: s.pli.at(f32s(lp.index * p)), stride: lpw };
+                self.matvec_gated(&ple.proj, s.pg.ptr, gate, s.o.ptr, t)?;
+                self.add_norm(s.o.ptr, ple.post_norm, lw.layer_scalar, next_norm, t)
+            }
+            None => self.add_norm(s.f.ptr, lw.post_ffn_norm, lw.layer_scalar, next_norm, t),
         }
+    }
 
-        // 25: per-layer scalar.
-        if lw.layer_scalar != 1.0 {
-            self.elementwise(
-                "scale",
-                t * h,
-                &[Arg::Ptr(s.x.ptr), Arg::F32(lw.layer_scalar), Arg::U64((t * h) as u64)],
-            )?;
-        }
-        Ok(())
+    /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
+    fn add_norm(&self, o: u64, w1: u64, scale: f32, w2: u64, t: usize) -> Result<()> {
+        let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
+        let s = &self.s;
+        let args = [
+            Arg::Ptr(s.x.ptr),
+            Arg::Ptr(o),
+            Arg::Ptr(w1),
+            Arg::F32(scale),
+            Arg::Ptr(s.a.ptr),
+            Arg::Ptr(w2),
+            Arg::I32(h as i32),
+            Arg::F32(eps),
+        ];
+        self.gpu().launch("add_norm", t as u32, if h >= 512 { 256 } else { 64 }, 0, &args)
     }
 
     fn attention(&self, lp: &LayerPlan, t: usize) -> Result<()> {
@@ -527,9 +568,7 @@ impl CudaSeq {
         let s = &self.s;
         self.matvec(gate, x, s.g.ptr, t)?;
         self.matvec(up, x, s.u.ptr, t)?;
-        let n = t * gate.rows as usize;
-        self.elementwise("gelu_mul", n, &[Arg::Ptr(s.g.ptr), Arg::Ptr(s.u.ptr), Arg::U64(n as u64)])?;
-        self.matvec(down, s.g.ptr, out, t)
+        self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
     }
 
     /// MoE branch into `s.e`: route, run every expert on the pre-normed input, combine the top-k

@@ -5,14 +5,22 @@
 use megagemma_cuda::compile::{compile_cubin, kernel_source, options, parse_ptxas, KERNEL_FILES};
 use megagemma_cuda::libs::nvrtc_present;
 
+/// A line on the real stderr: the test harness captures `eprintln!`, and a skip must be visible.
+macro_rules! skip_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 #[test]
 fn kernels_compile() {
     if !nvrtc_present() {
-        let msg = "kernels_compile: libnvrtc not found (run tools/fetch_nvrtc.sh and set MEGAGEMMA_CUDA_LIB_DIR=.cache/nvrtc)";
+        let msg = "kernels_compile: libnvrtc not found (run tools/fetch_nvrtc.sh, then set MEGAGEMMA_CUDA_LIB_DIR=$PWD/.cache/nvrtc from the repository root)";
         if std::env::var("MEGAGEMMA_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
             panic!("{msg}");
         }
-        eprintln!("SKIPPED {msg}");
+        skip_line!("SKIPPED {msg}");
         return;
     }
     let mut failures = Vec::new();
