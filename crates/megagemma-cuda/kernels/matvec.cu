@@ -143,9 +143,18 @@ matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
 #define Q4_ROWS 8
 #define Q4_CHUNK 512
 
-__device__ __forceinline__ float nibble_f32(unsigned w, int k) {
-  // 2^23 + q as a float, minus 2^23: exact, no integer-to-float conversion.
-  return __uint_as_float(0x4B000000u | ((w >> (4 * k)) & 15u)) - 8388608.f;
+// Nibble k of a word as the float q·2^(4k') without shifting it down: `w` is the word itself for
+// k < 5 (k' = k) and the word shifted right by 12 for k ≥ 5 (k' = k − 3); OR-ing the masked bits
+// into the mantissa of 2^23 and subtracting 2^23 is exact (q·2^(4k') < 2^23).
+__device__ __forceinline__ float nibble_in_place(unsigned w, int k) {
+  const int kk = k < 5 ? k : k - 3;
+  return __uint_as_float(0x4B000000u | (w & (15u << (4 * kk)))) - 8388608.f;
+}
+
+// 2^(−4k'), the factor that undoes nibble_in_place's placement.
+__device__ __forceinline__ float nibble_scale(int k) {
+  const int kk = k < 5 ? k : k - 3;
+  return __uint_as_float((unsigned)(127 - 4 * kk) << 23);
 }
 
 // With `gate` non-null the input is gelu(x)·gate instead of x (the GeGLU and PLE gates fused into
@@ -207,15 +216,24 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
               xv[4 * i + 3] = __fmul_rn(gelu_tanh(xv[4 * i + 3]), t.w);
             }
           }
+          // Σ w·x = scale·Σ q·x + bias·Σ x over the lane's 16 weights (one group). Nibble k is
+          // read in place as q·2^(4k) (k < 5, or from w >> 12 for k ≥ 5) and paired with x
+          // pre-scaled by the inverse power of two, which is exact.
+          float xs = 0.f, xq[16];
+#pragma unroll
+          for (int k = 0; k < 16; k++) {
+            xs += xv[k];
+            xq[k] = xv[k] * nibble_scale(k & 7);
+          }
 #pragma unroll
           for (int r = 0; r < Q4_ROWS; r++) {
-            float a = acc[r];
+            const unsigned w0 = wv[h][r].x, w1 = wv[h][r].y, u0 = w0 >> 12, u1 = w1 >> 12;
+            float q = 0.f;
 #pragma unroll
-            for (int k = 0; k < 8; k++) a = fmaf(fmaf(nibble_f32(wv[h][r].x, k), sb[h][r].x, sb[h][r].y), xv[k], a);
+            for (int k = 0; k < 8; k++) q = fmaf(nibble_in_place(k < 5 ? w0 : u0, k), xq[k], q);
 #pragma unroll
-            for (int k = 0; k < 8; k++)
-              a = fmaf(fmaf(nibble_f32(wv[h][r].y, k), sb[h][r].x, sb[h][r].y), xv[8 + k], a);
-            acc[r] = a;
+            for (int k = 0; k < 8; k++) q = fmaf(nibble_in_place(k < 5 ? w1 : u1, k), xq[8 + k], q);
+            acc[r] = fmaf(sb[h][r].x, q, fmaf(sb[h][r].y, xs, acc[r]));
           }
         }
       }
