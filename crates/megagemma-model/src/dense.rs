@@ -2,7 +2,7 @@
 //! checkpoint and converted exactly, element by element, inside the dot product.
 
 use crate::checkpoint::{DType, MappedBytes, TensorRef};
-use crate::matrix::RowDot;
+use crate::matrix::{RowDot, WeightLayout};
 use crate::simd;
 use crate::{bail, Result};
 
@@ -129,6 +129,13 @@ impl RowDot for DenseMatrix {
         match &self.storage {
             Storage::F32(w) => w.len() * 4,
             Storage::Bf16(b) | Storage::F16(b) => b.byte_len(),
+        }
+    }
+    fn layout(&self) -> WeightLayout<'_> {
+        match &self.storage {
+            Storage::F32(w) => WeightLayout::F32(w),
+            Storage::Bf16(b) => WeightLayout::Bf16(b.as_slice()),
+            Storage::F16(b) => WeightLayout::F16(b.as_slice()),
         }
     }
 }

@@ -29,6 +29,27 @@ pub trait RowDot: Send + Sync {
     fn row_to_f32(&self, row: usize, out: &mut [f32]);
     /// Bytes of weight data streamed by one full matvec (for bandwidth figures).
     fn stored_bytes(&self) -> usize;
+    /// The storage, borrowed as it is held (device backends upload from it).
+    fn layout(&self) -> WeightLayout<'_>;
+}
+
+/// A matrix's storage, rows contiguous, borrowed.
+pub enum WeightLayout<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+    /// 4-bit affine codes (`w = scale·q + bias`), laid out as [`crate::quant::QuantMatrix`] documents.
+    Affine4 {
+        group_size: usize,
+        packed: &'a [u32],
+        scales: &'a [f32],
+        biases: &'a [f32],
+    },
+    /// GGUF blocks of `kind`, `rows · row_bytes` bytes.
+    Gguf {
+        kind: crate::gguf::GgmlType,
+        bytes: &'a [u8],
+    },
 }
 
 /// Rows handled per parallel task: large enough to amortise scheduling, small enough to balance.

@@ -10,7 +10,7 @@ use super::dot::{dot_kernel, DotFn, DotMultiFn, MULTI};
 use super::reader::{GgufFile, GgufTensorInfo};
 use crate::bail;
 use crate::error::Result;
-use crate::matrix::RowDot;
+use crate::matrix::{RowDot, WeightLayout};
 
 /// `[rows, cols]` view of a GGUF tensor with `dims = [cols, rows, ...]` (higher dims fold into
 /// rows). Holds the mmap alive, so it outlives the [`GgufFile`] it came from.
@@ -125,5 +125,12 @@ impl RowDot for GgufMatrix {
 
     fn stored_bytes(&self) -> usize {
         self.rows * self.row_bytes
+    }
+
+    fn layout(&self) -> WeightLayout<'_> {
+        WeightLayout::Gguf {
+            kind: self.ggml_type,
+            bytes: &self.mmap[self.start..self.start + self.rows * self.row_bytes],
+        }
     }
 }

@@ -49,7 +49,7 @@ use rayon::prelude::*;
 
 use crate::bail;
 use crate::error::Result;
-use crate::matrix::RowDot;
+use crate::matrix::{RowDot, WeightLayout};
 
 /// A 4-bit affine quantized `[rows, cols]` matrix; see the [module docs](self) for the layout.
 #[derive(Clone, Debug, PartialEq)]
@@ -252,6 +252,14 @@ impl RowDot for QuantMatrix {
     /// On-disk size: 0.5 byte per weight plus a bf16 scale and a bf16 bias per group.
     fn stored_bytes(&self) -> usize {
         self.packed.len() * 4 + (self.scales.len() + self.biases.len()) * 2
+    }
+    fn layout(&self) -> WeightLayout<'_> {
+        WeightLayout::Affine4 {
+            group_size: self.group_size,
+            packed: &self.packed,
+            scales: &self.scales,
+            biases: &self.biases,
+        }
     }
 }
 

@@ -1,0 +1,187 @@
+//! GPU check and bench for the CUDA backend (run on the GPU machine).
+//!
+//! `gpu_check fixtures [DIR…]`: every fixture's prompts through the CPU reference and CUDA, greedy,
+//!   comparing ids and logits (contract: ids equal, relative L2 ≤ 1e-3).
+//! `gpu_check verify [DIR…]`: a T-token forward equals T single decode steps bit for bit, on the
+//!   fixtures and on synthetic models (head dims 256/512).
+//! `gpu_check bench [e4b|e2b|tiny…]`: synthetic q4 decode speed against measured bandwidth.
+//! `gpu_check all`: the three in turn. Exit status 1 when a check fails.
+
+use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
+use megagemma_cuda::{CudaModel, CudaSeq, Want};
+use megagemma_model::{Model, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+const STEPS: usize = 24;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((c, r)) => (c.as_str(), r.to_vec()),
+        None => ("all", vec![]),
+    };
+    let ok = match run(cmd, &rest) {
+        Ok(ok) => ok,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    if !ok {
+        eprintln!("gpu_check: FAILED");
+        std::process::exit(1);
+    }
+    println!("gpu_check: all checks passed");
+}
+
+fn run(cmd: &str, rest: &[String]) -> Result<bool> {
+    let fixtures = || -> Result<Vec<PathBuf>> {
+        if !rest.is_empty() {
+            return Ok(rest.iter().map(PathBuf::from).collect());
+        }
+        fixture_dirs(Path::new("tests/fixtures"))
+    };
+    match cmd {
+        "fixtures" => fixtures_check(&fixtures()?),
+        "verify" => verify_all(&fixtures()?),
+        "bench" => {
+            let names: Vec<String> = if rest.is_empty() { vec!["e4b".into(), "e2b".into()] } else { rest.to_vec() };
+            for n in names {
+                bench(&n)?;
+            }
+            Ok(true)
+        }
+        "all" => {
+            let f = fixtures()?;
+            let a = fixtures_check(&f)?;
+            let b = verify_all(&f)?;
+            bench("e4b")?;
+            bench("e2b")?;
+            Ok(a && b)
+        }
+        other => megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, all)"),
+    }
+}
+
+fn fixtures_check(dirs: &[PathBuf]) -> Result<bool> {
+    let mut all_ok = true;
+    for dir in dirs {
+        let model = Model::load(dir)?;
+        let cm = CudaModel::load(&model)?;
+        for (name, prompt) in fixture_cases(dir)? {
+            let r = compare_greedy(&model, &cm, &prompt, STEPS)?;
+            all_ok &= r.ok();
+            println!(
+                "fixture {:<14} {:<10} prompt {:>3}  ids equal {:>2}/{STEPS}  max rel L2 {:.2e}  {}",
+                dir.file_name().unwrap_or_default().to_string_lossy(),
+                name,
+                prompt.len(),
+                r.ids_equal,
+                r.max_rel_l2,
+                if r.ok() { "ok" } else { "FAIL" }
+            );
+            if !r.ok() {
+                println!("  cpu  {:?}\n  cuda {:?}", r.cpu_ids, r.cuda_ids);
+            }
+        }
+    }
+    Ok(all_ok)
+}
+
+fn verify_one(label: &str, cm: &Arc<CudaModel>, prompt: &[u32], t: usize) -> Result<bool> {
+    let r = verify_columns(cm, prompt, t)?;
+    println!(
+        "verify {label:<28} prompt {:>3}  T={t}: {}/{t} columns bit-identical to decode, partial commit {}  {}",
+        prompt.len(),
+        r.columns_equal,
+        if r.partial_commit_exact { "exact" } else { "DIFFERS" },
+        if r.ok() { "ok" } else { "FAIL" }
+    );
+    Ok(r.ok())
+}
+
+fn verify_all(dirs: &[PathBuf]) -> Result<bool> {
+    let mut ok = true;
+    for dir in dirs {
+        let model = Model::load(dir)?;
+        let cm = CudaModel::load(&model)?;
+        if let Some((_, prompt)) = fixture_cases(dir)?.into_iter().next() {
+            let label = dir.file_name().unwrap_or_default().to_string_lossy().to_string();
+            ok &= verify_one(&label, &cm, &prompt, 8)?;
+        }
+    }
+    for name in ["tiny", "e4b"] {
+        let cm = CudaModel::synthetic(name, "q4")?;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7919 + 11) as u32 % cm.plan().vocab_size as u32).collect();
+        ok &= verify_one(&format!("synthetic {name}"), &cm, &prompt, 8)?;
+    }
+    Ok(ok)
+}
+
+/// Greedy decode of `steps` tokens from `tok`; returns (seconds, launches) over the steps.
+fn decode_loop(cm: &CudaModel, seq: &mut CudaSeq, mut tok: u32, steps: usize) -> Result<(f64, u64)> {
+    let l0 = cm.launches();
+    let t = Instant::now();
+    for _ in 0..steps {
+        tok = seq.forward(&[tok], Want { all_positions: false, logits: false })?[0].argmax;
+        seq.commit(1)?;
+    }
+    Ok((t.elapsed().as_secs_f64(), cm.launches() - l0))
+}
+
+fn bench(name: &str) -> Result<()> {
+    let (prompt_len, steps) = (64, 256);
+    let t0 = Instant::now();
+    let cm = CudaModel::synthetic(name, "q4")?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let bw = cm.read_bandwidth(8 << 30)?;
+    let vocab = cm.plan().vocab_size as u32;
+    let prompt: Vec<u32> = (0..prompt_len).map(|i| (i as u32 * 7919 + 11) % vocab).collect();
+    let bytes = cm.decode_weight_bytes() as f64;
+    println!(
+        "bench synthetic {name} q4 on {}: weights {:.2} GB on device ({:.2} GB/token from the plan), generated in {load_s:.1} s",
+        cm.device_name(),
+        cm.device_weight_bytes() as f64 / 1e9,
+        bytes / 1e9
+    );
+    println!("  measured read bandwidth {bw:.0} GB/s");
+    cm.take_profile();
+    for graphs in [false, true] {
+        let mut seq = CudaSeq::new(&cm, prompt_len + steps + 2)?;
+        seq.set_graphs(graphs);
+        let t1 = Instant::now();
+        let tok = seq.prefill(&prompt, false)?.argmax;
+        let prefill_ms = t1.elapsed().as_secs_f64() * 1e3;
+        // One warm-up step (captures the graph), then the timed decode.
+        let tok = seq.forward(&[tok], Want { all_positions: false, logits: false })?[0].argmax;
+        seq.commit(1)?;
+        let (dt, launches) = decode_loop(&cm, &mut seq, tok, steps)?;
+        let ms = dt / steps as f64 * 1e3;
+        let launches = launches as f64 / steps as f64;
+        let gbs = bytes / (dt / steps as f64) / 1e9;
+        let mode = if graphs { "graph" } else { "launches" };
+        println!("  prefill {prompt_len} tokens: {prefill_ms:.1} ms");
+        println!(
+            "  decode {steps} ({mode}): {ms:.3} ms/token, {:.1} tok/s, {gbs:.0} GB/s = {:.1}% of measured bandwidth, {launches:.1} launches/token",
+            1e3 / ms,
+            100.0 * gbs / bw
+        );
+        println!(
+            "{{\"bench\":\"synthetic-{name}-q4\",\"mode\":\"{mode}\",\"device\":\"{}\",\"prompt\":{prompt_len},\"decode_tokens\":{steps},\"ms_per_token\":{ms:.4},\"tok_per_s\":{:.2},\"weight_bytes_per_token\":{},\"gb_per_s\":{gbs:.1},\"read_bw_gb_per_s\":{bw:.1},\"pct_of_bw\":{:.2},\"launches_per_token\":{launches:.1},\"prefill_ms\":{prefill_ms:.2}}}",
+            cm.device_name(),
+            1e3 / ms,
+            bytes as u64,
+            100.0 * gbs / bw
+        );
+        let profile = cm.take_profile();
+        if !profile.is_empty() {
+            println!("  per-kernel time (synchronised launches; prefill and decode):");
+            for (k, n, secs) in profile {
+                println!("    {k:<40} {n:>7} launches {:>9.3} ms  {:>7.2} us each", secs * 1e3, secs * 1e6 / n as f64);
+            }
+        }
+    }
+    Ok(())
+}

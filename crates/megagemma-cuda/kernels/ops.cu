@@ -1,0 +1,242 @@
+// Per-row and elementwise stages of a layer: embedding, norms, RoPE, activations, residual
+// updates, PLE inputs, MoE routing, KV commit, softcap + argmax. Activations are f32 [T, width].
+#include "common.cuh"
+
+// x[t] = embed[tokens[t]] · scale. One block per token.
+extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
+  int t = blockIdx.x;
+  u64 row = tokens[t];
+  for (int c = threadIdx.x; c < E.cols; c += blockDim.x)
+    x[(u64)t * E.cols + c] = __fmul_rn(mat_elem(E, row, c), scale);
+}
+
+// RMSNorm of each `dim`-wide chunk (one block per chunk): n = x̂·w (w may be null).
+// mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in f64.
+extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
+                                    int mode) {
+  u64 base = (u64)blockIdx.x * dim;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    double v = x[base + i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  __syncthreads();
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float n = __fmul_rn(x[base + i], r);
+    if (w) n = __fmul_rn(n, w[i]);
+    if (mode == 1) y[base + i] = __fadd_rn(y[base + i], n);
+    else y[base + i] = n;
+  }
+}
+
+// Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
+// on [T, heads, hd]; token t is at position pos[0] + t. One block per (t, head); hd ≤ 512.
+extern "C" __global__ void head_norm_rope(float* x, const float* __restrict__ w, const float* __restrict__ inv_freq,
+                                          int heads, int hd, const int* __restrict__ pos, float eps) {
+  __shared__ float hv[512];
+  float* h = x + (u64)blockIdx.x * hd;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    double v = h[i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)hd + (double)eps));
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    float n = __fmul_rn(h[i], r);
+    hv[i] = w ? __fmul_rn(n, w[i]) : n;
+  }
+  __syncthreads();
+  int half = hd / 2;
+  float p = (float)(pos[0] + (int)(blockIdx.x / heads));
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float a = hv[i], b = hv[i + half];
+    float f = inv_freq ? inv_freq[i] : 0.f;
+    if (f != 0.f) {
+      float sn, cs;
+      sincosf(__fmul_rn(p, f), &sn, &cs);
+      float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+      b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+      a = a2;
+    }
+    h[i] = a;
+    h[i + half] = b;
+  }
+}
+
+// End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
+// per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
+extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
+                                    float* a, const float* __restrict__ w2, int dim, float eps) {
+  u64 base = (u64)blockIdx.x * dim;
+  double ss = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    double v = o[base + i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  double ss2 = 0.0;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = __fadd_rn(x[base + i], __fmul_rn(__fmul_rn(o[base + i], r), w1[i]));
+    if (scale != 1.f) v = __fmul_rn(v, scale);
+    x[base + i] = v;
+    ss2 += (double)v * (double)v;
+  }
+  if (!w2) return;
+  ss2 = block_sum_d(ss2);
+  float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) a[base + i] = __fmul_rn(__fmul_rn(x[base + i], r2), w2[i]);
+}
+
+// x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).
+extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= T * n) return;
+  int t = i / n, k = i % n;
+  x[i] = __fmul_rn(gelu_tanh(x[i]), gate[(u64)t * stride + k]);
+}
+
+// PLE inputs: c[t] = (c[t] + table[tokens[t]] · embed_scale) · input_scale, c already projected
+// and normed. One block per token.
+extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
+                                       float input_scale) {
+  int t = blockIdx.x;
+  u64 row = tokens[t];
+  for (int i = threadIdx.x; i < table.cols; i += blockDim.x) {
+    u64 j = (u64)t * table.cols + i;
+    c[j] = __fmul_rn(__fadd_rn(c[j], __fmul_rn(mat_elem(table, row, i), embed_scale)), input_scale);
+  }
+}
+
+// x *= s over n elements.
+extern "C" __global__ void scale(float* x, float s, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __fmul_rn(x[i], s);
+}
+
+// x += y over n elements.
+extern "C" __global__ void add(float* x, const float* __restrict__ y, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+// y = x over n elements.
+extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) {
+  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i];
+}
+
+// Router input: z[t, i] = z[t, i] · s[i] · root (z already RMS-normed without weight).
+extern "C" __global__ void router_scale(float* z, const float* __restrict__ s, float root, int h, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < T * h) z[i] = __fmul_rn(__fmul_rn(z[i], s[i % h]), root);
+}
+
+// MoE routing, one thread per token: softmax over the E router logits, top-k by probability
+// (lower index first among equals), weight = p / Σ_topk p · per_expert_scale.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
+                                     int* idx, float* wts, int E, int k, int T) {
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const float* l = logits + (u64)t * E;
+  float mx = NEG_INF;
+  for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+  float sum = 0.f;
+  for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
+  float inv = 1.f / sum;
+  unsigned long long taken[4] = {0, 0, 0, 0};  // up to 256 experts
+  float total = 0.f;
+  for (int s = 0; s < k; s++) {
+    int best = -1;
+    float bp = -1.f;
+    for (int e = 0; e < E; e++) {
+      if (taken[e >> 6] & (1ull << (e & 63))) continue;
+      float p = expf(l[e] - mx) * inv;
+      if (p > bp) { bp = p; best = e; }
+    }
+    taken[best >> 6] |= 1ull << (best & 63);
+    idx[t * k + s] = best;
+    wts[t * k + s] = bp;
+    total += bp;
+  }
+  for (int s = 0; s < k; s++) wts[t * k + s] = wts[t * k + s] / total * per_expert_scale[idx[t * k + s]];
+}
+
+// out[t, :] = Σ_s wts[t, s] · ys[idx[t, s], t, :] in routing order; ys: [E, T, h].
+extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const int* __restrict__ idx,
+                                       const float* __restrict__ wts, int k, int h, int T) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= T * h) return;
+  int t = i / h;
+  float a = 0.f;
+  for (int s = 0; s < k; s++) a = __fadd_rn(a, __fmul_rn(wts[t * k + s], ys[((u64)idx[t * k + s] * T) * h + i]));
+  out[i] = a;
+}
+
+// Copy `n` staged K and V rows of `width` floats into the cache at positions p0.. (slot = pos mod
+// slots for a ring, pos for a full cache). Blocks 0..n copy keys, n..2n values.
+extern "C" __global__ void kv_commit(float* cache_k, float* cache_v, const float* __restrict__ staged_k,
+                                     const float* __restrict__ staged_v, int n, int width, int p0, int slots) {
+  int i = blockIdx.x % n;
+  float* cache = blockIdx.x < n ? cache_k : cache_v;
+  const float* staged = blockIdx.x < n ? staged_k : staged_v;
+  int pos = p0 + i;
+  u64 slot = slots > 0 ? (u64)(pos % slots) : (u64)pos;
+  for (int c = threadIdx.x; c < width; c += blockDim.x) cache[slot * width + c] = staged[(u64)i * width + c];
+}
+
+// (value, index) pair order for the argmax: larger value first, then the lower index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+}
+
+// Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:
+// `split` blocks per row write (value, index) pairs to partial[row·split + b].
+extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float cap, float2* partial, int split) {
+  int row = blockIdx.x / split, b = blockIdx.x % split;
+  float* l = logits + (u64)row * V;
+  int per = (V + split - 1) / split;
+  int lo = b * per, hi = min(V, lo + per);
+  float best = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float v = l[i];
+    if (cap > 0.f) {
+      v = __fmul_rn(cap, tanhf(__fdiv_rn(v, cap)));
+      l[i] = v;
+    }
+    if (better(v, i, best, bi)) { best = v; bi = i; }
+  }
+  warp_argmax(best, bi);
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { sv[warp] = best; si[warp] = bi; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+      if (better(sv[w], si[w], best, bi)) { best = sv[w]; bi = si[w]; }
+    partial[blockIdx.x] = make_float2(best, __int_as_float(bi));
+  }
+}
+
+// ids[row] = the best of the row's `split` candidates. One warp per row.
+extern "C" __global__ void argmax_final(const float2* __restrict__ partial, int split, unsigned* ids) {
+  float best = NEG_INF;
+  int bi = 0x7fffffff;
+  for (int b = threadIdx.x; b < split; b += 32) {
+    float2 p = partial[blockIdx.x * split + b];
+    if (better(p.x, __float_as_int(p.y), best, bi)) { best = p.x; bi = __float_as_int(p.y); }
+  }
+  warp_argmax(best, bi);
+  if (threadIdx.x == 0) ids[blockIdx.x] = (unsigned)bi;
+}

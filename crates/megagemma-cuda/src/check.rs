@@ -1,0 +1,149 @@
+//! Checks of the CUDA forward against the CPU reference and against itself, shared by the
+//! `gpu_check` example and the opt-in GPU tests: greedy ids and logits on the same prompt, and
+//! multi-token (verify) columns against single decode steps, bit for bit.
+
+use crate::{CudaModel, CudaSeq, Want};
+use megagemma_model::cpu::forward::forward_chunk;
+use megagemma_model::cpu::kv::KvCache;
+use megagemma_model::cpu::ops::argmax;
+use megagemma_model::{Error, Model, Result};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The numerical contract with the CPU path: ids equal and logits within this relative L2.
+pub const REL_L2_MAX: f64 = 1e-3;
+
+/// Fixture directories (those holding an `expected.json`) under `root`, sorted.
+pub fn fixture_dirs(root: &Path) -> Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+        .map_err(|e| Error::msg(format!("{}: {e}", root.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("expected.json").is_file())
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// `(name, prompt ids)` of each case of a fixture's `expected.json`.
+pub fn fixture_cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
+    let path = dir.join("expected.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+    let mut out = Vec::new();
+    for c in v["cases"].as_array().into_iter().flatten() {
+        let ids: Vec<u32> =
+            c["prompt_ids"].as_array().into_iter().flatten().filter_map(|x| x.as_u64()).map(|x| x as u32).collect();
+        if !ids.is_empty() {
+            out.push((c["name"].as_str().unwrap_or("?").to_string(), ids));
+        }
+    }
+    Ok(out)
+}
+
+/// `|a − b| / |b|` in f64.
+pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Greedy CPU reference: the chosen ids and the logits they were chosen from (`steps` of each).
+pub fn cpu_greedy(model: &Model, prompt: &[u32], steps: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let mut kv = KvCache::new(&model.plan);
+    let (mut ids, mut logits) = (vec![], vec![]);
+    let mut input = prompt.to_vec();
+    for _ in 0..steps {
+        let out = forward_chunk(&model.plan, &model.weights, &mut kv, &input, 1);
+        kv.commit(input.len())?;
+        let next = argmax(&out.logits);
+        ids.push(next);
+        logits.push(out.logits);
+        input = vec![next];
+    }
+    Ok((ids, logits))
+}
+
+/// Greedy on the GPU, same shape of result as [`cpu_greedy`].
+pub fn cuda_greedy(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+    let mut seq = CudaSeq::new(cm, prompt.len() + steps + 1)?;
+    let mut out = seq.prefill(prompt, true)?;
+    let (mut ids, mut logits) = (vec![], vec![]);
+    for step in 0..steps {
+        ids.push(out.argmax);
+        logits.push(out.logits.take().unwrap_or_default());
+        if step + 1 < steps {
+            out = seq.forward(&[out.argmax], Want { all_positions: false, logits: true })?.remove(0);
+            seq.commit(1)?;
+        }
+    }
+    Ok((ids, logits))
+}
+
+pub struct GreedyReport {
+    pub steps: usize,
+    /// Leading steps whose ids agree.
+    pub ids_equal: usize,
+    /// Largest relative L2 of the logits over the agreeing steps.
+    pub max_rel_l2: f64,
+    pub cpu_ids: Vec<u32>,
+    pub cuda_ids: Vec<u32>,
+}
+
+impl GreedyReport {
+    pub fn ok(&self) -> bool {
+        self.ids_equal == self.steps && self.max_rel_l2 <= REL_L2_MAX
+    }
+}
+
+/// `steps` greedy tokens from `prompt` on the CPU and on the GPU, compared.
+pub fn compare_greedy(model: &Model, cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<GreedyReport> {
+    let (cpu_ids, cpu_logits) = cpu_greedy(model, prompt, steps)?;
+    let (cuda_ids, cuda_logits) = cuda_greedy(cm, prompt, steps)?;
+    let ids_equal = cpu_ids.iter().zip(&cuda_ids).take_while(|(a, b)| a == b).count();
+    let max_rel_l2 =
+        cpu_logits.iter().zip(&cuda_logits).take(ids_equal.max(1)).map(|(c, g)| rel_l2(g, c)).fold(0.0, f64::max);
+    Ok(GreedyReport { steps, ids_equal, max_rel_l2, cpu_ids, cuda_ids })
+}
+
+pub struct VerifyReport {
+    pub t: usize,
+    /// Columns of the T-token pass whose logits equal the decode step's bit for bit.
+    pub columns_equal: usize,
+    /// After committing half the candidates, the next decode step equals the reference step.
+    pub partial_commit_exact: bool,
+}
+
+impl VerifyReport {
+    pub fn ok(&self) -> bool {
+        self.columns_equal == self.t && self.partial_commit_exact
+    }
+}
+
+/// A `t`-token forward (speculative verify) against `t` single decode steps on the same tokens,
+/// then a partial commit followed by one more step.
+pub fn verify_columns(cm: &Arc<CudaModel>, prompt: &[u32], t: usize) -> Result<VerifyReport> {
+    let max_len = prompt.len() + t + 2;
+    let mut dec = CudaSeq::new(cm, max_len)?;
+    let mut ver = CudaSeq::new(cm, max_len)?;
+    let first = dec.prefill(prompt, false)?.argmax;
+    ver.prefill(prompt, false)?;
+    let mut feed = vec![first];
+    let mut step_logits = vec![];
+    for i in 0..t {
+        let o = dec.forward(&[feed[i]], Want { all_positions: false, logits: true })?.remove(0);
+        dec.commit(1)?;
+        feed.push(o.argmax);
+        step_logits.push(o.logits.unwrap_or_default());
+    }
+    let cols = ver.forward(&feed[..t], Want { all_positions: true, logits: true })?;
+    let columns_equal = cols.iter().zip(&step_logits).filter(|(c, s)| c.logits.as_deref() == Some(&s[..])).count();
+    let keep = t / 2;
+    ver.commit(keep)?;
+    let next = ver.forward(&[feed[keep]], Want { all_positions: false, logits: true })?.remove(0);
+    let partial_commit_exact = next.logits.as_deref() == Some(&step_logits[keep][..]);
+    Ok(VerifyReport { t, columns_equal, partial_commit_exact })
+}

@@ -1,0 +1,205 @@
+//! Kernel sources and their compilation: header-free `.cu` files embedded in the binary (or read
+//! from `$MEGAGEMMA_KERNELS` at run time), `#include "common.cuh"` inlined here, compiled by NVRTC
+//! to a CUBIN for the device's `sm_XXa` and cached on disk.
+
+use megagemma_model::{bail, Error, Result};
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+
+/// `(file name, embedded source)` of every kernel file.
+pub const KERNEL_FILES: [(&str, &str); 4] = [
+    ("matvec.cu", include_str!("../kernels/matvec.cu")),
+    ("ops.cu", include_str!("../kernels/ops.cu")),
+    ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("synth.cu", include_str!("../kernels/synth.cu")),
+];
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// The source of `file`: from `$MEGAGEMMA_KERNELS/<file>` when set, else the embedded copy; with
+/// `common.cuh` inlined.
+pub fn kernel_source(file: &str) -> Result<String> {
+    let (raw, common) = match std::env::var("MEGAGEMMA_KERNELS") {
+        Ok(dir) => {
+            let dir = PathBuf::from(dir);
+            let read = |f: &str| {
+                std::fs::read_to_string(dir.join(f))
+                    .map_err(|e| Error::msg(format!("cannot read kernel {}: {e}", dir.join(f).display())))
+            };
+            (read(file)?, read("common.cuh")?)
+        }
+        Err(_) => match KERNEL_FILES.iter().find(|(n, _)| *n == file) {
+            Some((_, src)) => (src.to_string(), COMMON.to_string()),
+            None => bail!("no kernel file named {file}"),
+        },
+    };
+    Ok(preprocess(&raw, &common))
+}
+
+/// Replaces the `#include "common.cuh"` line with the header's text (minus its `#pragma once`).
+pub fn preprocess(src: &str, common: &str) -> String {
+    let common: String = common.lines().filter(|l| l.trim() != "#pragma once").collect::<Vec<_>>().join("\n");
+    src.lines()
+        .map(|l| if l.trim() == "#include \"common.cuh\"" { common.as_str() } else { l })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// NVRTC options for a device of compute capability `arch` (e.g. "90a").
+pub fn options(arch: &str) -> Vec<String> {
+    vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "-lineinfo".into(), "-Xptxas=-v".into()]
+}
+
+/// A compiled module: the CUBIN and NVRTC's log (the `-Xptxas=-v` register/spill report).
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub log: String,
+}
+
+fn nvrtc_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::msg(format!("NVRTC {what}: {e:?}"))
+}
+
+/// NVRTC's version as "major.minor".
+pub fn nvrtc_version() -> Result<String> {
+    let (mut maj, mut min) = (0, 0);
+    // SAFETY: two out-parameters.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut maj, &mut min) }.result().map_err(|e| nvrtc_err("version", e))?;
+    Ok(format!("{maj}.{min}"))
+}
+
+/// Compiles one preprocessed source to a CUBIN (no cache). The caller has checked that NVRTC is present.
+pub fn compile_cubin(name: &str, src: &str, opts: &[String]) -> Result<Compiled> {
+    use cudarc::nvrtc::{result, sys};
+    let csrc = CString::new(src).map_err(|_| Error::msg(format!("kernel {name} contains a NUL byte")))?;
+    let cname = CString::new(name).map_err(|_| Error::msg(format!("bad kernel name {name}")))?;
+    let prog = result::create_program(&csrc, Some(&cname)).map_err(|e| nvrtc_err("create_program", e))?;
+    // SAFETY: `prog` is a live program until destroyed below; buffers are sized by NVRTC.
+    unsafe {
+        let r = result::compile_program(prog, opts);
+        let log = result::get_program_log(prog).map_err(|e| nvrtc_err("log", e))?;
+        let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+        if r.is_err() {
+            let _ = result::destroy_program(prog);
+            bail!("kernel {name} does not compile:\n{log}");
+        }
+        let mut size = 0usize;
+        sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| nvrtc_err("cubin size", e))?;
+        let mut cubin = vec![0u8; size];
+        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _).result().map_err(|e| nvrtc_err("cubin", e))?;
+        result::destroy_program(prog).map_err(|e| nvrtc_err("destroy", e))?;
+        Ok(Compiled { cubin, log })
+    }
+}
+
+/// Register and spill figures of one kernel, parsed from the ptxas report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelReport {
+    pub function: String,
+    pub registers: u32,
+    pub spill_bytes: u32,
+}
+
+/// Parses ptxas `-v` lines: "Compiling entry function 'f'", "... N bytes spill stores, M bytes
+/// spill loads", "Used R registers".
+pub fn parse_ptxas(log: &str) -> Vec<KernelReport> {
+    let mut out: Vec<KernelReport> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("entry function '").nth(1) {
+            let f = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(KernelReport { function: f, registers: 0, spill_bytes: 0 });
+        } else if let Some(cur) = out.last_mut() {
+            let num_before = |key: &str| -> Option<u32> {
+                let i = line.find(key)?;
+                line[..i].split_whitespace().last()?.parse().ok()
+            };
+            if let (Some(st), Some(ld)) = (num_before("bytes spill stores"), num_before("bytes spill loads")) {
+                cur.spill_bytes = st + ld;
+            }
+            if let Some(rest) = line.split("Used ").nth(1) {
+                if let Some(r) = rest.split_whitespace().next().and_then(|r| r.parse().ok()) {
+                    cur.registers = r;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// FNV-1a, 64-bit: a stable hash for the cache key (std's hasher is not stable across releases).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in p.iter().chain(&[0xffu8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Ok(d) = std::env::var("MEGAGEMMA_CACHE") {
+        return Some(PathBuf::from(d).join("kernels"));
+    }
+    std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache/megagemma/kernels"))
+}
+
+/// The CUBIN of `file` for this device, from the disk cache when the key (source, options, NVRTC
+/// version, GPU name and driver) matches, else compiled and stored. A cache that cannot be
+/// written is not an error.
+pub fn cubin_for(file: &str, arch: &str, device_key: &str) -> Result<Vec<u8>> {
+    let src = kernel_source(file)?;
+    let opts = options(arch);
+    let ver = nvrtc_version()?;
+    let key = fnv1a(&[src.as_bytes(), opts.join(" ").as_bytes(), ver.as_bytes(), device_key.as_bytes()]);
+    let path = cache_dir().map(|d| d.join(format!("{}-{key:016x}.cubin", file.trim_end_matches(".cu"))));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            return Ok(bytes);
+        }
+    }
+    let c = compile_cubin(file, &src, &opts)?;
+    if let Some(p) = &path {
+        let _ = std::fs::create_dir_all(p.parent().unwrap()).and_then(|_| {
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, &c.cubin)?;
+            std::fs::rename(&tmp, p)
+        });
+    }
+    Ok(c.cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn include_line_is_replaced_once_without_pragma() {
+        let out = preprocess("a\n#include \"common.cuh\"\nb", "#pragma once\nX\nY");
+        assert_eq!(out, "a\nX\nY\nb");
+    }
+
+    #[test]
+    fn ptxas_report_is_parsed() {
+        let log = "ptxas info    : Compiling entry function 'matvec' for 'sm_90a'\n\
+                   ptxas info    : Function properties for matvec\n\
+                   \x20   8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+                   ptxas info    : Used 40 registers, used 0 barriers, 380 bytes cmem[0]\n\
+                   ptxas info    : Compiling entry function 'rope' for 'sm_90a'\n\
+                   \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+                   ptxas info    : Used 12 registers\n";
+        let r = parse_ptxas(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0], KernelReport { function: "matvec".into(), registers: 40, spill_bytes: 8 });
+        assert_eq!(r[1].registers, 12);
+        assert_eq!(r[1].spill_bytes, 0);
+    }
+
+    #[test]
+    fn every_kernel_file_includes_common() {
+        for (name, src) in KERNEL_FILES {
+            assert!(src.contains("#include \"common.cuh\""), "{name}");
+            assert!(!preprocess(src, COMMON).contains("#include"), "{name} still has an include");
+        }
+    }
+}

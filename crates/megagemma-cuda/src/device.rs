@@ -1,0 +1,298 @@
+//! The device: context, one non-default stream, the compiled kernel modules, raw allocations and
+//! a launch helper. Everything here is reached only after [`crate::libs::driver_present`] said yes.
+
+use crate::compile::{cubin_for, KERNEL_FILES};
+use crate::libs::{driver_present, nvrtc_present};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
+use cudarc::nvrtc::Ptx;
+use megagemma_model::{bail, Error, Result};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Every kernel entry point, by file.
+const FUNCTIONS: [(&str, &[&str]); 4] = [
+    ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated"]),
+    (
+        "ops.cu",
+        &[
+            "embed_gather",
+            "rms_norm",
+            "head_norm_rope",
+            "add_norm",
+            "gelu_gate",
+            "ple_combine",
+            "scale",
+            "add",
+            "copy",
+            "router_scale",
+            "moe_route",
+            "moe_combine",
+            "kv_commit",
+            "softcap_argmax_partial",
+            "argmax_final",
+        ],
+    ),
+    ("attention.cu", &["attention"]),
+    ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
+];
+
+pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::msg(format!("CUDA {what}: {e:?}"))
+}
+
+/// A weight matrix as the kernels see it (`struct Mat` in `kernels/common.cuh`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DevMat {
+    pub w: u64,
+    pub sb: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub fmt: i32,
+    pub gs: i32,
+}
+
+pub const FMT_F32: i32 = 0;
+pub const FMT_BF16: i32 = 1;
+pub const FMT_F16: i32 = 2;
+pub const FMT_Q4: i32 = 3;
+
+/// One kernel argument.
+#[derive(Clone, Copy)]
+pub enum Arg {
+    Ptr(u64),
+    I32(i32),
+    U64(u64),
+    F32(f32),
+    Mat(DevMat),
+}
+
+impl Arg {
+    fn as_mut_ptr(&mut self) -> *mut c_void {
+        match self {
+            Arg::Ptr(v) | Arg::U64(v) => v as *mut u64 as *mut c_void,
+            Arg::I32(v) => v as *mut i32 as *mut c_void,
+            Arg::F32(v) => v as *mut f32 as *mut c_void,
+            Arg::Mat(m) => m as *mut DevMat as *mut c_void,
+        }
+    }
+}
+
+/// A raw device allocation, freed on drop.
+pub struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DevBuf {
+    /// Device pointer `offset` bytes in.
+    pub fn at(&self, offset: usize) -> u64 {
+        debug_assert!(offset <= self.bytes);
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `Gpu::alloc` in this context and freed once.
+            unsafe {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    pub name: String,
+    pub sms: u32,
+    launches: AtomicU64,
+    capturing: AtomicBool,
+    /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
+    profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
+}
+
+// SAFETY: the context and stream handles may be used from any thread (the driver API is
+// thread-safe; every call binds the context first); kernel launches are serialised by the
+// caller holding `&mut CudaSeq`.
+unsafe impl Send for Gpu {}
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Opens device 0, compiles (or loads from the cache) every kernel module.
+    pub fn new() -> Result<Gpu> {
+        if !driver_present() {
+            bail!("no CUDA device found: the CUDA driver library (libcuda.so.1) could not be loaded");
+        }
+        let count = CudaContext::device_count().map_err(|e| Error::msg(format!("no CUDA device found: {e:?}")))?;
+        if count < 1 {
+            bail!("no CUDA device found: the driver reports {count} devices");
+        }
+        if !nvrtc_present() {
+            bail!("libnvrtc.so.13 not found: set MEGAGEMMA_CUDA_LIB_DIR to the directory that holds it");
+        }
+        let ctx = CudaContext::new(0).map_err(|e| Error::msg(format!("no CUDA device found: device 0: {e:?}")))?;
+        // SAFETY: this crate orders all work on one stream itself.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().map_err(|e| cuda_err("device name", e))?;
+        let (maj, min) = ctx.compute_capability().map_err(|e| cuda_err("compute capability", e))?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| cuda_err("SM count", e))? as u32;
+        let mut driver = 0i32;
+        // SAFETY: one out-parameter.
+        unsafe { sys::cuDriverGetVersion(&mut driver) }.result().map_err(|e| cuda_err("driver version", e))?;
+        let arch = if maj >= 9 { format!("{maj}{min}a") } else { format!("{maj}{min}") };
+        let device_key = format!("{name} sm_{arch} driver {driver}");
+        let stream = ctx.new_stream().map_err(|e| cuda_err("stream", e))?;
+        let mut funcs = HashMap::new();
+        for (file, names) in FUNCTIONS {
+            debug_assert!(KERNEL_FILES.iter().any(|(f, _)| *f == file));
+            let cubin = cubin_for(file, &arch, &device_key)?;
+            let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| cuda_err(&format!("load {file}"), e))?;
+            for &n in names {
+                let f = module.load_function(n).map_err(|e| cuda_err(&format!("function {n}"), e))?;
+                funcs.insert(n, f);
+            }
+        }
+        // Attention keeps one score per key in shared memory: allow up to 200 KB (50k keys).
+        funcs["attention"]
+            .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
+            .map_err(|e| cuda_err("attention smem", e))?;
+        let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
+        Ok(Gpu {
+            ctx,
+            stream,
+            funcs,
+            name,
+            sms,
+            launches: AtomicU64::new(0),
+            capturing: AtomicBool::new(false),
+            profile,
+        })
+    }
+
+    pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: a plain device allocation of at least one byte.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| cuda_err(&format!("allocating {} MB", bytes >> 20), e))?;
+        Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() })
+    }
+
+    /// Zero-filled allocation (ordered on the stream).
+    pub fn alloc_zeros(&self, bytes: usize) -> Result<DevBuf> {
+        let b = self.alloc(bytes)?;
+        // SAFETY: `b` is `bytes` long.
+        unsafe { result::memset_d8_async(b.ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("memset", e))?;
+        Ok(b)
+    }
+
+    /// Host → device copy of `src` to `dst` (ordered on the stream; returns once `src` is read).
+    pub fn upload<T>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: the caller sized `dst` for `src`; the synchronous copy finishes reading `src`.
+        unsafe {
+            result::memcpy_htod_async(dst, src, self.stream.cu_stream()).map_err(|e| cuda_err("upload", e))?;
+        }
+        self.sync()
+    }
+
+    /// Device → host copy into `dst` (waits for the stream).
+    pub fn download<T>(&self, dst: &mut [T], src: u64) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: the caller sized `src` for `dst`; synchronised before `dst` is used.
+        unsafe {
+            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()).map_err(|e| cuda_err("download", e))?;
+        }
+        self.sync()
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize().map_err(|e| cuda_err("synchronize", e))
+    }
+
+    /// Launches kernel `name` on a 1-D grid.
+    pub fn launch(&self, name: &str, grid: u32, block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        let Some(f) = self.funcs.get(name) else { bail!("no kernel named {name}") };
+        if grid == 0 {
+            return Ok(());
+        }
+        let mut args = args.to_vec();
+        let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::as_mut_ptr).collect();
+        let capturing = self.capturing.load(Ordering::Relaxed);
+        if !capturing {
+            self.count_launch();
+        }
+        let timed = self.profile.as_ref().filter(|_| !capturing);
+        let start = match timed {
+            Some(_) => {
+                self.sync()?;
+                Some(std::time::Instant::now())
+            }
+            None => None,
+        };
+        // SAFETY: argument lists match the kernels' signatures (see kernels/*.cu); every pointer
+        // is a live device allocation sized by the caller.
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (grid, 1, 1),
+                (block, 1, 1),
+                smem,
+                self.stream.cu_stream(),
+                &mut ptrs,
+            )
+        }
+        .map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        if let (Some(p), Some(t0)) = (timed, start) {
+            self.sync()?;
+            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+            let key = match args.first() {
+                Some(Arg::Mat(m)) => format!("{name} {}x{} grid {grid}", m.rows, m.cols),
+                _ => format!("{name} grid {grid}"),
+            };
+            let e = p.entry(key).or_default();
+            e.0 += 1;
+            e.1 += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// While set, kernel launches are being captured into a graph and are not counted.
+    pub fn set_capturing(&self, on: bool) {
+        self.capturing.store(on, Ordering::Relaxed);
+    }
+
+    /// Counts one launch (a kernel or a whole graph).
+    pub fn count_launch(&self) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// With `MEGAGEMMA_CUDA_PROFILE=1`: `(kernel, launches, seconds)` so far, slowest first; then cleared.
+    pub fn take_profile(&self) -> Vec<(String, u64, f64)> {
+        let Some(p) = &self.profile else { return vec![] };
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = p.drain().map(|(k, (n, s))| (k, n, s)).collect();
+        v.sort_by(|a, b| b.2.total_cmp(&a.2));
+        v
+    }
+
+    /// Launches so far (kernels, and graphs as one each).
+    pub fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+}

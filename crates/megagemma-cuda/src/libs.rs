@@ -1,0 +1,67 @@
+//! Finding the CUDA libraries. cudarc opens libcuda and libnvrtc by bare name and panics when it
+//! cannot; so candidate directories are preloaded by absolute path first (libnvrtc dlopens its
+//! builtins by soname and has no RUNPATH, so the builtins go first), and every CUDA call is gated
+//! on cudarc's `is_culib_present`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+const NVRTC_LIBS: [&str; 2] = ["libnvrtc-builtins.so.13.0", "libnvrtc.so.13"];
+
+/// Directories searched, in order: `$MEGAGEMMA_CUDA_LIB_DIR`, `$CUDA_HOME/lib64`, the usual toolkit places.
+fn candidate_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Ok(d) = std::env::var("MEGAGEMMA_CUDA_LIB_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Ok(d) = std::env::var("CUDA_HOME") {
+        dirs.push(PathBuf::from(d).join("lib64"));
+    }
+    for d in [
+        "/usr/local/cuda/lib64",
+        "/usr/local/cuda/targets/x86_64-linux/lib",
+        "/usr/local/cuda-13.0/targets/x86_64-linux/lib",
+        "/usr/local/cuda-13.0/lib64",
+    ] {
+        dirs.push(PathBuf::from(d));
+    }
+    dirs
+}
+
+/// Loads NVRTC (and keeps it loaded) from the first candidate directory that has it. Idempotent.
+pub fn preload() {
+    static KEEP: OnceLock<Vec<libloading::Library>> = OnceLock::new();
+    KEEP.get_or_init(|| {
+        for dir in candidate_dirs() {
+            if !NVRTC_LIBS.iter().all(|l| dir.join(l).is_file()) {
+                continue;
+            }
+            let mut libs = Vec::new();
+            for l in NVRTC_LIBS {
+                // SAFETY: loading a shared library runs its initialisers; these are NVIDIA's own.
+                match unsafe { libloading::Library::new(dir.join(l)) } {
+                    Ok(lib) => libs.push(lib),
+                    Err(_) => break,
+                }
+            }
+            if libs.len() == NVRTC_LIBS.len() {
+                return libs;
+            }
+        }
+        Vec::new()
+    });
+}
+
+/// Whether the CUDA driver library can be opened.
+pub fn driver_present() -> bool {
+    preload();
+    // SAFETY: only probes whether the library loads.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether NVRTC can be opened.
+pub fn nvrtc_present() -> bool {
+    preload();
+    // SAFETY: only probes whether the library loads.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}

@@ -1,0 +1,616 @@
+//! [`CudaSeq`]: one sequence's KV cache and scratch, and the forward pass over a chunk of tokens.
+//!
+//! Stage order and arithmetic follow the CPU reference (`megagemma_model::cpu::forward`) step by
+//! step. A pass over T tokens at positions `len .. len+T` writes its K/V rows into per-layer
+//! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
+//! afterwards, so a candidate never overwrites a ring slot a query may still need.
+
+use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4};
+use crate::model::CudaModel;
+use crate::weights::{DevLayer, DevMoe};
+use cudarc::driver::CudaGraph;
+use megagemma_model::plan::LayerPlan;
+use megagemma_model::{bail, Result};
+use std::sync::Arc;
+
+/// Most tokens one forward may run (and stage).
+pub const MAX_CHUNK: usize = 64;
+/// Columns one matvec launch handles.
+const MATVEC_COLS: usize = 8;
+const MATVEC_ROWS_PER_BLOCK: usize = 8;
+const ATTENTION_WARPS: usize = 32;
+/// Blocks per row of the softcap + argmax pass.
+const ARGMAX_SPLIT: usize = 64;
+
+/// The second input of a gated projection: `[t, ≥ cols]` floats with row stride `stride`.
+#[derive(Clone, Copy)]
+struct Gate {
+    ptr: u64,
+    stride: usize,
+}
+
+/// What a forward returns per position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Want {
+    /// Every position of the chunk (verify) or only the last (prefill, decode).
+    pub all_positions: bool,
+    /// Copy the logits to the host as well as the argmax.
+    pub logits: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct PosOut {
+    pub argmax: u32,
+    /// Final logits (after softcap), when asked for.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// K/V of one cache-owning layer: committed rows and staged rows.
+struct LayerCache {
+    k: DevBuf,
+    v: DevBuf,
+    staged_k: DevBuf,
+    staged_v: DevBuf,
+    width: usize,
+    /// Ring slots (window + 1) for sliding layers; 0 for a full cache.
+    ring: usize,
+}
+
+/// Activation scratch, f32 `[MAX_CHUNK, width]` each.
+struct Scratch {
+    x: DevBuf,
+    a: DevBuf,
+    q: DevBuf,
+    att: DevBuf,
+    o: DevBuf,
+    f: DevBuf,
+    g: DevBuf,
+    u: DevBuf,
+    pli: DevBuf,
+    pg: DevBuf,
+    logits: DevBuf,
+    ids: DevBuf,
+    /// Per-block (value, index) candidates of the argmax.
+    partial: DevBuf,
+    /// `[p0, token 0, token 1, …]` as u32: the chunk's first position and its tokens, uploaded
+    /// in one copy and read by the kernels on the device.
+    meta: DevBuf,
+    // MoE
+    zr: DevBuf,
+    rl: DevBuf,
+    idx: DevBuf,
+    wts: DevBuf,
+    ys: DevBuf,
+    e: DevBuf,
+}
+
+pub struct CudaSeq {
+    model: Arc<CudaModel>,
+    max_len: usize,
+    len: usize,
+    staged: usize,
+    caches: Vec<Option<LayerCache>>,
+    s: Scratch,
+    /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
+    use_graphs: bool,
+    decode_graph: Option<CudaGraph>,
+}
+
+// SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
+// API may be called from any thread once the context is bound (every call binds it).
+unsafe impl Send for CudaSeq {}
+
+fn f32s(n: usize) -> usize {
+    n * 4
+}
+
+impl CudaSeq {
+    /// A sequence of at most `max_len` positions.
+    pub fn new(model: &Arc<CudaModel>, max_len: usize) -> Result<CudaSeq> {
+        let gpu = &model.gpu;
+        let plan = &model.plan;
+        let t = MAX_CHUNK;
+        let mut caches = Vec::with_capacity(plan.layers.len());
+        for lp in &plan.layers {
+            caches.push(if lp.is_kv_shared() {
+                None
+            } else {
+                let width = lp.kv_width();
+                let ring = lp.window.map_or(0, |w| w + 1);
+                let slots = if ring > 0 { ring.min(max_len) } else { max_len };
+                let ring = if ring > 0 && ring <= max_len { ring } else { 0 };
+                Some(LayerCache {
+                    k: gpu.alloc_zeros(f32s(slots * width))?,
+                    v: gpu.alloc_zeros(f32s(slots * width))?,
+                    staged_k: gpu.alloc_zeros(f32s(t * width))?,
+                    staged_v: gpu.alloc_zeros(f32s(t * width))?,
+                    width,
+                    ring,
+                })
+            });
+        }
+        let h = plan.hidden;
+        let max_q = plan.layers.iter().map(LayerPlan::q_width).max().unwrap_or(0);
+        let moe = model.weights().layers.iter().find_map(|l| l.moe.as_ref());
+        let (experts, moe_inter) = moe.map_or((0, 0), |m| (m.experts.len(), m.experts[0][0].rows as usize));
+        let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
+        let lp = plan.layers.len() * plan.ple_dim;
+        let top_k = plan.moe_top_k.max(1);
+        let s = Scratch {
+            x: gpu.alloc_zeros(f32s(t * h))?,
+            a: gpu.alloc_zeros(f32s(t * h))?,
+            q: gpu.alloc_zeros(f32s(t * max_q))?,
+            att: gpu.alloc_zeros(f32s(t * max_q))?,
+            o: gpu.alloc_zeros(f32s(t * h))?,
+            f: gpu.alloc_zeros(f32s(t * h))?,
+            g: gpu.alloc_zeros(f32s(t * max_i))?,
+            u: gpu.alloc_zeros(f32s(t * max_i))?,
+            pli: gpu.alloc_zeros(f32s(t * lp))?,
+            pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
+            logits: gpu.alloc_zeros(f32s(t * plan.vocab_size))?,
+            ids: gpu.alloc_zeros(t * 4)?,
+            partial: gpu.alloc_zeros(t * ARGMAX_SPLIT * 8)?,
+            meta: gpu.alloc_zeros((t + 1) * 4)?,
+            zr: gpu.alloc_zeros(f32s(t * h))?,
+            rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
+            idx: gpu.alloc_zeros(t * top_k * 4)?,
+            wts: gpu.alloc_zeros(f32s(t * top_k))?,
+            ys: gpu.alloc_zeros(f32s(experts * t * h))?,
+            e: gpu.alloc_zeros(f32s(t * h))?,
+        };
+        gpu.sync()?;
+        let use_graphs = std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        Ok(CudaSeq { model: model.clone(), max_len, len: 0, staged: 0, caches, s, use_graphs, decode_graph: None })
+    }
+
+    /// Committed positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether single-token passes replay a captured CUDA graph (default on; off with
+    /// `MEGAGEMMA_CUDA_GRAPHS=0`). Both ways run the same kernels on the same arguments.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+    }
+
+    /// The single-token pass: captured into a graph on first use, replayed after. Positions come
+    /// from the device (`meta`), and attention's shared memory is sized for the longest window, so
+    /// one graph serves every step.
+    fn decode_graph(&mut self) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if self.decode_graph.is_none() {
+            let stream = self.model.gpu.stream.clone();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| cuda_err("begin capture", e))?;
+            self.model.gpu.set_capturing(true);
+            let ran = self.run(1, 0);
+            self.model.gpu.set_capturing(false);
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
+            ran?;
+            match graph? {
+                Some(g) => self.decode_graph = Some(g),
+                None => bail!("CUDA graph capture of the decode step produced no graph"),
+            }
+        }
+        let g = self.decode_graph.as_ref().expect("captured above");
+        self.model.gpu.count_launch();
+        g.launch().map_err(|e| cuda_err("graph launch", e))
+    }
+
+    /// Rows staged by the last forward and not yet committed.
+    pub fn staged(&self) -> usize {
+        self.staged
+    }
+
+    pub fn model(&self) -> &Arc<CudaModel> {
+        &self.model
+    }
+
+    /// Runs `tokens` at positions `len() ..`, stages their K/V rows and returns the argmax (and
+    /// logits when asked) of the last position, or of every position with `want.all_positions`.
+    /// Earlier staged rows are discarded.
+    pub fn forward(&mut self, tokens: &[u32], want: Want) -> Result<Vec<PosOut>> {
+        let t = tokens.len();
+        let vocab = self.model.plan.vocab_size;
+        if t == 0 {
+            bail!("empty input: at least one token is needed");
+        }
+        if t > MAX_CHUNK {
+            bail!("{t} tokens in one forward: at most {MAX_CHUNK} (prefill longer prompts in chunks, committing each)");
+        }
+        if self.len + t > self.max_len {
+            bail!("position {} is past this sequence's maximum length {}", self.len + t - 1, self.max_len);
+        }
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
+            bail!("token id {bad} is out of range (vocab_size is {vocab})");
+        }
+        self.staged = 0;
+        let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
+        self.model.gpu.upload(self.s.meta.ptr, &meta)?;
+        let first = if want.all_positions { 0 } else { t - 1 };
+        if t == 1 && self.use_graphs {
+            self.decode_graph()?;
+        } else {
+            self.run(t, first)?;
+        }
+        self.staged = t;
+        let n = t - first;
+        let v = vocab;
+        let gpu = &self.model.gpu;
+        let mut ids = vec![0u32; n];
+        gpu.download(&mut ids, self.s.ids.ptr)?;
+        let mut logits = vec![];
+        if want.logits {
+            logits = vec![0f32; n * v];
+            gpu.download(&mut logits, self.s.logits.ptr)?;
+        }
+        Ok(ids
+            .into_iter()
+            .enumerate()
+            .map(|(i, argmax)| PosOut { argmax, logits: want.logits.then(|| logits[i * v..(i + 1) * v].to_vec()) })
+            .collect())
+    }
+
+    /// Forward over `tokens` in chunks of at most [`MAX_CHUNK`], committing each; returns the last
+    /// position's output.
+    pub fn prefill(&mut self, tokens: &[u32], logits: bool) -> Result<PosOut> {
+        let mut last = None;
+        for chunk in tokens.chunks(MAX_CHUNK) {
+            last = self.forward(chunk, Want { all_positions: false, logits })?.pop();
+            self.commit(chunk.len())?;
+        }
+        last.ok_or_else(|| megagemma_model::Error::msg("empty input: at least one token is needed"))
+    }
+
+    /// Makes the first `accepted` staged rows part of the cache and drops the rest.
+    pub fn commit(&mut self, accepted: usize) -> Result<()> {
+        if accepted > self.staged {
+            bail!("cannot commit {accepted} rows: only {} are staged", self.staged);
+        }
+        let gpu = &self.model.gpu;
+        for c in self.caches.iter().flatten() {
+            // Rows that a later row of the same commit overwrites in the ring are skipped.
+            let skip = if c.ring > 0 { accepted.saturating_sub(c.ring) } else { 0 };
+            let n = accepted - skip;
+            let args = [
+                Arg::Ptr(c.k.ptr),
+                Arg::Ptr(c.v.ptr),
+                Arg::Ptr(c.staged_k.at(f32s(skip * c.width))),
+                Arg::Ptr(c.staged_v.at(f32s(skip * c.width))),
+                Arg::I32(n as i32),
+                Arg::I32(c.width as i32),
+                Arg::I32((self.len + skip) as i32),
+                Arg::I32(c.ring as i32),
+            ];
+            gpu.launch("kv_commit", 2 * n as u32, 128, 0, &args)?;
+        }
+        self.len += accepted;
+        self.staged = 0;
+        Ok(())
+    }
+
+    /// Forgets positions `len ..` (and anything staged). Sliding rings can only roll back as far
+    /// as they still hold the window of the new last position.
+    pub fn truncate_to(&mut self, len: usize) -> Result<()> {
+        self.staged = 0;
+        if len > self.len {
+            bail!("cannot truncate to {len}: only {} positions are cached", self.len);
+        }
+        for (lp, c) in self.model.plan.layers.iter().zip(&self.caches) {
+            if let (Some(c), Some(w)) = (c, lp.window) {
+                if c.ring > 0 && len > 0 && (len + 1).saturating_sub(w) < self.len.saturating_sub(c.ring) {
+                    bail!(
+                        "cannot roll back from {} to {len}: the sliding-window cache no longer holds position {}",
+                        self.len,
+                        (len + 1).saturating_sub(w)
+                    );
+                }
+            }
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    // ---- the forward, stage by stage ------------------------------------------------------
+
+    fn gpu(&self) -> &Gpu {
+        &self.model.gpu
+    }
+
+    /// `y[t] = W·x[t]` for `t` columns, in launches of up to eight columns (each column's
+    /// arithmetic is independent of the others, so the split does not change any bit).
+    fn matvec(&self, w: &DevMat, x: u64, y: u64, t: usize) -> Result<()> {
+        self.matvec_impl(w, x, None, y, t)
+    }
+
+    /// `y[t] = W·(gelu(x[t]) · gate[t])`: fused into the 4-bit kernel, else a separate pass over `x`.
+    fn matvec_gated(&self, w: &DevMat, x: u64, gate: Gate, y: u64, t: usize) -> Result<()> {
+        self.matvec_impl(w, x, Some(gate), y, t)
+    }
+
+    fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
+        let (rows, cols) = (w.rows as usize, w.cols as usize);
+        // 4-bit matrices with 16-aligned rows take the many-rows-per-warp kernel; `wpr` warps
+        // split each row group's 512-column chunks, each warp taking its chunks two at a time.
+        let q4_fast = w.fmt == FMT_Q4 && cols.is_multiple_of(16) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
+        if let (Some(g), false) = (gate, q4_fast) {
+            let args =
+                [Arg::Ptr(x), Arg::Ptr(g.ptr), Arg::I32(cols as i32), Arg::I32(g.stride as i32), Arg::I32(t as i32)];
+            self.elementwise("gelu_gate", t * cols, &args)?;
+        }
+        let chunks = cols.div_ceil(512);
+        let wpr = [8, 4, 2, 1].into_iter().find(|&w| 2 * w <= chunks).unwrap_or(1);
+        for c0 in (0..t).step_by(MATVEC_COLS) {
+            let m = MATVEC_COLS.min(t - c0);
+            let (xp, yp) = (x + f32s(c0 * cols) as u64, y + f32s(c0 * rows) as u64);
+            if q4_fast {
+                let grid = rows.div_ceil(8 * (8 / wpr)) as u32;
+                let mut args = vec![Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32), Arg::I32(wpr as i32)];
+                let name = match gate {
+                    Some(g) => {
+                        args.extend([Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)]);
+                        "matvec_q4_gated"
+                    }
+                    None => "matvec_q4",
+                };
+                self.gpu().launch(name, grid, 256, 0, &args)?;
+            } else {
+                let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
+                let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32)];
+                self.gpu().launch("matvec", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// RMSNorm of `chunks` chunks of `dim`: `y = x̂·w` (add: `y += x̂·w`); `w = 0` for no weight.
+    fn norm(&self, y: u64, x: u64, w: u64, dim: usize, chunks: usize, add: bool) -> Result<()> {
+        let block = if dim >= 512 { 256 } else { 64 };
+        let eps = self.model.plan.eps;
+        let args = [Arg::Ptr(y), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(dim as i32), Arg::F32(eps), Arg::I32(add as i32)];
+        self.gpu().launch("rms_norm", chunks as u32, block, 0, &args)
+    }
+
+    fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+        self.gpu().launch(name, n.div_ceil(256) as u32, 256, 0, args)
+    }
+
+    /// The whole pass over `t` staged tokens; logits and argmax of positions `first .. t` land in
+    /// rows `0 .. t − first` of `s.logits` / `s.ids`.
+    fn run(&self, t: usize, first: usize) -> Result<()> {
+        let m = &*self.model;
+        let (plan, w, s) = (&m.plan, m.weights(), &self.s);
+        let h = plan.hidden;
+
+        // §2.1 embedding · sqrt(H).
+        let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
+        self.gpu().launch("embed_gather", t as u32, 256, 0, &args)?;
+
+        // §2.2 per-layer inputs [T, L·P].
+        if let Some(ple) = &w.ple {
+            let (p, lpw) = (plan.ple_dim, plan.layers.len() * plan.ple_dim);
+            self.matvec(&ple.proj, s.x.ptr, s.pli.ptr, t)?;
+            let proj_scale = (h as f64).powf(-0.5) as f32;
+            self.elementwise(
+                "scale",
+                t * lpw,
+                &[Arg::Ptr(s.pli.ptr), Arg::F32(proj_scale), Arg::U64((t * lpw) as u64)],
+            )?;
+            self.norm(s.pli.ptr, s.pli.ptr, ple.norm, p, t * plan.layers.len(), false)?;
+            let embed_scale = (p as f64).sqrt() as f32;
+            let input_scale = std::f64::consts::FRAC_1_SQRT_2 as f32;
+            let args = [
+                Arg::Ptr(s.pli.ptr),
+                Arg::Mat(ple.table),
+                Arg::Ptr(s.meta.at(4)),
+                Arg::F32(embed_scale),
+                Arg::F32(input_scale),
+            ];
+            self.gpu().launch("ple_combine", t as u32, 256, 0, &args)?;
+        }
+
+        // Each layer starts with `a` = its input norm of `x` and ends by writing the next layer's
+        // (or the final) norm into `a`.
+        self.norm(s.a.ptr, s.x.ptr, w.layers[0].input_norm, h, t, false)?;
+        for (i, (lp, lw)) in plan.layers.iter().zip(&w.layers).enumerate() {
+            let next_norm = w.layers.get(i + 1).map_or(w.final_norm, |l| l.input_norm);
+            self.layer(lp, lw, next_norm, t)?;
+        }
+
+        // §2.4 LM head on the final-normed wanted positions, softcap, argmax.
+        let n = t - first;
+        self.matvec(&w.lm_head, s.a.at(f32s(first * h)), s.logits.ptr, n)?;
+        let cap = plan.final_softcap.unwrap_or(0.0);
+        let v = plan.vocab_size as i32;
+        let args = [
+            Arg::Ptr(s.logits.ptr),
+            Arg::I32(v),
+            Arg::F32(cap),
+            Arg::Ptr(s.partial.ptr),
+            Arg::I32(ARGMAX_SPLIT as i32),
+        ];
+        self.gpu().launch("softcap_argmax_partial", (n * ARGMAX_SPLIT) as u32, 256, 0, &args)?;
+        let args = [Arg::Ptr(s.partial.ptr), Arg::I32(ARGMAX_SPLIT as i32), Arg::Ptr(s.ids.ptr)];
+        self.gpu().launch("argmax_final", n as u32, 32, 0, &args)
+    }
+
+    /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, on exit `s.a`
+    /// holds `x` normed with `next_norm`.
+    fn layer(&self, lp: &LayerPlan, lw: &DevLayer, next_norm: u64, t: usize) -> Result<()> {
+        let m = &*self.model;
+        let (plan, s) = (&m.plan, &self.s);
+        let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
+        let pos = self.s.meta.ptr;
+        // Per-head norm (weight or none) and RoPE (or none) on a [t, heads, hd] buffer.
+        let head_norm_rope = |x: u64, w: u64, rope: bool, heads: usize| {
+            let freq = if rope { lw.inv_freq } else { 0 };
+            let args = [
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(freq),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::Ptr(pos),
+                Arg::F32(eps),
+            ];
+            self.gpu().launch("head_norm_rope", (t * heads) as u32, 128, 0, &args)
+        };
+
+        // 3–5: Q, q_norm, RoPE.
+        self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?;
+        head_norm_rope(s.q.ptr, lw.q_norm, true, lp.num_heads)?;
+
+        // 6–11: own K/V, computed straight into this layer's staging rows.
+        if let (Some(wk), Some(k_norm), Some(c)) = (&lw.k, lw.k_norm, &self.caches[lp.index]) {
+            let (sk, sv) = (c.staged_k.ptr, c.staged_v.ptr);
+            self.matvec(wk, s.a.ptr, sk, t)?;
+            match &lw.v {
+                Some(wv) => self.matvec(wv, s.a.ptr, sv, t)?,
+                // k_eq_v: values are the raw key projection (before k_norm and RoPE).
+                None => {
+                    let n = t * c.width;
+                    self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
+                }
+            }
+            head_norm_rope(sk, k_norm, true, lp.num_kv_heads)?;
+            if plan.v_norm {
+                head_norm_rope(sv, 0, false, lp.num_kv_heads)?;
+            }
+        }
+
+        // 12–15: attention over the source layer's cache, O projection, post-attention norm and
+        // residual, then the pre-feed-forward norm.
+        self.attention(lp, t)?;
+        self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
+        self.add_norm(s.o.ptr, lw.post_attn_norm, 1.0, lw.pre_ffn_norm, t)?;
+
+        // 16–19: feed-forward (dense MLP, plus the MoE branch).
+        self.mlp(&lw.gate, &lw.up, &lw.down, s.a.ptr, s.f.ptr, t)?;
+        if let Some(moe) = &lw.moe {
+            self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
+            self.moe(moe, t)?;
+            self.elementwise("add", t * h, &[Arg::Ptr(s.f.ptr), Arg::Ptr(s.e.ptr), Arg::U64((t * h) as u64)])?;
+        }
+
+        // 20–25: per-layer embedding injection, the per-layer scalar, the next norm.
+        match &lw.ple {
+            Some(ple) => {
+                self.add_norm(s.f.ptr, lw.post_ffn_norm, 1.0, 0, t)?;
+                let p = plan.ple_dim;
+                let lpw = plan.layers.len() * p;
+                self.matvec(&ple.gate, s.x.ptr, s.pg.ptr, t)?;
+                let gate = Gate { ptr: s.pli.at(f32s(lp.index * p)), stride: lpw };
+                self.matvec_gated(&ple.proj, s.pg.ptr, gate, s.o.ptr, t)?;
+                self.add_norm(s.o.ptr, ple.post_norm, lw.layer_scalar, next_norm, t)
+            }
+            None => self.add_norm(s.f.ptr, lw.post_ffn_norm, lw.layer_scalar, next_norm, t),
+        }
+    }
+
+    /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
+    fn add_norm(&self, o: u64, w1: u64, scale: f32, w2: u64, t: usize) -> Result<()> {
+        let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
+        let s = &self.s;
+        let args = [
+            Arg::Ptr(s.x.ptr),
+            Arg::Ptr(o),
+            Arg::Ptr(w1),
+            Arg::F32(scale),
+            Arg::Ptr(s.a.ptr),
+            Arg::Ptr(w2),
+            Arg::I32(h as i32),
+            Arg::F32(eps),
+        ];
+        self.gpu().launch("add_norm", t as u32, if h >= 512 { 256 } else { 64 }, 0, &args)
+    }
+
+    fn attention(&self, lp: &LayerPlan, t: usize) -> Result<()> {
+        let s = &self.s;
+        let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
+        // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
+        let keys = match lp.window {
+            Some(w) => w.min(self.max_len),
+            None => self.max_len,
+        };
+        let smem = f32s(lp.head_dim + keys + ATTENTION_WARPS * lp.head_dim);
+        if lp.head_dim > 512 {
+            bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
+        }
+        if smem > 200 * 1024 {
+            bail!("attention over {keys} keys needs {smem} bytes of shared memory (at most 200 KB)");
+        }
+        let args = [
+            Arg::Ptr(s.q.ptr),
+            Arg::Ptr(c.k.ptr),
+            Arg::Ptr(c.v.ptr),
+            Arg::Ptr(c.staged_k.ptr),
+            Arg::Ptr(c.staged_v.ptr),
+            Arg::Ptr(s.att.ptr),
+            Arg::I32(lp.num_heads as i32),
+            Arg::I32(lp.num_kv_heads as i32),
+            Arg::I32(lp.head_dim as i32),
+            Arg::Ptr(s.meta.ptr),
+            Arg::I32(lp.window.unwrap_or(0) as i32),
+            Arg::I32(c.ring as i32),
+            Arg::F32(self.model.plan.attn_scale),
+        ];
+        self.gpu().launch("attention", (t * lp.num_heads) as u32, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
+    }
+
+    /// `out = down(gelu(gate·x) · up·x)` for `t` columns.
+    fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, x: u64, out: u64, t: usize) -> Result<()> {
+        let s = &self.s;
+        self.matvec(gate, x, s.g.ptr, t)?;
+        self.matvec(up, x, s.u.ptr, t)?;
+        self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
+    }
+
+    /// MoE branch into `s.e`: route, run every expert on the pre-normed input, combine the top-k
+    /// in routing order, `post_feedforward_layernorm_2`.
+    fn moe(&self, moe: &DevMoe, t: usize) -> Result<()> {
+        let (plan, s) = (&self.model.plan, &self.s);
+        let h = plan.hidden;
+        let e_count = moe.experts.len();
+        let k = plan.moe_top_k.min(e_count);
+        if e_count > 256 {
+            bail!("{e_count} experts: the router kernel handles at most 256");
+        }
+        self.norm(s.zr.ptr, s.x.ptr, 0, h, t, false)?;
+        let root = (h as f64).powf(-0.5) as f32;
+        let args =
+            [Arg::Ptr(s.zr.ptr), Arg::Ptr(moe.router_scale), Arg::F32(root), Arg::I32(h as i32), Arg::I32(t as i32)];
+        self.elementwise("router_scale", t * h, &args)?;
+        self.matvec(&moe.router, s.zr.ptr, s.rl.ptr, t)?;
+        let args = [
+            Arg::Ptr(s.rl.ptr),
+            Arg::Ptr(moe.per_expert_scale),
+            Arg::Ptr(s.idx.ptr),
+            Arg::Ptr(s.wts.ptr),
+            Arg::I32(e_count as i32),
+            Arg::I32(k as i32),
+            Arg::I32(t as i32),
+        ];
+        self.gpu().launch("moe_route", 1, 64, 0, &args)?;
+        self.norm(s.a.ptr, s.x.ptr, moe.pre_norm_2, h, t, false)?;
+        for (e, [g, u, d]) in moe.experts.iter().enumerate() {
+            self.mlp(g, u, d, s.a.ptr, s.ys.at(f32s(e * t * h)), t)?;
+        }
+        let args = [
+            Arg::Ptr(s.e.ptr),
+            Arg::Ptr(s.ys.ptr),
+            Arg::Ptr(s.idx.ptr),
+            Arg::Ptr(s.wts.ptr),
+            Arg::I32(k as i32),
+            Arg::I32(h as i32),
+            Arg::I32(t as i32),
+        ];
+        self.elementwise("moe_combine", t * h, &args)?;
+        self.norm(s.e.ptr, s.e.ptr, moe.post_norm_2, h, t, false)
+    }
+}
