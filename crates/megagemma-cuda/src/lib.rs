@@ -4,6 +4,7 @@
 //! uploaded into arenas ([`weights`]); [`CudaModel`] holds them and the device, [`CudaSeq`] one
 //! sequence's KV cache and scratch, and runs the forward pass stage by stage on one stream.
 
+pub mod backend;
 pub mod check;
 pub mod compile;
 pub mod device;
@@ -13,5 +14,6 @@ pub mod seq;
 pub mod synthetic;
 pub mod weights;
 
+pub use backend::CudaBackend;
 pub use model::CudaModel;
 pub use seq::{CudaSeq, PosOut, Want, MAX_CHUNK};

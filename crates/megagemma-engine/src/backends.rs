@@ -1,6 +1,7 @@
 //! Backend selection: which compute backend runs a loaded model.
 
 use anyhow::{bail, Result};
+use megagemma_cuda::{CudaBackend, CudaModel};
 use megagemma_model::backend::Backend;
 use megagemma_model::cpu::CpuBackend;
 use megagemma_model::Model;
@@ -48,21 +49,36 @@ pub struct BackendOptions {
 
 /// Open the backend `opts` asks for over `model`.
 pub fn open_backend(model: Arc<Model>, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
-    match opts.kind {
-        BackendKind::Cpu | BackendKind::Auto => {
-            let mut b = CpuBackend::new(model);
-            if let Some(n) = opts.max_context {
-                b = b.with_max_context(n);
-            }
-            Ok(Box::new(b))
+    let cuda = match opts.kind {
+        BackendKind::Cuda => true,
+        BackendKind::Auto => cuda_device_present(),
+        BackendKind::Cpu => false,
+    };
+    if cuda {
+        match CudaModel::load(&model) {
+            Ok(cm) => return Ok(Box::new(CudaBackend::new(cm, opts.max_context))),
+            Err(e) if opts.kind == BackendKind::Auto => eprintln!("note: CUDA is not usable ({e}); running on the CPU"),
+            Err(e) => return Err(e.into()),
         }
-        BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend"),
     }
+    let mut b = CpuBackend::new(model);
+    if let Some(n) = opts.max_context {
+        b = b.with_max_context(n);
+    }
+    Ok(Box::new(b))
 }
 
 /// A model of a real shape with random weights, built on the device without a checkpoint
 /// (`bench --synthetic`).
 pub fn open_synthetic(name: &str, quant: &str, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
-    let _ = (quant, opts);
-    bail!("--synthetic {name}: synthetic models are built on a GPU, and this build has no CUDA backend")
+    if opts.kind == BackendKind::Cpu || !cuda_device_present() {
+        bail!("--synthetic {name}: synthetic models are built on a GPU, and no CUDA device is available here");
+    }
+    let cm = CudaModel::synthetic(name, quant)?;
+    Ok(Box::new(CudaBackend::new(cm, opts.max_context)))
+}
+
+/// Whether a CUDA driver and at least one device are present (never panics without CUDA).
+pub fn cuda_device_present() -> bool {
+    megagemma_cuda::libs::driver_present()
 }

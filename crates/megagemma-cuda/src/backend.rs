@@ -1,0 +1,186 @@
+//! [`CudaBackend`]: the engine's [`Backend`] interface over [`CudaModel`] and its sequences.
+//!
+//! Inputs are validated here, before anything reaches the device, so a bad request is an
+//! `InvalidInput` or `Capacity` error and never leaves a sequence half-updated. Greedy calls read
+//! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
+
+use crate::model::CudaModel;
+use crate::seq::{CudaSeq, Want as SeqWant, MAX_CHUNK};
+use megagemma_model::backend::{top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
+use megagemma_model::error::Error;
+use megagemma_model::plan::ModelPlan;
+use megagemma_model::Result;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Default context when none is asked for (KV memory is allocated up front per sequence).
+pub const DEFAULT_MAX_CONTEXT: usize = 8192;
+
+pub struct CudaBackend {
+    model: Arc<CudaModel>,
+    seqs: BTreeMap<SeqId, CudaSeq>,
+    next_id: u32,
+    max_context: usize,
+    stats: BackendStats,
+    /// Launches and tokens of single-token steps, for launches per token.
+    step_launches: u64,
+    step_tokens: u64,
+}
+
+impl CudaBackend {
+    pub fn new(model: Arc<CudaModel>, max_context: Option<usize>) -> CudaBackend {
+        CudaBackend {
+            model,
+            seqs: BTreeMap::new(),
+            next_id: 0,
+            max_context: max_context.unwrap_or(DEFAULT_MAX_CONTEXT).max(1),
+            stats: BackendStats::default(),
+            step_launches: 0,
+            step_tokens: 0,
+        }
+    }
+
+    pub fn model(&self) -> &Arc<CudaModel> {
+        &self.model
+    }
+
+    fn seq_mut(&mut self, seq: SeqId) -> Result<&mut CudaSeq> {
+        self.seqs.get_mut(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
+    }
+
+    fn check(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::invalid_input("empty input: at least one token is needed"));
+        }
+        let v = self.model.plan().vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
+            return Err(Error::invalid_input(format!("token id {bad} is out of range (vocab_size is {v})")));
+        }
+        let s = self.seqs.get(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
+        if s.staged() > 0 {
+            return Err(Error::invalid_input(format!(
+                "sequence {seq}: {} verified rows are still staged: commit or truncate first",
+                s.staged()
+            )));
+        }
+        let need = s.len() + tokens.len();
+        if need > self.max_context {
+            return Err(Error::capacity(format!(
+                "sequence {seq} would hold {need} positions, more than the context of {} (use a larger --ctx)",
+                self.max_context
+            )));
+        }
+        Ok(())
+    }
+
+    fn host_output(&mut self, o: crate::seq::PosOut, want: Want) -> PosOut {
+        match (want, o.logits) {
+            (Want::Logits, Some(l)) => {
+                self.stats.logits_copies += 1;
+                PosOut { argmax: o.argmax, logits: l, ..Default::default() }
+            }
+            (Want::TopLogprobs(n), Some(l)) => {
+                PosOut { argmax: o.argmax, top_logprobs: top_logprobs(&l, n), ..Default::default() }
+            }
+            _ => PosOut { argmax: o.argmax, ..Default::default() },
+        }
+    }
+}
+
+fn needs_logits(want: Want) -> bool {
+    want != Want::Argmax
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+    fn plan(&self) -> &ModelPlan {
+        self.model.plan()
+    }
+    fn max_context(&self) -> usize {
+        self.max_context
+    }
+    fn decode_weight_bytes(&self) -> usize {
+        self.model.decode_weight_bytes()
+    }
+    fn stats(&self) -> BackendStats {
+        self.stats
+    }
+    fn device_name(&self) -> String {
+        self.model.device_name().to_string()
+    }
+    fn measure_read_bandwidth(&mut self) -> Result<Option<f64>> {
+        Ok(Some(self.model.read_bandwidth(8 << 30)?))
+    }
+    fn launches_per_token(&self) -> Option<f64> {
+        (self.step_tokens > 0).then(|| self.step_launches as f64 / self.step_tokens as f64)
+    }
+
+    fn new_sequence(&mut self) -> Result<SeqId> {
+        let s = CudaSeq::new(&self.model, self.max_context)?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, s);
+        Ok(id)
+    }
+    fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        self.seq_mut(seq)?;
+        Err(Error::msg("fork is not available on the CUDA backend yet: prefill a new sequence instead"))
+    }
+    fn free(&mut self, seq: SeqId) -> Result<()> {
+        self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
+    }
+    fn seq_len(&self, seq: SeqId) -> Result<usize> {
+        self.seqs.get(&seq).map(|s| s.len()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
+    }
+
+    fn prefill(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<PosOut> {
+        self.check(seq, tokens)?;
+        let o = self.seq_mut(seq)?.prefill(tokens, needs_logits(want))?;
+        self.stats.passes += tokens.len().div_ceil(MAX_CHUNK) as u64;
+        Ok(self.host_output(o, want))
+    }
+
+    fn step(&mut self, batch: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
+        for (i, (seq, tok)) in batch.iter().enumerate() {
+            self.check(*seq, std::slice::from_ref(tok))?;
+            if batch[..i].iter().any(|(s, _)| s == seq) {
+                return Err(Error::invalid_input(format!("sequence {seq} appears twice in one step")));
+            }
+        }
+        // One pass per sequence for now: the kernels take M columns of one sequence.
+        let mut outs = Vec::with_capacity(batch.len());
+        for (seq, tok) in batch {
+            let before = self.model.launches();
+            let s = self.seq_mut(*seq)?;
+            let mut o =
+                s.forward(std::slice::from_ref(tok), SeqWant { all_positions: false, logits: needs_logits(want) })?;
+            s.commit(1)?;
+            self.step_launches += self.model.launches() - before;
+            self.step_tokens += 1;
+            self.stats.passes += 1;
+            let o = o.pop().ok_or_else(|| Error::msg("the CUDA forward returned no output"))?;
+            outs.push(self.host_output(o, want));
+        }
+        Ok(outs)
+    }
+
+    fn verify(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<Vec<PosOut>> {
+        self.check(seq, tokens)?;
+        if tokens.len() > MAX_CHUNK {
+            return Err(Error::capacity(format!("verify of {} tokens: at most {MAX_CHUNK} per pass", tokens.len())));
+        }
+        let outs = self.seq_mut(seq)?.forward(tokens, SeqWant { all_positions: true, logits: needs_logits(want) })?;
+        self.stats.passes += 1;
+        Ok(outs.into_iter().map(|o| self.host_output(o, want)).collect())
+    }
+
+    fn commit(&mut self, seq: SeqId, accepted: usize) -> Result<()> {
+        self.seq_mut(seq)?.commit(accepted)
+    }
+
+    fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.seq_mut(seq)?.truncate_to(len)
+    }
+}
