@@ -12,13 +12,16 @@ Seeds whose greedy runs are fragile (near-ties in the logits or in MoE expert se
 repetition loops) are rejected, so any implementation that is correct to ~1e-3 reproduces
 the recorded ids.
 
-It also writes models/demo/, a small random model for the CLI's bundled demo.
+It also writes models/demo/, a small random model for the CLI's bundled demo, and two MTP
+assistants (Gemma4AssistantForCausalLM, dense and centroid head) for the committed ple_shared_dw
+target in tests/fixtures/assistants/, with transformers' drafts round by round.
 
 Everything is seeded: re-running the script rewrites byte-identical files.
 
     python tools/make_fixtures.py            # all fixtures + demo
     python tools/make_fixtures.py --only moe # one fixture
     python tools/make_fixtures.py --only mlx_q4,gemma3  # several (or repeat --only)
+    python tools/make_fixtures.py --only assistant_dense,assistant_centroid  # the assistants only
 """
 
 import argparse
@@ -1032,13 +1035,22 @@ def fmt_float(x: float) -> str:
     return repr(float(f"{x:.8g}"))
 
 
+def expected_head(expected: dict) -> list:
+    """The first lines of an expected.json: every key but "cases" on one line each, then the
+    opening of "cases"."""
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in expected.items() if k != "cases"]
+    return lines + ['  "cases": [']
+
+
+def write_expected_lines(path: Path, lines: list) -> None:
+    """Closes "cases" and the object, writes the file and checks it parses."""
+    path.write_text("\n".join(lines + ["  ]", "}"]) + "\n")
+    json.loads(path.read_text())  # well-formed
+
+
 def write_expected(path: Path, expected: dict) -> None:
     """Pretty JSON, with each step's logits on one line to keep files small and diffable."""
-    head = {k: v for k, v in expected.items() if k != "cases"}
-    lines = ["{"]
-    for k, v in head.items():
-        lines.append(f"  {json.dumps(k)}: {json.dumps(v)},")
-    lines.append('  "cases": [')
+    lines = expected_head(expected)
     for ci, case in enumerate(expected["cases"]):
         lines.append("    {")
         for k in ("name", "prompt_ids", "max_new_tokens", "greedy_ids"):
@@ -1051,19 +1063,12 @@ def write_expected(path: Path, expected: dict) -> None:
         lines.append("      ],")
         lines.append(f'      "min_margin": {fmt_float(case["min_margin"])}')
         lines.append("    }" + ("," if ci + 1 < len(expected["cases"]) else ""))
-    lines.append("  ]")
-    lines.append("}")
-    path.write_text("\n".join(lines) + "\n")
-    json.loads(path.read_text())  # well-formed
+    write_expected_lines(path, lines)
 
 
 def write_assistant_expected(path: Path, expected: dict) -> None:
     """Like write_expected: one line per round, each drafter step's logits on one line."""
-    head = {k: v for k, v in expected.items() if k != "cases"}
-    lines = ["{"]
-    for k, v in head.items():
-        lines.append(f"  {json.dumps(k)}: {json.dumps(v)},")
-    lines.append('  "cases": [')
+    lines = expected_head(expected)
     for ci, case in enumerate(expected["cases"]):
         lines.append("    {")
         for k in ("name", "prompt_ids", "greedy_ids", "assisted_ids"):
@@ -1089,10 +1094,7 @@ def write_assistant_expected(path: Path, expected: dict) -> None:
             lines.append("        " + body + "}" + sep)
         lines.append("      ]")
         lines.append("    }" + ("," if ci + 1 < len(expected["cases"]) else ""))
-    lines.append("  ]")
-    lines.append("}")
-    path.write_text("\n".join(lines) + "\n")
-    json.loads(path.read_text())  # well-formed
+    write_expected_lines(path, lines)
 
 
 def main() -> None:

@@ -209,6 +209,37 @@ mod tests {
         assert_eq!(c.text.num_kv_shared_layers, 0);
     }
 
+    /// The published E2B / E4B shapes (spec §1.1, §6.1), hub-style configs: the assistants read
+    /// the target's store layers 13/14 (E2B) and 22/23 (E4B), with head dims 256 and 512.
+    #[test]
+    fn e2b_and_e4b_assistants_read_the_store_layers() {
+        for (hidden, kv, pattern, shared, donors) in
+            [(1536, 1, 5, 20, [13, 13, 13, 14]), (2560, 2, 6, 18, [22, 22, 22, 23])]
+        {
+            let target = json!({"architectures": ["Gemma4ForCausalLM"], "vocab_size": 262144, "hidden_size": hidden,
+                                "intermediate_size": 4 * hidden, "num_hidden_layers": if kv == 1 { 35 } else { 42 },
+                                "num_attention_heads": 8, "num_key_value_heads": kv, "head_dim": 256,
+                                "sliding_window_pattern": pattern, "num_kv_shared_layers": shared,
+                                "use_double_wide_mlp": kv == 1});
+            let target = ModelPlan::new(&ModelConfig::from_json(&target).unwrap()).unwrap();
+            let assistant = json!({"architectures": ["Gemma4AssistantForCausalLM"], "backbone_hidden_size": hidden,
+                                   "use_ordered_embeddings": true, "num_centroids": 2048,
+                                   "centroid_intermediate_top_k": 32, "tie_word_embeddings": true,
+                                   "text_config": {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 256,
+                                                   "intermediate_size": 2048, "num_hidden_layers": 4,
+                                                   "num_attention_heads": 4, "num_key_value_heads": kv, "head_dim": 256,
+                                                   "global_head_dim": 512, "num_kv_shared_layers": 4,
+                                                   "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                                   "final_logit_softcapping": null,
+                                                   "layer_types": ["sliding_attention", "sliding_attention",
+                                                                   "sliding_attention", "full_attention"]}});
+            let c = AssistantConfig::from_json(&assistant).unwrap();
+            assert_eq!(c.donors(&target).unwrap(), donors);
+            assert_eq!(c.text.head_dims, vec![256, 256, 256, 512]);
+            assert_eq!(c.text.final_logit_softcapping, None);
+        }
+    }
+
     #[test]
     fn rejects_bad_configs() {
         let mut v = base();
