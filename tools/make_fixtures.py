@@ -849,9 +849,13 @@ def save_assistant(model, out: Path) -> None:
 
 
 @torch.no_grad()
-def draft_round(target, assistant, seq: list, p: int, k: int):
+def draft_round(target, assistant, seq: list, p: int, k: int, at_last_committed: bool = False):
     """k draft steps of transformers' assistant for the token at position p, seeing the target's
-    K/V exactly as committed (positions 0..p-1), as transformers' candidate generator feeds it.
+    K/V exactly as committed (positions 0..p-1), as transformers' candidate generator feeds it:
+    the query at position p, sliding layers admitting the W+1 newest keys.
+
+    `at_last_committed`: vLLM's and SGLang's convention instead, the query at p-1 with the
+    target's own sliding window there (the W newest keys).
 
     Returns the draft ids, the drafter's logits of each step and the smallest centroid gap.
     """
@@ -861,7 +865,12 @@ def draft_round(target, assistant, seq: list, p: int, k: int):
         output_hidden_states=True,
         return_shared_kv_states=True,
     )
-    shared = out.shared_kv_states
+    shared = dict(out.shared_kv_states)
+    query_pos = p
+    if at_last_committed:
+        query_pos, window = p - 1, target.config.sliding_window
+        keys, values = shared["sliding_attention"]
+        shared["sliding_attention"] = (keys[:, :, -window:], values[:, :, -window:])
     hidden = out.hidden_states[-1][:, -1:]  # final-normed hidden of position p-1
     token = torch.tensor([[seq[p]]])
     embed = target.get_input_embeddings()  # the target's scaled embedding
@@ -879,7 +888,9 @@ def draft_round(target, assistant, seq: list, p: int, k: int):
     ids, logits = [], []
     for _ in range(k):
         x = torch.cat([embed(token), hidden], dim=-1)
-        o = assistant(inputs_embeds=x, attention_mask=mask, position_ids=torch.tensor([[p]]), shared_kv_states=shared)
+        o = assistant(
+            inputs_embeds=x, attention_mask=mask, position_ids=torch.tensor([[query_pos]]), shared_kv_states=shared
+        )
         token = o.logits.argmax(dim=-1)
         hidden = o.last_hidden_state  # post_projection of the normed output
         ids.append(int(token))
@@ -906,8 +917,20 @@ def speculative_rounds(target, assistant, seq: list, prompt_len: int):
     rounds, p = [], prompt_len
     while (k := min(DRAFT_TOKENS, len(seq) - p - 2)) > 0:
         ids, logits, gap = draft_round(target, assistant, seq, p, k)
+        ids_vllm, logits_vllm, gap_vllm = draft_round(target, assistant, seq, p, k, at_last_committed=True)
         n = accepted_prefix(ids, seq, p)
-        rounds.append({"position": p, "token": seq[p], "draft_ids": ids, "accepted": n, "logits": logits, "gap": gap})
+        rounds.append(
+            {
+                "position": p,
+                "token": seq[p],
+                "draft_ids": ids,
+                "accepted": n,
+                "draft_ids_at_last_committed": ids_vllm,
+                "logits": logits,
+                "margins": torch.cat([step_margins(logits), step_margins(logits_vllm)]),
+                "gap": min(gap, gap_vllm),
+            }
+        )
         p += n + 1
     return rounds
 
@@ -964,7 +987,7 @@ def make_assistant_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path
         for case, prompt in prompts.items():
             seq = prompt + greedy[case]
             rounds = speculative_rounds(target, assistant, seq, len(prompt))
-            margins = torch.cat([step_margins(r["logits"]) for r in rounds])
+            margins = torch.cat([r["margins"] for r in rounds])
             gap = min(r["gap"] for r in rounds)
             if float(margins.min()) < MIN_MARGIN:
                 reason = f"draft margin {float(margins.min()):.4f}"
@@ -1083,7 +1106,7 @@ def write_assistant_expected(path: Path, expected: dict) -> None:
         lines.append("      ],")
         lines.append('      "rounds": [')
         for ri, r in enumerate(case["rounds"]):
-            fields = {k: r[k] for k in ("position", "token", "draft_ids", "accepted")}
+            fields = {k: r[k] for k in ("position", "token", "draft_ids", "accepted", "draft_ids_at_last_committed")}
             body = json.dumps(fields)[:-1]
             if ri < LOGGED_ROUNDS:
                 steps = ",\n".join(

@@ -8,9 +8,11 @@
 //!   so the W+1 newest sliding keys are exercised.
 //! * transformers' own assisted generation drafted the same ids wherever it saw the target's K/V as
 //!   committed (its first round), and its output equals greedy.
+//! * With vLLM's convention (`DraftQuery::AtLastCommitted`), the drafts of transformers' assistant
+//!   driven that way.
 //! * Assistants that do not fit the target fail to load with one line naming the mismatch.
 
-use megagemma_model::assistant::{draft, draft_with, AssistantModel, TargetKv};
+use megagemma_model::assistant::{draft, draft_with, AssistantModel, DraftQuery, TargetKv};
 use megagemma_model::cpu::forward::forward_chunk;
 use megagemma_model::cpu::kv::KvCache;
 use megagemma_model::cpu::ops::argmax;
@@ -132,7 +134,7 @@ fn cases(exp: &Value) -> Vec<Case> {
 
 fn drafts_equal_transformers(kind: &str) {
     let target = target();
-    let asst = AssistantModel::load(&assistant_dir(kind), &target, QuantMode::Stored).unwrap();
+    let mut asst = AssistantModel::load(&assistant_dir(kind), &target, QuantMode::Stored).unwrap();
     let exp = expected(kind);
     let window = target.config.sliding_window;
     let (mut rounds, mut past_window, mut logged, mut worst) = (0, 0, 0, 0f64);
@@ -163,6 +165,14 @@ fn drafts_equal_transformers(kind: &str) {
                 logged += 1;
             }
         }
+        asst.plan.query = DraftQuery::AtLastCommitted;
+        for r in &case.rounds {
+            let p = r["position"].as_u64().unwrap() as usize;
+            let want = ids(&r["draft_ids_at_last_committed"]);
+            let got = draft(&asst, &target, &history.at(p), p, case.seq[p], &history.hidden[p - 1], want.len());
+            assert_eq!(got.unwrap(), want, "{kind}/{} round at {p}, query at p-1", case.name);
+        }
+        asst.plan.query = DraftQuery::AtToken;
         for r in case.transformers_rounds.iter().filter(|r| r["kv_as_committed"] == true) {
             let p = r["position"].as_u64().unwrap() as usize;
             let want = ids(&r["draft_ids"]);
@@ -186,40 +196,49 @@ fn centroid_head_drafts_equal_transformers() {
     drafts_equal_transformers("centroid");
 }
 
-/// Drafting straight from the target's `KvCache`: the recorded drafts wherever the cache still
-/// holds every key the drafter reads; where a sliding ring no longer holds the oldest of the
-/// W+1 keys, a clear error instead of a wrong draft.
+/// Drafting straight from the target's `KvCache`, decoded token by token: the recorded drafts
+/// wherever the cache still holds every key the drafter reads. A sliding ring of W rows holds the
+/// W keys vLLM's convention reads, always; of the W+1 transformers' convention reads, the oldest
+/// only until the ring wraps, and then drafting is refused with a clear error, not a wrong draft.
 #[test]
 fn drafts_from_the_kv_cache() {
     let target = target();
-    let asst = AssistantModel::load(&assistant_dir("centroid"), &target, QuantMode::Stored).unwrap();
-    let (mut ok, mut refused) = (0, 0);
-    for case in cases(&expected("centroid")) {
-        let mut kv = KvCache::new(&target.plan);
-        let mut hidden = vec![];
-        for r in &case.rounds {
-            let p = r["position"].as_u64().unwrap() as usize;
-            while kv.len() < p {
-                let tok = case.seq[kv.len()];
-                hidden = forward_chunk(&target.plan, &target.weights, &mut kv, &[tok], 1).hidden;
-                kv.commit(1).unwrap();
-            }
-            let want = ids(&r["draft_ids"]);
-            match draft(&asst, &target, &kv, p, case.seq[p], &hidden, want.len()) {
-                Ok(got) => {
-                    assert_eq!(got, want, "{} round at {p}", case.name);
-                    ok += 1;
+    let mut asst = AssistantModel::load(&assistant_dir("centroid"), &target, QuantMode::Stored).unwrap();
+    for query in [DraftQuery::AtToken, DraftQuery::AtLastCommitted] {
+        asst.plan.query = query;
+        let recorded = match query {
+            DraftQuery::AtToken => "draft_ids",
+            DraftQuery::AtLastCommitted => "draft_ids_at_last_committed",
+        };
+        let (mut ok, mut refused) = (0, 0);
+        for case in cases(&expected("centroid")) {
+            let mut kv = KvCache::new(&target.plan);
+            let mut hidden = vec![];
+            for r in &case.rounds {
+                let p = r["position"].as_u64().unwrap() as usize;
+                while kv.len() < p {
+                    let tok = case.seq[kv.len()];
+                    hidden = forward_chunk(&target.plan, &target.weights, &mut kv, &[tok], 1).hidden;
+                    kv.commit(1).unwrap();
                 }
-                Err(e) => {
-                    let ring = kv.resident_rows().iter().map(|&(_, rows)| rows).min().unwrap();
-                    assert!(ring < p, "{} at {p}: refused although every row is held: {e}", case.name);
-                    assert!(e.to_string().contains("W+1"), "{e}");
-                    refused += 1;
+                let want = ids(&r[recorded]);
+                match draft(&asst, &target, &kv, p, case.seq[p], &hidden, want.len()) {
+                    Ok(got) => {
+                        assert_eq!(got, want, "{query:?} {} round at {p}", case.name);
+                        ok += 1;
+                    }
+                    Err(e) => {
+                        assert_eq!(query, DraftQuery::AtToken, "{e}");
+                        let ring = kv.resident_rows().iter().map(|&(_, rows)| rows).min().unwrap();
+                        assert!(ring < p, "{} at {p}: refused although every row is held: {e}", case.name);
+                        assert!(e.to_string().contains("W+1"), "{e}");
+                        refused += 1;
+                    }
                 }
             }
         }
+        assert!(ok >= 4, "{query:?}: {ok} rounds drafted from the cache ({refused} refused)");
     }
-    assert!(ok >= 4, "{ok} rounds drafted from the cache ({refused} refused)");
 }
 
 #[test]

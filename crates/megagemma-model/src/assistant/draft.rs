@@ -6,10 +6,11 @@
 //! step j > 1 reads the previous draft and `post_projection` of the previous step's normed output.
 //! Every step runs the query at the constant position `p` against the target's K/V as committed:
 //! full-attention layers see keys `0 .. p−1`, sliding layers the W+1 newest, `p−W−1 .. p−1`
-//! (what transformers' bidirectional sliding mask admits, spec §6.5).
+//! (what transformers' bidirectional sliding mask admits, spec §6.5). [`DraftQuery`] selects
+//! vLLM's convention instead (query at `p − 1`, the W newest sliding keys).
 
 use super::weights::CentroidHead;
-use super::{AssistantModel, AssistantPlan};
+use super::{AssistantModel, AssistantPlan, DraftQuery};
 use crate::cpu::kv::KvCache;
 use crate::cpu::ops::{argmax, gelu_tanh, rms_norm, rms_norm_chunks, rope, softmax};
 use crate::matrix::{matmul, RowDot};
@@ -140,13 +141,16 @@ fn check_inputs(
         );
     }
     for lp in &plan.layers {
-        let first = first_key(lp, p);
+        let first = first_key(plan, lp, p);
         if !kv.holds(lp.kv_source, first) {
             bail!(
-                "draft at position {p}: target layer {} no longer holds position {first}; the drafter reads the W+1 = {} \
+                "draft at position {p}: target layer {} no longer holds position {first}; the drafter reads the {} \
                  newest committed keys of a sliding layer",
                 lp.kv_source,
-                lp.window.map_or(0, |w| w + 1)
+                match plan.query {
+                    DraftQuery::AtToken => "W+1",
+                    DraftQuery::AtLastCommitted => "W",
+                }
             );
         }
         if kv.key(lp.kv_source, p - 1).len() != lp.kv_width() {
@@ -156,9 +160,22 @@ fn check_inputs(
     Ok(())
 }
 
-/// The oldest key a draft query at `p` attends: 0 on full layers, the W+1 newest on sliding ones.
-fn first_key(lp: &LayerPlan, p: usize) -> usize {
-    lp.window.map_or(0, |w| p.saturating_sub(w + 1))
+/// The position of the draft query in a round whose token sits at `p`.
+fn query_position(plan: &AssistantPlan, p: usize) -> usize {
+    match plan.query {
+        DraftQuery::AtToken => p,
+        DraftQuery::AtLastCommitted => p - 1,
+    }
+}
+
+/// The oldest key a draft query attends (the newest is always `p − 1`): 0 on full layers; on
+/// sliding layers the W+1 newest for a query at `p`, the W newest for one at `p − 1`.
+fn first_key(plan: &AssistantPlan, lp: &LayerPlan, p: usize) -> usize {
+    let newest = |w: usize| match plan.query {
+        DraftQuery::AtToken => w + 1,
+        DraftQuery::AtLastCommitted => w,
+    };
+    lp.window.map_or(0, |w| p.saturating_sub(newest(w)))
 }
 
 fn linear(w: &dyn RowDot, x: &[f32]) -> Vec<f32> {
@@ -191,7 +208,8 @@ fn layer(plan: &AssistantPlan, lp: &LayerPlan, lw: &LayerWeights, kv: &impl Targ
     rms_norm(&mut a, Some(&lw.input_norm), eps);
     let mut q = linear(lw.attn.q.as_ref(), &a);
     rms_norm_chunks(&mut q, hd, Some(&lw.attn.q_norm), eps);
-    q.chunks_exact_mut(hd).for_each(|head| rope(head, p, &lp.inv_freq));
+    let q_pos = query_position(plan, p);
+    q.chunks_exact_mut(hd).for_each(|head| rope(head, q_pos, &lp.inv_freq));
 
     let o = attention(plan, lp, kv, &q, p);
     let mut o = linear(lw.attn.o.as_ref(), &o);
@@ -214,7 +232,7 @@ fn layer(plan: &AssistantPlan, lp: &LayerPlan, lw: &LayerWeights, kv: &impl Targ
 fn attention(plan: &AssistantPlan, lp: &LayerPlan, kv: &impl TargetKv, q: &[f32], p: usize) -> Vec<f32> {
     let hd = lp.head_dim;
     let group = lp.num_heads / lp.num_kv_heads;
-    let keys = first_key(lp, p)..p;
+    let keys = first_key(plan, lp, p)..p;
     let mut out = vec![0f32; lp.q_width()];
     out.par_chunks_mut(hd).enumerate().for_each(|(head, o)| {
         let kvh = head / group;

@@ -38,6 +38,21 @@ pub struct AssistantPlan {
     pub layers: Vec<LayerPlan>,
     pub eps: f32,
     pub attn_scale: f32,
+    pub query: DraftQuery,
+}
+
+/// Where the drafter's query sits in a round that starts with the target's token at position
+/// `p`, and which committed keys it sees (spec §6.5). Implementations differ by one position;
+/// the choice changes acceptance, never the output of greedy speculative decoding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DraftQuery {
+    /// transformers' convention (the default): the query at `p`; full-attention layers see keys
+    /// `0 .. p−1`, sliding layers the W+1 newest, `p−W−1 .. p−1`.
+    #[default]
+    AtToken,
+    /// vLLM's and SGLang's: the query at `p − 1`, the last committed position; full-attention
+    /// layers see `0 .. p−1`, sliding layers the target's own window there, `p−W .. p−1`.
+    AtLastCommitted,
 }
 
 impl AssistantModel {
@@ -69,6 +84,7 @@ impl AssistantPlan {
             layers,
             eps: own.eps,
             attn_scale: own.attn_scale,
+            query: DraftQuery::default(),
         })
     }
 }
