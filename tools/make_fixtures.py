@@ -762,10 +762,7 @@ def make_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
             print(f"  {name}: seed {seed} rejected ({reason})")
             continue
         expected = {
-            "generator": "tools/make_fixtures.py",
-            "transformers_version": transformers.__version__,
-            "torch_version": torch.__version__,
-            "dtype": "float64",
+            **provenance(),
             **({"weights": "dequantized MLX 4-bit, group 64"} if spec.get("mlx_q4") else {}),
             "architecture": type(model).__name__,
             "seed": seed,
@@ -1023,10 +1020,7 @@ def make_assistant_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path
             print(f"  {name}: seed {seed} rejected ({reason})")
             continue
         expected = {
-            "generator": "tools/make_fixtures.py",
-            "transformers_version": transformers.__version__,
-            "torch_version": torch.__version__,
-            "dtype": "float64",
+            **provenance(),
             "architecture": type(assistant).__name__,
             "target": f"tests/fixtures/{spec['target']}",
             "draft_tokens": DRAFT_TOKENS,
@@ -1047,6 +1041,16 @@ def make_assistant_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path
 # ----------------------------------------------------------------------------------------
 # JSON output
 # ----------------------------------------------------------------------------------------
+
+
+def provenance() -> dict:
+    """The first keys of every expected.json: what recorded it, in which dtype."""
+    return {
+        "generator": "tools/make_fixtures.py",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "dtype": "float64",
+    }
 
 
 def write_json(path: Path, obj) -> None:
