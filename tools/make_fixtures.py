@@ -12,13 +12,16 @@ Seeds whose greedy runs are fragile (near-ties in the logits or in MoE expert se
 repetition loops) are rejected, so any implementation that is correct to ~1e-3 reproduces
 the recorded ids.
 
-It also writes models/demo/, a small random model for the CLI's bundled demo.
+It also writes models/demo/, a small random model for the CLI's bundled demo, and two MTP
+assistants (Gemma4AssistantForCausalLM, dense and centroid head) for the committed ple_shared_dw
+target in tests/fixtures/assistants/, with transformers' drafts round by round.
 
 Everything is seeded: re-running the script rewrites byte-identical files.
 
     python tools/make_fixtures.py            # all fixtures + demo
     python tools/make_fixtures.py --only moe # one fixture
     python tools/make_fixtures.py --only mlx_q4,gemma3  # several (or repeat --only)
+    python tools/make_fixtures.py --only assistant_dense,assistant_centroid  # the assistants only
 """
 
 import argparse
@@ -462,6 +465,10 @@ def randomize(model: torch.nn.Module, seed: int, norm_offset: float = 0.0) -> No
             if name.endswith("layer_scalar"):
                 b.copy_(uniform(b.shape, 0.5, 1.5))
                 touched.add(name)
+            elif name.endswith("token_ordering"):
+                # An MTP assistant's centroid head: which tokens each centroid owns.
+                b.copy_(torch.randperm(b.numel(), generator=gen))
+                touched.add(name)
     # Every tensor that goes into the checkpoint must have been drawn here.
     missing = [k for k in model.state_dict() if k not in touched and not is_tied_alias(model, k)]
     assert not missing, missing
@@ -755,10 +762,7 @@ def make_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
             print(f"  {name}: seed {seed} rejected ({reason})")
             continue
         expected = {
-            "generator": "tools/make_fixtures.py",
-            "transformers_version": transformers.__version__,
-            "torch_version": torch.__version__,
-            "dtype": "float64",
+            **provenance(),
             **({"weights": "dequantized MLX 4-bit, group 64"} if spec.get("mlx_q4") else {}),
             "architecture": type(model).__name__,
             "seed": seed,
@@ -782,8 +786,271 @@ def make_demo(tok: Tokenizer, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# MTP assistants (Gemma4AssistantForCausalLM) for a committed target
+# ----------------------------------------------------------------------------------------
+
+# Drafters for the committed ple_shared_dw target (hidden 64, window 8; its KV store layers are
+# 1 (sliding) and 2 (full), 2 KV heads, head dims 16 and 32). An E2B-like assistant: four q-only
+# layers [S, S, S, F] of width 32 that attend the target's K/V, no PLE, no softcap.
+ASSISTANT_TEXT = dict(
+    BASE_TEXT,
+    vocab_size_per_layer_input=0,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    layer_types=[S, S, S, F],
+    num_kv_shared_layers=4,
+    final_logit_softcapping=None,
+)
+
+# Written to tests/fixtures/assistants/<dir>/, beside (not among) the target fixtures.
+ASSISTANT_FIXTURES = {
+    # Dense LM head tied to the assistant's own embed_tokens (26B-A4B / 31B assistants).
+    "assistant_dense": dict(dir="dense", target="ple_shared_dw", seed=11000),
+    # Centroid head (E2B / E4B assistants): 16 centroids of 32 tokens, the top 4 scored.
+    "assistant_centroid": dict(
+        dir="centroid", target="ple_shared_dw", seed=12000, num_centroids=16, centroid_top_k=4
+    ),
+}
+DRAFT_TOKENS = 3  # drafts per round (`num_assistant_tokens`)
+ASSISTANT_NEW_TOKENS = {"short": 12, "long": 16}
+LOGGED_ROUNDS = 3  # rounds per case whose drafter logits are recorded
+MIN_CENTROID_GAP = 2e-3  # centroid head: k-th minus (k+1)-th centroid score, at every step
+
+
+def build_assistant(spec: dict, seed: int, backbone_hidden: int):
+    config = transformers.Gemma4AssistantConfig(
+        text_config=Gemma4TextConfig(**ASSISTANT_TEXT),
+        backbone_hidden_size=backbone_hidden,
+        use_ordered_embeddings="num_centroids" in spec,
+        num_centroids=spec.get("num_centroids", 2048),
+        centroid_intermediate_top_k=spec.get("centroid_top_k", 32),
+        tie_word_embeddings=True,
+    )
+    model = transformers.Gemma4AssistantForCausalLM(config)
+    randomize(model, seed)
+    return model.eval()
+
+
+def save_assistant(model, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    generation_config = {
+        "num_assistant_tokens": DRAFT_TOKENS,
+        "num_assistant_tokens_schedule": "constant",
+        "transformers_version": transformers.__version__,
+    }
+    write_json(out / "generation_config.json", generation_config)
+
+
+@torch.no_grad()
+def draft_round(target, assistant, seq: list, p: int, k: int, at_last_committed: bool = False):
+    """k draft steps of transformers' assistant for the token at position p, seeing the target's
+    K/V exactly as committed (positions 0..p-1), as transformers' candidate generator feeds it:
+    the query at position p, sliding layers admitting the W+1 newest keys.
+
+    `at_last_committed`: vLLM's and SGLang's convention instead, the query at p-1 with the
+    target's own sliding window there (the W newest keys).
+
+    Returns the draft ids, the drafter's logits of each step and the smallest centroid gap.
+    """
+    out = target(
+        input_ids=torch.tensor([seq[:p]]),
+        use_cache=False,
+        output_hidden_states=True,
+        return_shared_kv_states=True,
+    )
+    shared = dict(out.shared_kv_states)
+    query_pos = p
+    if at_last_committed:
+        query_pos, window = p - 1, target.config.sliding_window
+        keys, values = shared["sliding_attention"]
+        shared["sliding_attention"] = (keys[:, :, -window:], values[:, :, -window:])
+    hidden = out.hidden_states[-1][:, -1:]  # final-normed hidden of position p-1
+    token = torch.tensor([[seq[p]]])
+    embed = target.get_input_embeddings()  # the target's scaled embedding
+    mask = torch.ones(1, p + 1, dtype=torch.long)
+    gaps = []
+    hook = None
+    if assistant.masked_embedding is not None:
+        top_k = assistant.config.centroid_intermediate_top_k
+
+        def record_gap(module, inputs, scores):
+            top = torch.topk(scores.reshape(-1), top_k + 1).values
+            gaps.append(float(top[top_k - 1] - top[top_k]))
+
+        hook = assistant.masked_embedding.centroids.register_forward_hook(record_gap)
+    ids, logits = [], []
+    for _ in range(k):
+        x = torch.cat([embed(token), hidden], dim=-1)
+        o = assistant(
+            inputs_embeds=x, attention_mask=mask, position_ids=torch.tensor([[query_pos]]), shared_kv_states=shared
+        )
+        token = o.logits.argmax(dim=-1)
+        hidden = o.last_hidden_state  # post_projection of the normed output
+        ids.append(int(token))
+        logits.append(o.logits[0, 0].clone())
+    if hook:
+        hook.remove()
+    return ids, torch.stack(logits), min(gaps, default=math.inf)
+
+
+def accepted_prefix(drafts: list, seq: list, p: int) -> int:
+    """Leading drafts equal to the greedy continuation after position p."""
+    n = 0
+    while n < len(drafts) and p + 1 + n < len(seq) and drafts[n] == seq[p + 1 + n]:
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def speculative_rounds(target, assistant, seq: list, prompt_len: int):
+    """Greedy speculative decoding of seq[prompt_len:] with the drafts of `draft_round`: each
+    round starts at the position p of the target's last token, drafts min(k, budget) tokens and
+    advances by the accepted ones plus the target's own token. The number of drafts follows
+    transformers (`max_length - len(input_ids) - 1`)."""
+    rounds, p = [], prompt_len
+    while (k := min(DRAFT_TOKENS, len(seq) - p - 2)) > 0:
+        ids, logits, gap = draft_round(target, assistant, seq, p, k)
+        ids_vllm, logits_vllm, gap_vllm = draft_round(target, assistant, seq, p, k, at_last_committed=True)
+        n = accepted_prefix(ids, seq, p)
+        rounds.append(
+            {
+                "position": p,
+                "token": seq[p],
+                "draft_ids": ids,
+                "accepted": n,
+                "draft_ids_at_last_committed": ids_vllm,
+                "logits": logits,
+                "margins": torch.cat([step_margins(logits), step_margins(logits_vllm)]),
+                "gap": min(gap, gap_vllm),
+            }
+        )
+        p += n + 1
+    return rounds
+
+
+@torch.no_grad()
+def assisted_generate(target, assistant, prompt: list, n: int):
+    """transformers' own assisted generation; returns its ids and the drafts of every round."""
+    rounds = []
+    cls = transformers.generation.candidate_generator.SinglePositionMultiTokenCandidateGenerator
+    original = cls.get_candidates
+
+    def spy(self, input_ids, *args, **kwargs):
+        candidates, logits = original(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            length = input_ids.shape[1]
+            rounds.append({"position": length - 1, "token": int(input_ids[0, -1]), "draft_ids": candidates[0, length:].tolist()})
+        return candidates, logits
+
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=None,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        use_cache=True,
+    )
+    cls.get_candidates = spy
+    try:
+        out = target.generate(torch.tensor([prompt]), assistant_model=assistant, generation_config=config)
+    finally:
+        cls.get_candidates = original
+    return out[0, len(prompt) :].tolist(), rounds
+
+
+def make_assistant_fixture(name: str, spec: dict, tok: Tokenizer, out_root: Path) -> dict:
+    out = out_root / "assistants" / spec["dir"]
+    target_dir = out_root / spec["target"]
+    target = load_f64(target_dir, Gemma4ForCausalLM)
+    backbone_hidden = target.config.hidden_size
+    prompts = {case: tok.encode(text).ids for case, text in PROMPTS.items()}
+    greedy = {}
+    for case, prompt in prompts.items():
+        ids, _ = greedy_no_cache(target, prompt, ASSISTANT_NEW_TOKENS[case])
+        greedy[case] = ids
+
+    for seed in range(spec["seed"], spec["seed"] + MAX_SEED_TRIES):
+        save_assistant(build_assistant(spec, seed, backbone_hidden), out)
+        assistant = transformers.Gemma4AssistantForCausalLM.from_pretrained(
+            out, dtype=torch.float64, attn_implementation="eager"
+        ).eval()
+        assistant.generation_config.num_assistant_tokens = DRAFT_TOKENS
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        cases, reason = [], None
+        for case, prompt in prompts.items():
+            seq = prompt + greedy[case]
+            rounds = speculative_rounds(target, assistant, seq, len(prompt))
+            margins = torch.cat([r["margins"] for r in rounds])
+            gap = min(r["gap"] for r in rounds)
+            if float(margins.min()) < MIN_MARGIN:
+                reason = f"draft margin {float(margins.min()):.4f}"
+            elif gap < MIN_CENTROID_GAP:
+                reason = f"centroid gap {gap:.1e}"
+            if reason:
+                break
+            hf_ids, hf_rounds = assisted_generate(target, assistant, prompt, len(greedy[case]))
+            assert hf_ids == greedy[case], f"{name}/{case}: assisted {hf_ids} != greedy {greedy[case]}"
+            # Where transformers' generator sees the target's K/V exactly as committed (its first
+            # round, and rounds after every draft was accepted) its drafts are the recorded ones.
+            # After a rejection it also sees the rejected drafts' K/V, which megagemma does not.
+            committed = True
+            for r in hf_rounds:
+                r["kv_as_committed"] = committed
+                if committed:
+                    ids, _, _ = draft_round(target, assistant, seq, r["position"], len(r["draft_ids"]))
+                    assert ids == r["draft_ids"], f"{name}/{case} at {r['position']}: {ids} != {r['draft_ids']}"
+                committed = accepted_prefix(r["draft_ids"], seq, r["position"]) == len(r["draft_ids"])
+            cases.append(
+                {
+                    "name": case,
+                    "prompt_ids": prompt,
+                    "greedy_ids": greedy[case],
+                    "assisted_ids": hf_ids,
+                    "rounds": rounds,
+                    "transformers_rounds": hf_rounds,
+                    "min_margin": float(margins.min()),
+                    "min_centroid_gap": gap,
+                }
+            )
+        if reason:
+            print(f"  {name}: seed {seed} rejected ({reason})")
+            continue
+        expected = {
+            **provenance(),
+            "architecture": type(assistant).__name__,
+            "target": f"tests/fixtures/{spec['target']}",
+            "draft_tokens": DRAFT_TOKENS,
+            "seed": seed,
+            "cases": cases,
+        }
+        write_assistant_expected(out / "expected.json", expected)
+        stats = ", ".join(
+            f"{c['name']}: {len(c['rounds'])} rounds, {sum(r['accepted'] for r in c['rounds'])} accepted, "
+            f"margin {c['min_margin']:.4f}"
+            for c in cases
+        )
+        print(f"{name}: seed {seed}; {stats}")
+        return expected
+    raise SystemExit(f"{name}: no acceptable seed in {MAX_SEED_TRIES} tries")
+
+
+# ----------------------------------------------------------------------------------------
 # JSON output
 # ----------------------------------------------------------------------------------------
+
+
+def provenance() -> dict:
+    """The first keys of every expected.json: what recorded it, in which dtype."""
+    return {
+        "generator": "tools/make_fixtures.py",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "dtype": "float64",
+    }
 
 
 def write_json(path: Path, obj) -> None:
@@ -795,13 +1062,22 @@ def fmt_float(x: float) -> str:
     return repr(float(f"{x:.8g}"))
 
 
+def expected_head(expected: dict) -> list:
+    """The first lines of an expected.json: every key but "cases" on one line each, then the
+    opening of "cases"."""
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in expected.items() if k != "cases"]
+    return lines + ['  "cases": [']
+
+
+def write_expected_lines(path: Path, lines: list) -> None:
+    """Closes "cases" and the object, writes the file and checks it parses."""
+    path.write_text("\n".join(lines + ["  ]", "}"]) + "\n")
+    json.loads(path.read_text())  # well-formed
+
+
 def write_expected(path: Path, expected: dict) -> None:
     """Pretty JSON, with each step's logits on one line to keep files small and diffable."""
-    head = {k: v for k, v in expected.items() if k != "cases"}
-    lines = ["{"]
-    for k, v in head.items():
-        lines.append(f"  {json.dumps(k)}: {json.dumps(v)},")
-    lines.append('  "cases": [')
+    lines = expected_head(expected)
     for ci, case in enumerate(expected["cases"]):
         lines.append("    {")
         for k in ("name", "prompt_ids", "max_new_tokens", "greedy_ids"):
@@ -814,10 +1090,38 @@ def write_expected(path: Path, expected: dict) -> None:
         lines.append("      ],")
         lines.append(f'      "min_margin": {fmt_float(case["min_margin"])}')
         lines.append("    }" + ("," if ci + 1 < len(expected["cases"]) else ""))
-    lines.append("  ]")
-    lines.append("}")
-    path.write_text("\n".join(lines) + "\n")
-    json.loads(path.read_text())  # well-formed
+    write_expected_lines(path, lines)
+
+
+def write_assistant_expected(path: Path, expected: dict) -> None:
+    """Like write_expected: one line per round, each drafter step's logits on one line."""
+    lines = expected_head(expected)
+    for ci, case in enumerate(expected["cases"]):
+        lines.append("    {")
+        for k in ("name", "prompt_ids", "greedy_ids", "assisted_ids"):
+            lines.append(f"      {json.dumps(k)}: {json.dumps(case[k])},")
+        for k in ("min_margin", "min_centroid_gap"):
+            value = case[k]
+            lines.append(f"      {json.dumps(k)}: {fmt_float(value) if math.isfinite(value) else 'null'},")
+        lines.append('      "transformers_rounds": [')
+        for ri, r in enumerate(case["transformers_rounds"]):
+            sep = "," if ri + 1 < len(case["transformers_rounds"]) else ""
+            lines.append("        " + json.dumps(r) + sep)
+        lines.append("      ],")
+        lines.append('      "rounds": [')
+        for ri, r in enumerate(case["rounds"]):
+            fields = {k: r[k] for k in ("position", "token", "draft_ids", "accepted", "draft_ids_at_last_committed")}
+            body = json.dumps(fields)[:-1]
+            if ri < LOGGED_ROUNDS:
+                steps = ",\n".join(
+                    "            [" + ",".join(fmt_float(x) for x in row) + "]" for row in r["logits"].tolist()
+                )
+                body += ', "logits": [\n' + steps + "\n          ]"
+            sep = "," if ri + 1 < len(case["rounds"]) else ""
+            lines.append("        " + body + "}" + sep)
+        lines.append("      ]")
+        lines.append("    }" + ("," if ci + 1 < len(expected["cases"]) else ""))
+    write_expected_lines(path, lines)
 
 
 def main() -> None:
@@ -838,14 +1142,16 @@ def main() -> None:
     check_chat_template()
     tok = build_tokenizer()
 
-    wanted = [n for arg in args.only for n in arg.split(",") if n] if args.only else [*FIXTURES, "demo"]
+    wanted = [n for arg in args.only for n in arg.split(",") if n] if args.only else [*FIXTURES, *ASSISTANT_FIXTURES, "demo"]
     for name in wanted:
         if name == "demo":
             make_demo(tok, args.out / "models" / "demo")
         elif name in FIXTURES:
             make_fixture(name, FIXTURES[name], tok, args.out / "tests" / "fixtures")
+        elif name in ASSISTANT_FIXTURES:
+            make_assistant_fixture(name, ASSISTANT_FIXTURES[name], tok, args.out / "tests" / "fixtures")
         else:
-            sys.exit(f"unknown fixture {name!r}; known: {', '.join(FIXTURES)}, demo")
+            sys.exit(f"unknown fixture {name!r}; known: {', '.join([*FIXTURES, *ASSISTANT_FIXTURES])}, demo")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 //! Owns the typed config, the layer plan, checkpoint loading and the CPU reference forward.
 //! Builds with no tokenizer, HTTP, CLI or CUDA dependency.
 
+pub mod assistant;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;

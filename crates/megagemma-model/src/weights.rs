@@ -6,7 +6,7 @@
 
 use crate::config::{Family, ModelConfig};
 use crate::matrix::RowDot;
-use crate::plan::ModelPlan;
+use crate::plan::{LayerPlan, ModelPlan};
 use crate::Result;
 
 pub type Matrix = Box<dyn RowDot>;
@@ -126,7 +126,11 @@ struct Loader<'a> {
     norm_offset: f32,
 }
 
-impl Loader<'_> {
+impl<'a> Loader<'a> {
+    fn new(src: &'a dyn TensorSource, cfg: &ModelConfig) -> Loader<'a> {
+        let gemma3_hf = cfg.family == Family::Gemma3 && !src.norms_include_one();
+        Loader { src, norm_offset: if gemma3_hf { 1.0 } else { 0.0 } }
+    }
     fn matrix(&self, rel: &str, rows: usize, cols: usize) -> Result<Matrix> {
         self.src.matrix(rel, rows, cols)
     }
@@ -143,8 +147,7 @@ impl Loader<'_> {
 }
 
 pub fn load_weights(src: &dyn TensorSource, cfg: &ModelConfig, plan: &ModelPlan) -> Result<ModelWeights> {
-    let gemma3_hf = cfg.family == Family::Gemma3 && !src.norms_include_one();
-    let ld = Loader { src, norm_offset: if gemma3_hf { 1.0 } else { 0.0 } };
+    let ld = Loader::new(src, cfg);
     let h = cfg.hidden_size;
     let embed = ld.matrix("embed_tokens.weight", cfg.vocab_size, h)?;
 
@@ -159,60 +162,64 @@ pub fn load_weights(src: &dyn TensorSource, cfg: &ModelConfig, plan: &ModelPlan)
         None
     };
 
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for lp in &plan.layers {
-        let p = |s: &str| format!("layers.{}.{s}", lp.index);
-        let (qw, kvw) = (lp.q_width(), lp.kv_width());
-        let owns_kv = !lp.is_kv_shared();
-        let attn = AttentionWeights {
-            q: ld.matrix(&p("self_attn.q_proj.weight"), qw, h)?,
-            q_norm: ld.norm(&p("self_attn.q_norm.weight"), lp.head_dim)?,
-            k: if owns_kv { Some(ld.matrix(&p("self_attn.k_proj.weight"), kvw, h)?) } else { None },
-            v: if owns_kv && !lp.k_eq_v { Some(ld.matrix(&p("self_attn.v_proj.weight"), kvw, h)?) } else { None },
-            k_norm: if owns_kv { Some(ld.norm(&p("self_attn.k_norm.weight"), lp.head_dim)?) } else { None },
-            o: ld.matrix(&p("self_attn.o_proj.weight"), h, qw)?,
-        };
-        let i = lp.mlp_width;
-        let mlp = MlpWeights {
-            gate: ld.matrix(&p("mlp.gate_proj.weight"), i, h)?,
-            up: ld.matrix(&p("mlp.up_proj.weight"), i, h)?,
-            down: ld.matrix(&p("mlp.down_proj.weight"), h, i)?,
-        };
-        let ple = if lp.has_ple {
-            Some(PleWeights {
-                gate: ld.matrix(&p("per_layer_input_gate.weight"), cfg.ple_dim, h)?,
-                proj: ld.matrix(&p("per_layer_projection.weight"), h, cfg.ple_dim)?,
-                post_norm: ld.norm(&p("post_per_layer_input_norm.weight"), h)?,
-            })
-        } else {
-            None
-        };
-        let moe = match (&cfg.moe, lp.has_moe) {
-            (Some(m), true) => Some(load_moe(&ld, &p, m.num_experts, m.intermediate_size, h)?),
-            _ => None,
-        };
-        // Gemma 3 has no per-layer scalar.
-        let layer_scalar = if cfg.family == Family::Gemma4 || src.contains(&p("layer_scalar")) {
-            ld.vector(&p("layer_scalar"), 1)?[0]
-        } else {
-            1.0
-        };
-        layers.push(LayerWeights {
-            input_norm: ld.norm(&p("input_layernorm.weight"), h)?,
-            attn,
-            post_attn_norm: ld.norm(&p("post_attention_layernorm.weight"), h)?,
-            pre_ffn_norm: ld.norm(&p("pre_feedforward_layernorm.weight"), h)?,
-            mlp,
-            post_ffn_norm: ld.norm(&p("post_feedforward_layernorm.weight"), h)?,
-            ple,
-            moe,
-            layer_scalar,
-        });
-    }
+    let layers = plan.layers.iter().map(|lp| load_layer(src, cfg, lp, !lp.is_kv_shared())).collect::<Result<_>>()?;
 
     let lm_head = if cfg.tie_word_embeddings { None } else { Some(ld.matrix("lm_head.weight", cfg.vocab_size, h)?) };
 
     Ok(ModelWeights { embed, ple, layers, final_norm: ld.norm("norm.weight", h)?, lm_head })
+}
+
+/// One decoder layer's weights. `owns_kv = false` loads a query-only layer (no `k_proj`, `v_proj`,
+/// `k_norm`): a KV-shared layer, or a layer of an MTP assistant, which attends another model's cache.
+pub fn load_layer(src: &dyn TensorSource, cfg: &ModelConfig, lp: &LayerPlan, owns_kv: bool) -> Result<LayerWeights> {
+    let ld = Loader::new(src, cfg);
+    let h = cfg.hidden_size;
+    let p = |s: &str| format!("layers.{}.{s}", lp.index);
+    let (qw, kvw) = (lp.q_width(), lp.kv_width());
+    let attn = AttentionWeights {
+        q: ld.matrix(&p("self_attn.q_proj.weight"), qw, h)?,
+        q_norm: ld.norm(&p("self_attn.q_norm.weight"), lp.head_dim)?,
+        k: if owns_kv { Some(ld.matrix(&p("self_attn.k_proj.weight"), kvw, h)?) } else { None },
+        v: if owns_kv && !lp.k_eq_v { Some(ld.matrix(&p("self_attn.v_proj.weight"), kvw, h)?) } else { None },
+        k_norm: if owns_kv { Some(ld.norm(&p("self_attn.k_norm.weight"), lp.head_dim)?) } else { None },
+        o: ld.matrix(&p("self_attn.o_proj.weight"), h, qw)?,
+    };
+    let i = lp.mlp_width;
+    let mlp = MlpWeights {
+        gate: ld.matrix(&p("mlp.gate_proj.weight"), i, h)?,
+        up: ld.matrix(&p("mlp.up_proj.weight"), i, h)?,
+        down: ld.matrix(&p("mlp.down_proj.weight"), h, i)?,
+    };
+    let ple = if lp.has_ple {
+        Some(PleWeights {
+            gate: ld.matrix(&p("per_layer_input_gate.weight"), cfg.ple_dim, h)?,
+            proj: ld.matrix(&p("per_layer_projection.weight"), h, cfg.ple_dim)?,
+            post_norm: ld.norm(&p("post_per_layer_input_norm.weight"), h)?,
+        })
+    } else {
+        None
+    };
+    let moe = match (&cfg.moe, lp.has_moe) {
+        (Some(m), true) => Some(load_moe(&ld, &p, m.num_experts, m.intermediate_size, h)?),
+        _ => None,
+    };
+    // Gemma 3 has no per-layer scalar.
+    let layer_scalar = if cfg.family == Family::Gemma4 || src.contains(&p("layer_scalar")) {
+        ld.vector(&p("layer_scalar"), 1)?[0]
+    } else {
+        1.0
+    };
+    Ok(LayerWeights {
+        input_norm: ld.norm(&p("input_layernorm.weight"), h)?,
+        attn,
+        post_attn_norm: ld.norm(&p("post_attention_layernorm.weight"), h)?,
+        pre_ffn_norm: ld.norm(&p("pre_feedforward_layernorm.weight"), h)?,
+        mlp,
+        post_ffn_norm: ld.norm(&p("post_feedforward_layernorm.weight"), h)?,
+        ple,
+        moe,
+        layer_scalar,
+    })
 }
 
 fn load_moe(ld: &Loader, p: &dyn Fn(&str) -> String, experts: usize, inter: usize, h: usize) -> Result<MoeWeights> {

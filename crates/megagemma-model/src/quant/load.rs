@@ -335,11 +335,23 @@ pub fn load_safetensors_weights(
     plan: &ModelPlan,
     mode: QuantMode,
 ) -> Result<ModelWeights> {
+    with_tensor_source(ck, cfg, &text_prefix(ck, cfg), mode, |src| load_weights(src, cfg, plan))
+}
+
+/// Runs `load` over the checkpoint's tensors named `prefix` + relative name, read the way
+/// [`load_safetensors_weights`] reads them: MLX-quantized tensors as stored, dense ones as stored or
+/// quantized with `mode`. (An MTP assistant reads its `model.*` decoder and its top-level
+/// projections through two such views.)
+pub fn with_tensor_source<T>(
+    ck: &Checkpoint,
+    cfg: &ModelConfig,
+    prefix: &str,
+    mode: QuantMode,
+    load: impl FnOnce(&dyn TensorSource) -> Result<T>,
+) -> Result<T> {
     check_quantizable(ck, cfg, mode)?;
     let mlx = mlx_config(ck, cfg)?;
-    let prefix = text_prefix(ck, cfg);
-    let src = QuantSource { inner: SafetensorsSource { ck, prefix: &prefix }, mlx, mode };
-    load_weights(&src, cfg, plan)
+    load(&QuantSource { inner: SafetensorsSource { ck, prefix }, mlx, mode })
 }
 
 /// A safetensors checkpoint that understands MLX-quantized tensors and quantizes dense matrices
