@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Result};
 use megagemma_cuda::{CudaBackend, CudaModel};
+use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
 use megagemma_model::cpu::CpuBackend;
 use megagemma_model::Model;
@@ -49,12 +50,26 @@ pub struct BackendOptions {
 
 /// Open the backend `opts` asks for over `model`.
 pub fn open_backend(model: Arc<Model>, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
+    open_backend_with(model, None, opts)
+}
+
+/// [`open_backend`] with an MTP assistant loaded beside the target (for `--draft mtp`).
+pub fn open_backend_with(
+    model: Arc<Model>,
+    assistant: Option<Arc<AssistantModel>>,
+    opts: &BackendOptions,
+) -> Result<Box<dyn Backend>> {
     let cuda = match opts.kind {
         BackendKind::Cuda => true,
         BackendKind::Auto => cuda_device_present(),
         BackendKind::Cpu => false,
     };
-    if cuda {
+    if cuda && assistant.is_some() {
+        if opts.kind == BackendKind::Cuda {
+            bail!("the CUDA backend cannot run the MTP assistant yet: use --backend cpu or --draft lookup");
+        }
+        eprintln!("note: the MTP assistant runs on the CPU backend only; running on the CPU");
+    } else if cuda {
         match CudaModel::load(&model) {
             Ok(cm) => return Ok(Box::new(CudaBackend::new(cm, opts.max_context))),
             Err(e) if opts.kind == BackendKind::Auto => eprintln!("note: CUDA is not usable ({e}); running on the CPU"),
@@ -64,6 +79,9 @@ pub fn open_backend(model: Arc<Model>, opts: &BackendOptions) -> Result<Box<dyn 
     let mut b = CpuBackend::new(model);
     if let Some(n) = opts.max_context {
         b = b.with_max_context(n);
+    }
+    if let Some(a) = assistant {
+        b = b.with_assistant(a);
     }
     Ok(Box::new(b))
 }

@@ -189,3 +189,29 @@ fn speculative_sampling_matches_the_sampling_distribution() {
         assert!(chi2 < 45.0, "{mode:?}: chi-square {chi2:.1} over {} cells", exact.len());
     }
 }
+
+/// The MTP assistant (transformers-made fixtures, dense and centroid heads) drafting from the
+/// target's own KV cache and hidden state: exactly the greedy ids, across many window wraps.
+#[test]
+fn mtp_drafts_print_exactly_the_greedy_ids() {
+    use megagemma_model::assistant::AssistantModel;
+    use megagemma_model::quant::load::QuantMode;
+    let m = fixture("ple_shared_dw");
+    let w = m.config.sliding_window;
+    for head in ["dense", "centroid"] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/assistants").join(head);
+        let asst = Arc::new(AssistantModel::load(&dir, &m, QuantMode::Stored).unwrap());
+        let mut b = CpuBackend::new(m.clone()).with_assistant(asst);
+        let base = GenerateParams::greedy(6 * w + 3);
+        for prompt in [&[2u32, 7, 8, 9][..], &[2, 11, 12, 11, 12, 11, 12, 11, 40, 41]] {
+            let greedy = run(&mut b, prompt, &base);
+            for k in [1, 3, 6] {
+                let g = generate(&mut b, prompt, &with_draft(&base, DraftMode::Mtp, k), |_| true).unwrap();
+                assert_eq!(g.ids, greedy, "{head} k={k} differs from greedy on {prompt:?}");
+                let s = g.spec.unwrap();
+                assert!(s.rounds > 0 && s.drafted >= s.rounds, "{head}: the assistant drafted");
+            }
+        }
+        assert_eq!(b.stats().logits_copies, 0, "greedy MTP speculation copied no logits");
+    }
+}

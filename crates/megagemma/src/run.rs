@@ -2,11 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
 use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::sampling::{read_generation_config, SamplingParams};
 use megagemma_engine::tokenizer::Tokenizer;
+use megagemma_model::assistant::AssistantModel;
 use megagemma_model::gguf::GgufFile;
 use megagemma_model::Model;
 use std::io::Write;
@@ -156,9 +157,6 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let draft = args.draft.params(args.seed)?;
     let backend_kind: BackendKind = args.backend.parse()?;
-    if let Some(path) = &args.draft.assistant {
-        bail!("--assistant {}: loading MTP assistants is not available in this build yet", path.display());
-    }
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(Model::load_with(&dir, quant)?);
@@ -218,7 +216,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         draft,
     };
 
-    let mut backend = open_backend(model.clone(), &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let assistant = match &args.draft.assistant {
+        Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
+        None => None,
+    };
+    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx };
+    let mut backend = open_backend_with(model.clone(), assistant, &opts)?;
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {
         (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),

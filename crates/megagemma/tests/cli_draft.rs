@@ -64,3 +64,43 @@ fn bad_drafting_flags_are_one_line_errors() {
         assert!(err.contains(needle), "{extra:?}: {err}");
     }
 }
+
+#[test]
+fn mtp_with_a_committed_assistant_prints_the_greedy_ids() {
+    let target = fixtures_dir().join("ple_shared_dw");
+    let base = [
+        "run",
+        "--model",
+        target.to_str().unwrap(),
+        "--prompt-ids",
+        "2,7,8,9",
+        "--greedy",
+        "--ignore-eos",
+        "-n",
+        "30",
+        "--output",
+        "ids",
+        "--backend",
+        "cpu",
+    ];
+    let plain = megagemma(&base);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    for head in ["dense", "centroid"] {
+        let dir = fixtures_dir().join("assistants").join(head);
+        let mut args = base.to_vec();
+        args.extend(["--draft", "mtp", "--assistant", dir.to_str().unwrap(), "--k", "3", "--stats"]);
+        let out = megagemma(&args);
+        assert!(out.status.success(), "{head}: {}", stderr(&out));
+        assert_eq!(stdout(&out), stdout(&plain), "{head}: MTP changed the output");
+        assert!(stderr(&out).contains("spec: rounds"), "{}", stderr(&out));
+    }
+    // An assistant that does not fit its target is one clear line.
+    let wrong = fixtures_dir().join("moe");
+    let mut args = base.to_vec();
+    let dir = fixtures_dir().join("assistants/dense");
+    args[2] = wrong.to_str().unwrap();
+    args.extend(["--draft", "mtp", "--assistant", dir.to_str().unwrap()]);
+    let out = megagemma(&args);
+    assert!(!out.status.success());
+    assert_eq!(stderr(&out).lines().filter(|l| l.starts_with("error:")).count(), 1, "{}", stderr(&out));
+}

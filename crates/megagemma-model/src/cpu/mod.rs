@@ -4,7 +4,8 @@ pub mod forward;
 pub mod kv;
 pub mod ops;
 
-use crate::backend::{pos_out, Backend, BackendStats, PosOut, SeqId, Want};
+use crate::assistant::{self, AssistantModel};
+use crate::backend::{pos_out, Backend, BackendStats, Draft, PosOut, SeqId, Want};
 use crate::error::Error;
 use crate::model::Model;
 use crate::plan::ModelPlan;
@@ -33,6 +34,8 @@ struct CpuSeq {
 
 pub struct CpuBackend {
     model: Arc<Model>,
+    /// The MTP assistant, when loaded: it drafts from a sequence's KV cache and hidden state.
+    assistant: Option<Arc<AssistantModel>>,
     seqs: BTreeMap<SeqId, CpuSeq>,
     next_id: u32,
     max_context: usize,
@@ -45,6 +48,7 @@ impl CpuBackend {
     pub fn new(model: Arc<Model>) -> CpuBackend {
         CpuBackend {
             model,
+            assistant: None,
             seqs: BTreeMap::new(),
             next_id: 0,
             max_context: DEFAULT_MAX_CONTEXT,
@@ -56,6 +60,12 @@ impl CpuBackend {
     /// Cap every sequence at `n` positions (committed + staged).
     pub fn with_max_context(mut self, n: usize) -> CpuBackend {
         self.max_context = n.max(1);
+        self
+    }
+
+    /// Load `assistant` beside the target for [`Backend::draft`].
+    pub fn with_assistant(mut self, assistant: Arc<AssistantModel>) -> CpuBackend {
+        self.assistant = Some(assistant);
         self
     }
 
@@ -251,6 +261,38 @@ impl Backend for CpuBackend {
         }
         s.staged_hidden.clear();
         Ok(())
+    }
+
+    fn has_drafter(&self) -> bool {
+        self.assistant.is_some()
+    }
+
+    fn draft(&mut self, seq: SeqId, token: u32, k: usize, with_probs: bool) -> Result<Draft> {
+        let Some(asst) = &self.assistant else {
+            return Err(Error::invalid_input("no MTP assistant is loaded (give --assistant DIR)"));
+        };
+        let s = self.seq(seq)?;
+        if s.hidden.is_empty() {
+            return Err(Error::invalid_input(format!(
+                "sequence {seq} has no hidden state to draft from: run a pass after creating or truncating it"
+            )));
+        }
+        if token as usize >= self.model.plan.vocab_size {
+            return Err(Error::invalid_input(format!("token id {token} is out of range")));
+        }
+        let p = s.kv.len();
+        if !with_probs {
+            let ids = assistant::draft(asst, &self.model, &s.kv, p, token, &s.hidden, k)?;
+            return Ok(Draft { ids, probs: Vec::new() });
+        }
+        let mut probs = Vec::with_capacity(k);
+        let ids = assistant::draft_with(asst, &self.model, &s.kv, p, token, &s.hidden, k, |logits| {
+            let mut q = logits.to_vec();
+            ops::softmax(&mut q);
+            probs.push(q);
+            ops::argmax(logits)
+        })?;
+        Ok(Draft { ids, probs })
     }
 
     fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
