@@ -56,6 +56,9 @@ pub struct ModelPlan {
     pub tied_embeddings: bool,
     /// Experts per token on MoE layers (0 without MoE).
     pub moe_top_k: usize,
+    /// Experts per MoE layer and each expert's MLP width (0 without MoE).
+    pub moe_experts: usize,
+    pub moe_width: usize,
 }
 
 impl ModelPlan {
@@ -109,7 +112,48 @@ impl ModelPlan {
             final_softcap: c.final_logit_softcapping.map(|x| x as f32),
             tied_embeddings: c.tie_word_embeddings,
             moe_top_k: c.moe.as_ref().map_or(0, |m| m.top_k),
+            moe_experts: c.moe.as_ref().map_or(0, |m| m.num_experts),
+            moe_width: c.moe.as_ref().map_or(0, |m| m.intermediate_size),
         })
+    }
+
+    /// `[rows, cols]` of every weight matrix one decode step streams: the LM head, the PLE
+    /// context projection, each layer's projections (its own K/V only when it owns a cache; no
+    /// V on k_eq_v layers), PLE gate and projection, the MoE router and the `moe_top_k` routed
+    /// experts. The embedding and PLE tables are gathered (one row each), not streamed.
+    pub fn decode_matrices(&self) -> Vec<(usize, usize)> {
+        let h = self.hidden;
+        let mut m = vec![(self.vocab_size, h)];
+        if self.ple_dim > 0 {
+            m.push((self.layers.len() * self.ple_dim, h));
+        }
+        for l in &self.layers {
+            m.push((l.q_width(), h));
+            if !l.is_kv_shared() {
+                m.push((l.kv_width(), h));
+                if !l.k_eq_v {
+                    m.push((l.kv_width(), h));
+                }
+            }
+            m.push((h, l.q_width()));
+            m.extend([(l.mlp_width, h), (l.mlp_width, h), (h, l.mlp_width)]);
+            if l.has_ple {
+                m.extend([(self.ple_dim, h), (h, self.ple_dim)]);
+            }
+            if l.has_moe {
+                m.push((self.moe_experts, h));
+                for _ in 0..self.moe_top_k.min(self.moe_experts) {
+                    m.extend([(self.moe_width, h), (self.moe_width, h), (h, self.moe_width)]);
+                }
+            }
+        }
+        m
+    }
+
+    /// Weight bytes one decode step streams, given the stored size of a `[rows, cols]` matrix
+    /// (e.g. `2·r·c` for bf16): the number every speed figure is measured against.
+    pub fn decode_bytes(&self, stored: impl Fn(usize, usize) -> usize) -> usize {
+        self.decode_matrices().into_iter().map(|(r, c)| stored(r, c)).sum()
     }
 
     /// Layers that own a KV cache (not KV-shared).
