@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU session's checks and benchmarks, run on the GPU machine from the repository root:
+#   tools/gpu_session.sh BIN_DIR
+# BIN_DIR holds the release `megagemma` binary built on the CPU machine (and, when present,
+# the `gpu_check` example and the `gpu_forward` test binary). Logs go to $OUT (default /tmp/out).
+#  1. GPU tests and gpu_check: stages and fixtures against the CPU reference, verify columns.
+#  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
+#     with and without speculative drafting (lookup, oracle).
+#  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
+#     8k context.
+set -uo pipefail
+BIN=${1:-.gpu}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
+MG="$BIN/megagemma"
+fail=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+if [ -x "$BIN/gpu_forward" ]; then
+  MEGAGEMMA_GPU_TESTS=1 timeout 300 "$BIN/gpu_forward" 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
+fi
+if [ -x "$BIN/gpu_check" ]; then
+  timeout 300 "$BIN/gpu_check" fixtures 2>&1 | tee "$OUT/gpu_check.log" || fail=1
+  timeout 300 "$BIN/gpu_check" verify 2>&1 | tee -a "$OUT/gpu_check.log" || fail=1
+fi
+
+# CLI: CUDA ids == CPU ids on every fixture and prompt, plain and speculative.
+: > "$OUT/cli_fixtures.log"
+for dir in tests/fixtures/*/; do
+  [ -f "$dir/expected.json" ] || continue
+  for ids in $(python3 -c "import json,sys; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$dir/expected.json'))['cases'][:2]]"); do
+    cpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
+    for extra in "" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4"; do
+      gpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
+      if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
+      echo "$r $(basename "$dir") [$ids] ${extra:-plain}" | tee -a "$OUT/cli_fixtures.log"
+    done
+  done
+done
+
+for m in e4b e2b; do
+  timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_$m.log" || fail=1
+done
+timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
+echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
+exit $fail
