@@ -106,3 +106,32 @@ fn row_to_f32_matches_dequantize() {
         }
     }
 }
+
+#[test]
+fn multi_vector_kernels_are_bit_identical_to_single_vector_calls() {
+    // Verify and prefill decode each row once for several tokens: every (row, vector) result
+    // must equal the single-vector call exactly, for every kernel, group size and T.
+    let mut rng = StdRng::seed_from_u64(12);
+    for (name, m) in matrices(&mut rng) {
+        for t in [1, 2, 4, 5, 9] {
+            let xs = random(&mut rng, t * m.cols(), 3.0);
+            for kernel in Kernel::available() {
+                // Rows from an odd start, so single-row tails follow the 4-row blocks.
+                let (start, n) = (1, m.rows() - 1);
+                let mut multi = vec![f32::NAN; t * n];
+                m.dot_rows_multi_with(kernel, start, &xs, &mut multi);
+                for ti in 0..t {
+                    let mut single = vec![0f32; n];
+                    m.dot_rows_with(kernel, start, &xs[ti * m.cols()..(ti + 1) * m.cols()], &mut single);
+                    for r in 0..n {
+                        assert_eq!(
+                            multi[ti * n + r].to_bits(),
+                            single[r].to_bits(),
+                            "{name} {kernel:?} T={t} vector {ti} row {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

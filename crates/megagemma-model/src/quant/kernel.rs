@@ -11,6 +11,10 @@
 //! and the kernel is fixed per process ([`Kernel::detect`]). While a block of rows is computed, the
 //! next block's weights are prefetched (the rows of a block are only `cols/2` bytes long each, too
 //! short for the hardware prefetchers to ramp up on their own).
+//!
+//! Every kernel also takes `C` activation vectors at once ([`dot_rows_multi`], for verify and
+//! prefill): each weight is decoded once and multiplied into C accumulator sets, and column `c`
+//! goes through exactly the operations of a single-vector call on `xs[c]`, so it is bit-identical.
 
 #![allow(clippy::needless_range_loop)] // lane/row-indexed SIMD code reads best with indices
 
@@ -73,35 +77,64 @@ thread_local! {
 }
 
 pub(super) fn dot_rows(m: &QuantMatrix, kernel: Kernel, start: usize, x: &[f32], out: &mut [f32]) {
-    if out.is_empty() {
+    run::<1>(m, kernel, start, [x], &mut [out]);
+}
+
+/// Columns the multi-vector kernels take at once.
+pub(super) const MULTI: usize = 4;
+
+/// `outs[t·n + i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols` vectors, [`MULTI`] at a
+/// time (each row decoded once per group of vectors), the rest one by one.
+pub(super) fn dot_rows_multi(m: &QuantMatrix, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [f32]) {
+    let t = xs.len() / m.cols;
+    let n = outs.len() / t;
+    let mut xcols = xs.chunks_exact(m.cols);
+    let mut ocols = outs.chunks_exact_mut(n);
+    while xcols.len() >= MULTI {
+        let x: [&[f32]; MULTI] = std::array::from_fn(|_| xcols.next().unwrap());
+        let mut o: [&mut [f32]; MULTI] = std::array::from_fn(|_| ocols.next().unwrap());
+        run::<MULTI>(m, kernel, start, x, &mut o);
+    }
+    for (x, o) in xcols.zip(ocols) {
+        run::<1>(m, kernel, start, [x], &mut [o]);
+    }
+}
+
+fn run<const C: usize>(m: &QuantMatrix, kernel: Kernel, start: usize, xs: [&[f32]; C], out: &mut [&mut [f32]; C]) {
+    if out[0].is_empty() {
         return;
     }
     match kernel {
-        Kernel::Portable => portable::dot_rows(m, start, x, out),
+        Kernel::Portable => portable::dot_rows::<C>(m, start, xs, out),
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 => {
             assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"), "AVX2+FMA not available");
             // SAFETY: the features were just checked.
-            unsafe { avx2::dot_rows(m, start, x, out) }
+            unsafe { avx2::dot_rows::<C>(m, start, xs, out) }
         }
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx512 => {
             assert!(is_x86_feature_detected!("avx512f"), "AVX-512F not available");
-            let need = m.cols;
-            let mut run = |xi: &mut [f32]| {
-                avx512::interleave_x(x, xi);
+            let need = C * m.cols;
+            let mut go = |buf: &mut [f32]| {
+                let mut parts = buf.chunks_exact_mut(m.cols);
+                let xi: [&[f32]; C] = std::array::from_fn(|c| {
+                    let dst = parts.next().unwrap();
+                    avx512::interleave_x(xs[c], dst);
+                    &*dst
+                });
                 // SAFETY: the feature was just checked.
-                unsafe { avx512::dot_rows(m, start, xi, out) }
+                unsafe { avx512::dot_rows::<C>(m, start, xi, out) }
             };
             SCRATCH.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut buf) => {
                     if buf.len() < need {
                         buf.resize(need, 0.0);
                     }
-                    run(&mut buf[..need])
+                    go(&mut buf[..need])
                 }
                 // Re-entered on this thread (cannot happen through matmul): use a fresh buffer.
-                Err(_) => run(&mut vec![0.0; need]),
+                Err(_) => go(&mut vec![0.0; need]),
             })
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -117,69 +150,77 @@ fn hsum8(a: &[f32; 8]) -> f32 {
 /// Rows per block in the kernels.
 const R: usize = 4;
 
-/// Calls `f(row0, out_block, prefetch_next)` for blocks of `R` rows, then single rows.
+/// Calls `f(row0, i0, true, prefetch_next)` for blocks of `R` rows (`i0`: index of `row0` in
+/// the output), then `f(row, i, false, false)` for the remaining single rows.
 #[inline(always)]
-fn for_blocks(
-    m: &QuantMatrix,
-    start: usize,
-    out: &mut [f32],
-    mut f4: impl FnMut(usize, &mut [f32], bool),
-    mut f1: impl FnMut(usize, &mut [f32]),
-) {
-    let mut blocks = out.chunks_exact_mut(R);
-    let mut row = start;
-    for o in &mut blocks {
-        f4(row, o, row + 2 * R <= m.rows);
-        row += R;
+fn for_blocks(m: &QuantMatrix, start: usize, n: usize, mut f: impl FnMut(usize, usize, bool, bool)) {
+    let full = n / R * R;
+    for i in (0..full).step_by(R) {
+        let row = start + i;
+        f(row, i, true, row + 2 * R <= m.rows);
     }
-    for o in blocks.into_remainder().chunks_mut(1) {
-        f1(row, o);
-        row += 1;
+    for i in full..n {
+        f(start + i, i, false, false);
     }
 }
 
 mod portable {
     use super::*;
 
-    pub(super) fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], out: &mut [f32]) {
-        for_blocks(m, start, out, |r, o, _| rows::<R>(m, r, x, o), |r, o| rows::<1>(m, r, x, o));
+    pub(super) fn dot_rows<const C: usize>(m: &QuantMatrix, start: usize, xs: [&[f32]; C], out: &mut [&mut [f32]; C]) {
+        let n = out[0].len();
+        for_blocks(m, start, n, |r, i, block, _| match block {
+            true => rows::<R, C>(m, r, xs, out, i),
+            false => rows::<1, C>(m, r, xs, out, i),
+        });
     }
 
     /// `acc += w·x` for the 8 weights of word `w`, each `w = q·s + b` (two roundings). Nibbles are
     /// masked in place (`q·16^k`, exact in f32) and scaled back by `2^-4k` (exact), so no per-lane
     /// shifts are needed.
     #[inline(always)]
-    fn mac8(acc: &mut [f32; 8], w: u32, s: f32, b: f32, x: &[f32]) {
+    fn decode8(w: u32, s: f32, b: f32) -> [f32; 8] {
         const MASK: [u32; 8] = [0xF, 0xF0, 0xF00, 0xF000, 0xF, 0xF0, 0xF00, 0xF000];
         const UNSHIFT: [f32; 8] =
             [1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0, 1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0];
         let lanes = [w, w, w, w, w >> 16, w >> 16, w >> 16, w >> 16];
-        for k in 0..8 {
-            let q = (lanes[k] & MASK[k]) as i32 as f32 * UNSHIFT[k];
-            acc[k] += (q * s + b) * x[k];
-        }
+        std::array::from_fn(|k| ((lanes[k] & MASK[k]) as i32 as f32 * UNSHIFT[k]) * s + b)
     }
 
-    /// `N` consecutive rows from `row0`; per row the same operations whatever `N`.
+    /// `N` consecutive rows from `row0` against `C` vectors, results at `out[c][i0 + r]`; per
+    /// row and vector the same operations whatever `N` and `C`.
     #[inline(always)]
-    fn rows<const N: usize>(m: &QuantMatrix, row0: usize, x: &[f32], out: &mut [f32]) {
+    fn rows<const N: usize, const C: usize>(
+        m: &QuantMatrix,
+        row0: usize,
+        xs: [&[f32]; C],
+        out: &mut [&mut [f32]; C],
+        i0: usize,
+    ) {
         let wpr = m.cols / 8;
         let wpg = m.group_size / 8;
         let ng = m.groups_per_row();
         let w: [&[u32]; N] = std::array::from_fn(|r| &m.packed[(row0 + r) * wpr..(row0 + r + 1) * wpr]);
         let sc: [&[f32]; N] = std::array::from_fn(|r| &m.scales[(row0 + r) * ng..(row0 + r + 1) * ng]);
         let bi: [&[f32]; N] = std::array::from_fn(|r| &m.biases[(row0 + r) * ng..(row0 + r + 1) * ng]);
-        let mut acc = [[0f32; 8]; N];
+        let mut acc = [[[0f32; 8]; C]; N];
         for g in 0..ng {
             for i in g * wpg..(g + 1) * wpg {
-                let xv = &x[i * 8..i * 8 + 8];
                 for r in 0..N {
-                    mac8(&mut acc[r], w[r][i], sc[r][g], bi[r][g], xv);
+                    let wv = decode8(w[r][i], sc[r][g], bi[r][g]);
+                    for c in 0..C {
+                        let xv = &xs[c][i * 8..i * 8 + 8];
+                        for k in 0..8 {
+                            acc[r][c][k] += wv[k] * xv[k];
+                        }
+                    }
                 }
             }
         }
         for r in 0..N {
-            out[r] = hsum8(&acc[r]);
+            for c in 0..C {
+                out[c][i0 + r] = hsum8(&acc[r][c]);
+            }
         }
     }
 }
@@ -190,21 +231,25 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, x: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn dot_rows<const C: usize>(
+        m: &QuantMatrix,
+        start: usize,
+        xs: [&[f32]; C],
+        out: &mut [&mut [f32]; C],
+    ) {
+        let n = out[0].len();
+        macro_rules! go {
+            ($wpg:literal) => {
+                for_blocks(m, start, n, |r, i, block, p| match block {
+                    true => rows::<R, C, $wpg>(m, r, xs, out, i, p),
+                    false => rows::<1, C, $wpg>(m, r, xs, out, i, false),
+                })
+            };
+        }
         match m.group_size {
-            32 => {
-                for_blocks(m, start, out, |r, o, p| rows::<R, 4>(m, r, x, o, p), |r, o| rows::<1, 4>(m, r, x, o, false))
-            }
-            64 => {
-                for_blocks(m, start, out, |r, o, p| rows::<R, 8>(m, r, x, o, p), |r, o| rows::<1, 8>(m, r, x, o, false))
-            }
-            _ => for_blocks(
-                m,
-                start,
-                out,
-                |r, o, p| rows::<R, 16>(m, r, x, o, p),
-                |r, o| rows::<1, 16>(m, r, x, o, false),
-            ),
+            32 => go!(4),
+            64 => go!(8),
+            _ => go!(16),
         }
     }
 
@@ -217,39 +262,41 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
+    /// `N` rows from `row0` against `C` vectors, group size `8·WPG`, results at
+    /// `out[c][i0 + r]`; per row and vector the same operations whatever `N` and `C`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(
+    unsafe fn rows<const N: usize, const C: usize, const WPG: usize>(
         m: &QuantMatrix,
         row0: usize,
-        x: &[f32],
-        out: &mut [f32],
+        xs: [&[f32]; C],
+        out: &mut [&mut [f32]; C],
+        i0: usize,
         prefetch: bool,
     ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
-        debug_assert!((row0 + N) * wpr <= m.packed.len() && x.len() == m.cols && out.len() >= N);
+        debug_assert!((row0 + N) * wpr <= m.packed.len() && xs.iter().all(|x| x.len() == m.cols));
         let wbase = m.packed.as_ptr().add(row0 * wpr);
         let sbase = m.scales.as_ptr().add(row0 * ng);
         let bbase = m.biases.as_ptr().add(row0 * ng);
-        let xp = x.as_ptr();
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(0xF);
-        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc = [[_mm256_setzero_ps(); C]; N];
         for g in 0..ng {
             let wg = wbase.add(g * WPG);
-            let xg = xp.add(g * WPG * 8);
             let s: [__m256; N] = std::array::from_fn(|r| _mm256_set1_ps(*sbase.add(r * ng + g)));
             let b: [__m256; N] = std::array::from_fn(|r| _mm256_set1_ps(*bbase.add(r * ng + g)));
             for i in 0..WPG {
-                let xv = _mm256_loadu_ps(xg.add(i * 8));
+                let xv: [__m256; C] = std::array::from_fn(|c| _mm256_loadu_ps(xs[c].as_ptr().add((g * WPG + i) * 8)));
                 for r in 0..N {
                     let w = _mm256_set1_epi32(*wg.add(r * wpr + i) as i32);
                     let q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, shifts), mask));
                     // Exactly `q·scale + bias` as `QuantMatrix::dequantize` (two roundings).
                     let wv = _mm256_add_ps(_mm256_mul_ps(q, s[r]), b[r]);
-                    acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+                    for c in 0..C {
+                        acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+                    }
                 }
             }
             if prefetch {
@@ -257,7 +304,9 @@ mod avx2 {
             }
         }
         for r in 0..N {
-            out[r] = hsum(acc[r]);
+            for c in 0..C {
+                out[c][i0 + r] = hsum(acc[r][c]);
+            }
         }
     }
 
@@ -304,29 +353,25 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn dot_rows(m: &QuantMatrix, start: usize, xi: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn dot_rows<const C: usize>(
+        m: &QuantMatrix,
+        start: usize,
+        xi: [&[f32]; C],
+        out: &mut [&mut [f32]; C],
+    ) {
+        let n = out[0].len();
+        macro_rules! go {
+            ($wpg:literal) => {
+                for_blocks(m, start, n, |r, i, block, p| match block {
+                    true => rows::<R, C, $wpg>(m, r, xi, out, i, p),
+                    false => rows::<1, C, $wpg>(m, r, xi, out, i, false),
+                })
+            };
+        }
         match m.group_size {
-            32 => for_blocks(
-                m,
-                start,
-                out,
-                |r, o, p| rows::<R, 4>(m, r, xi, o, p),
-                |r, o| rows::<1, 4>(m, r, xi, o, false),
-            ),
-            64 => for_blocks(
-                m,
-                start,
-                out,
-                |r, o, p| rows::<R, 8>(m, r, xi, o, p),
-                |r, o| rows::<1, 8>(m, r, xi, o, false),
-            ),
-            _ => for_blocks(
-                m,
-                start,
-                out,
-                |r, o, p| rows::<R, 16>(m, r, xi, o, p),
-                |r, o| rows::<1, 16>(m, r, xi, o, false),
-            ),
+            32 => go!(4),
+            64 => go!(8),
+            _ => go!(16),
         }
     }
 
@@ -343,29 +388,29 @@ mod avx512 {
         _mm_cvtss_f32(s)
     }
 
-    /// `N` rows from `row0`, group size `8·WPG`; per row the same operations whatever `N`.
+    /// `N` rows from `row0` against `C` interleaved vectors, group size `8·WPG`, results at
+    /// `out[c][i0 + r]`; per row and vector the same operations whatever `N` and `C`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn rows<const N: usize, const WPG: usize>(
+    unsafe fn rows<const N: usize, const C: usize, const WPG: usize>(
         m: &QuantMatrix,
         row0: usize,
-        xi: &[f32],
-        out: &mut [f32],
+        xi: [&[f32]; C],
+        out: &mut [&mut [f32]; C],
+        i0: usize,
         prefetch: bool,
     ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
-        debug_assert!((row0 + N) * wpr <= m.packed.len() && xi.len() == m.cols && out.len() >= N);
+        debug_assert!((row0 + N) * wpr <= m.packed.len() && xi.iter().all(|x| x.len() == m.cols));
         let wbase = m.packed.as_ptr().add(row0 * wpr);
         let sbase = m.scales.as_ptr().add(row0 * ng);
         let bbase = m.biases.as_ptr().add(row0 * ng);
-        let xp = xi.as_ptr();
         let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
         let codes = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
-        let mut acc = [_mm512_setzero_ps(); N];
+        let mut acc = [[_mm512_setzero_ps(); C]; N];
         for g in 0..ng {
             let wg = wbase.add(g * WPG);
-            let xg = xp.add(g * WPG * 8);
             // Per row, the group's 16 possible weights `q·scale + bias` (two roundings, exactly as
             // `QuantMatrix::dequantize`); vpermps reads only the low 4 bits of each index lane.
             let table: [__m512; N] = std::array::from_fn(|r| {
@@ -376,11 +421,14 @@ mod avx512 {
             });
             // Two words (16 weights) per step.
             for i in 0..WPG / 2 {
-                let xv = _mm512_loadu_ps(xg.add(i * 16));
+                let xv: [__m512; C] =
+                    std::array::from_fn(|c| _mm512_loadu_ps(xi[c].as_ptr().add(g * WPG * 8 + i * 16)));
                 for r in 0..N {
                     let p = _mm512_set1_epi64((wg.add(r * wpr + 2 * i) as *const i64).read_unaligned());
                     let w = _mm512_permutexvar_ps(_mm512_srlv_epi32(p, shifts), table[r]);
-                    acc[r] = _mm512_fmadd_ps(w, xv, acc[r]);
+                    for c in 0..C {
+                        acc[r][c] = _mm512_fmadd_ps(w, xv[c], acc[r][c]);
+                    }
                 }
             }
             if prefetch {
@@ -388,7 +436,9 @@ mod avx512 {
             }
         }
         for r in 0..N {
-            out[r] = hsum(acc[r]);
+            for c in 0..C {
+                out[c][i0 + r] = hsum(acc[r][c]);
+            }
         }
     }
 }
