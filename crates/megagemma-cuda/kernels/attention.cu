@@ -29,7 +29,8 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((u64)t * heads + head) * hd + d];
   __syncthreads();
 
-  // Scores: one warp per key, lanes over the head dim.
+  // Scores: one warp per key, lanes over the head dim (unrolled so several keys' loads overlap).
+#pragma unroll 4
   for (int jj = warp; jj < n; jj += nw) {
     int j = lo + jj;
     const float* k = (j < p0 ? kc + (u64)(ring > 0 ? j % ring : j) * kvw : ks + (u64)(j - p0) * kvw) + kvh * hd;
@@ -57,6 +58,7 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   float acc[ATT_MAX_DPL];
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) acc[i] = 0.f;
+#pragma unroll 2
   for (int jj = warp; jj < n; jj += nw) {
     int j = lo + jj;
     const float* v = (j < p0 ? vc + (u64)(ring > 0 ? j % ring : j) * kvw : vs + (u64)(j - p0) * kvw) + kvh * hd;

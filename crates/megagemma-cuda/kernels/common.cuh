@@ -36,59 +36,53 @@ __device__ __forceinline__ float q4_weight(unsigned q, float s, float b) {
   return __fadd_rn(__fmul_rn((float)q, s), b);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+struct SumOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-__device__ __forceinline__ double warp_sum_d(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp()); }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Block-wide sum (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float sh[32];
+// Block-wide reduction (blockDim.x a multiple of 32, at most 1024), combined in warp order so
+// the result does not depend on timing; every thread gets it. Safe to call repeatedly.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op) {
+  __shared__ T sh[32];
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   __syncthreads();
   if (lane == 0) sh[warp] = v;
   __syncthreads();
-  float t = 0.f;
-  for (int i = 0; i < nw; i++) t += sh[i];
+  T t = sh[0];
+  for (int i = 1; i < nw; i++) t = op(t, sh[i]);
   return t;
 }
 
-__device__ __forceinline__ double block_sum_d(double v) {
-  __shared__ double shd[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_sum_d(v);
-  __syncthreads();
-  if (lane == 0) shd[warp] = v;
-  __syncthreads();
-  double t = 0.0;
-  for (int i = 0; i < nw; i++) t += shd[i];
-  return t;
-}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp()); }
+__device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v, SumOp()); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float shm[32];
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) shm[warp] = v;
-  __syncthreads();
-  float t = shm[0];
-  for (int i = 1; i < nw; i++) t = fmaxf(t, shm[i]);
-  return t;
+// 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.
+// Called by every thread of the block.
+__device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
+  double ss = 0.0;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    double v = x[i];
+    ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
 }
 
 // GELU, tanh approximation, in the CPU reference's operation order.

@@ -161,12 +161,12 @@ __device__ __forceinline__ float nibble_scale(int k) {
 // the projection that consumes them); `gate_stride` is the gate's row stride.
 template <bool GATED>
 __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __restrict__ x, float* __restrict__ y, int m,
-                                               int wpr, const float* __restrict__ gate, int gate_stride) {
+                                               int wpr, const float* __restrict__ gate, int gate_stride, int blk) {
   __shared__ float red[8][Q4_ROWS][MAXM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int groups_per_block = 8 / wpr;
   const int g = warp / wpr, ws = warp % wpr;
-  const int row0 = (blockIdx.x * groups_per_block + g) * Q4_ROWS;
+  const int row0 = (blk * groups_per_block + g) * Q4_ROWS;
   const int cols = W.cols, nw = cols >> 3, ng = cols / W.gs;
   const int nchunks = (cols + Q4_CHUNK - 1) / Q4_CHUNK;
   const unsigned* __restrict__ wbase = (const unsigned*)W.w;
@@ -247,7 +247,7 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
   __syncthreads();
   for (int i = threadIdx.x; i < groups_per_block * Q4_ROWS * m; i += blockDim.x) {
     const int gg = i / (Q4_ROWS * m), r = (i / m) % Q4_ROWS, j = i % m;
-    const int row = (blockIdx.x * groups_per_block + gg) * Q4_ROWS + r;
+    const int row = (blk * groups_per_block + gg) * Q4_ROWS + r;
     if (row >= W.rows) continue;
     float s = 0.f;
     for (int w = 0; w < wpr; w++) s += red[gg * wpr + w][r][j];
@@ -255,13 +255,19 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
   }
 }
 
+// Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
+// blocks [0, nb0) compute y0 = W0·x, the next nb1 blocks y1 = W1·x, the rest y2 = W2·x.
 extern "C" __global__ void __launch_bounds__(256)
-matvec_q4(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr) {
-  matvec_q4_body<false>(W, x, y, m, wpr, nullptr, 0);
+matvec_q4(Mat W0, Mat W1, Mat W2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
+          float* __restrict__ y2, int nb0, int nb1, int m, int wpr) {
+  int b = blockIdx.x;
+  if (b < nb0) matvec_q4_body<false>(W0, x, y0, m, wpr, nullptr, 0, b);
+  else if (b < nb0 + nb1) matvec_q4_body<false>(W1, x, y1, m, wpr, nullptr, 0, b - nb0);
+  else matvec_q4_body<false>(W2, x, y2, m, wpr, nullptr, 0, b - nb0 - nb1);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr,
                 const float* __restrict__ gate, int gate_stride) {
-  matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride);
+  matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride, blockIdx.x);
 }

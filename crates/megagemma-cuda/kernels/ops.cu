@@ -15,13 +15,7 @@ extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ toke
 extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
                                     int mode) {
   u64 base = (u64)blockIdx.x * dim;
-  double ss = 0.0;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    double v = x[base + i];
-    ss += v * v;
-  }
-  ss = block_sum_d(ss);
-  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  float r = inv_rms(x + base, dim, eps);
   __syncthreads();
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
     float n = __fmul_rn(x[base + i], r);
@@ -32,25 +26,18 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
 }
 
 // Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
-// on [T, heads, hd]; token t is at position pos[0] + t. One block per (t, head); hd ≤ 512.
-extern "C" __global__ void head_norm_rope(float* x, const float* __restrict__ w, const float* __restrict__ inv_freq,
-                                          int heads, int hd, const int* __restrict__ pos, float eps) {
+// of one head vector of token t at position pos0 + t; hd ≤ 512.
+__device__ __forceinline__ void norm_rope_head(float* h, const float* __restrict__ w, const float* __restrict__ inv_freq,
+                                               int hd, int pos, float eps) {
   __shared__ float hv[512];
-  float* h = x + (u64)blockIdx.x * hd;
-  double ss = 0.0;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    double v = h[i];
-    ss += v * v;
-  }
-  ss = block_sum_d(ss);
-  float r = (float)(1.0 / sqrt(ss / (double)hd + (double)eps));
+  float r = inv_rms(h, hd, eps);
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     float n = __fmul_rn(h[i], r);
     hv[i] = w ? __fmul_rn(n, w[i]) : n;
   }
   __syncthreads();
   int half = hd / 2;
-  float p = (float)(pos[0] + (int)(blockIdx.x / heads));
+  float p = (float)pos;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     float a = hv[i], b = hv[i + half];
     float f = inv_freq ? inv_freq[i] : 0.f;
@@ -66,19 +53,34 @@ extern "C" __global__ void head_norm_rope(float* x, const float* __restrict__ w,
   }
 }
 
+// Q, K and V heads after their projections, in one launch: Q heads normed with wq and rotated,
+// K heads normed with wk and rotated, V heads normed without weight (nk = 0 skips K and V; wv
+// unused when nv = 0). Each buffer is [T, heads, hd]; one block per (t, head); blocks run Q, then
+// K, then V.
+extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,
+                                         const float* __restrict__ wk, int nk, float* v, int nv,
+                                         const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
+                                         int T, float eps) {
+  int b = blockIdx.x;
+  int p0 = pos[0];
+  if (b < T * nq) {
+    norm_rope_head(q + (u64)b * hd, wq, inv_freq, hd, p0 + b / nq, eps);
+  } else if ((b -= T * nq) < T * nk) {
+    norm_rope_head(k + (u64)b * hd, wk, inv_freq, hd, p0 + b / nk, eps);
+  } else {
+    b -= T * nk;
+    norm_rope_head(v + (u64)b * hd, nullptr, nullptr, hd, p0 + b / nv, eps);
+  }
+}
+
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
 extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
                                     float* a, const float* __restrict__ w2, int dim, float eps) {
   u64 base = (u64)blockIdx.x * dim;
-  double ss = 0.0;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    double v = o[base + i];
-    ss += v * v;
-  }
-  ss = block_sum_d(ss);
-  float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  float r = inv_rms(o + base, dim, eps);
   double ss2 = 0.0;
+#pragma unroll 4
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
     float v = __fadd_rn(x[base + i], __fmul_rn(__fmul_rn(o[base + i], r), w1[i]));
     if (scale != 1.f) v = __fmul_rn(v, scale);

@@ -19,7 +19,7 @@ const FUNCTIONS: [(&str, &[&str]); 4] = [
         &[
             "embed_gather",
             "rms_norm",
-            "head_norm_rope",
+            "qkv_norm_rope",
             "add_norm",
             "gelu_gate",
             "ple_combine",

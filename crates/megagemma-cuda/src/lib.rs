@@ -2,7 +2,15 @@
 //!
 //! Kernels are header-free `.cu` files compiled by NVRTC at start-up ([`compile`]); weights are
 //! uploaded into arenas ([`weights`]); [`CudaModel`] holds them and the device, [`CudaSeq`] one
-//! sequence's KV cache and scratch, and runs the forward pass stage by stage on one stream.
+//! sequence's KV cache and scratch, and runs the forward pass stage by stage on one stream
+//! (single-token passes replayed from a captured CUDA graph).
+//!
+//! Without a GPU, [`CudaModel::load`] returns one error line ("no CUDA device found: …"). On the GPU
+//! machine: `gpu_check all` (example) compares every fixture with the CPU reference, checks verify
+//! columns against decode steps bit for bit and benchmarks synthetic E4B/E2B; the tests in
+//! `tests/gpu_forward.rs` run with `MEGAGEMMA_GPU_TESTS=1`. Environment: `MEGAGEMMA_CUDA_LIB_DIR`
+//! (where libnvrtc is), `MEGAGEMMA_KERNELS` (read `.cu` files from a folder), `MEGAGEMMA_CACHE`
+//! (CUBIN cache), `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing).
 
 pub mod backend;
 pub mod check;

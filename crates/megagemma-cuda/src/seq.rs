@@ -334,36 +334,99 @@ impl CudaSeq {
         self.matvec_impl(w, x, Some(gate), y, t)
     }
 
+    /// Whether `w` takes the 4-bit many-rows-per-warp kernel (16-aligned rows).
+    fn q4_fast(w: &DevMat) -> bool {
+        w.fmt == FMT_Q4 && (w.cols as usize).is_multiple_of(16)
+    }
+
+    /// Warps sharing a row group: each warp takes its 512-column chunks two at a time and should
+    /// get at least two, unless that leaves SMs idle (few rows): then up to one chunk per warp.
+    /// Depends only on the shape (and the GPU), never on the number of columns of x.
+    fn warps_per_rows(&self, rows: usize, cols: usize) -> usize {
+        let chunks = cols.div_ceil(512);
+        let mut wpr = [8, 4, 2, 1].into_iter().find(|&w| 2 * w <= chunks).unwrap_or(1);
+        while wpr < 8 && 2 * wpr <= chunks && rows.div_ceil(8 * (8 / wpr)) < self.gpu().sms as usize {
+            wpr *= 2;
+        }
+        wpr
+    }
+
+    /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
+    /// per eight columns when all are 4-bit, else one matvec each.
+    fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
+        let cols = mats[0].0.cols;
+        if mats.len() > 3 || !mats.iter().all(|(w, _)| Self::q4_fast(w) && w.cols == cols) {
+            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
+        }
+        let cols = cols as usize;
+        let wpr = self.warps_per_rows(mats.iter().map(|(w, _)| w.rows as usize).sum(), cols);
+        let blocks = |w: &DevMat| (w.rows as usize).div_ceil(8 * (8 / wpr));
+        let (w0, y0) = mats[0];
+        let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
+        let (w2, y2) = mats.get(2).copied().unwrap_or((w0, 0));
+        let nb0 = blocks(w0);
+        let nb1 = if mats.len() > 1 { blocks(w1) } else { 0 };
+        let nb2 = if mats.len() > 2 { blocks(w2) } else { 0 };
+        for c0 in (0..t).step_by(MATVEC_COLS) {
+            let m = MATVEC_COLS.min(t - c0);
+            let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
+            let args = [
+                Arg::Mat(*w0),
+                Arg::Mat(*w1),
+                Arg::Mat(*w2),
+                Arg::Ptr(x + f32s(c0 * cols) as u64),
+                Arg::Ptr(yp(y0, w0)),
+                Arg::Ptr(yp(y1, w1)),
+                Arg::Ptr(yp(y2, w2)),
+                Arg::I32(nb0 as i32),
+                Arg::I32(nb1 as i32),
+                Arg::I32(m as i32),
+                Arg::I32(wpr as i32),
+            ];
+            self.gpu().launch("matvec_q4", (nb0 + nb1 + nb2) as u32, 256, 0, &args)?;
+        }
+        Ok(())
+    }
+
     fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
-        // 4-bit matrices with 16-aligned rows take the many-rows-per-warp kernel; `wpr` warps
-        // split each row group's 512-column chunks, each warp taking its chunks two at a time.
-        let q4_fast = w.fmt == FMT_Q4 && cols.is_multiple_of(16) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
-        if let (Some(g), false) = (gate, q4_fast) {
-            let args =
-                [Arg::Ptr(x), Arg::Ptr(g.ptr), Arg::I32(cols as i32), Arg::I32(g.stride as i32), Arg::I32(t as i32)];
-            self.elementwise("gelu_gate", t * cols, &args)?;
+        let q4_fast = Self::q4_fast(w) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
+        match (gate, q4_fast) {
+            (None, true) => return self.matvec_many(&[(w, y)], x, t),
+            (Some(g), false) => {
+                let args = [
+                    Arg::Ptr(x),
+                    Arg::Ptr(g.ptr),
+                    Arg::I32(cols as i32),
+                    Arg::I32(g.stride as i32),
+                    Arg::I32(t as i32),
+                ];
+                self.elementwise("gelu_gate", t * cols, &args)?;
+            }
+            _ => {}
         }
-        let chunks = cols.div_ceil(512);
-        let wpr = [8, 4, 2, 1].into_iter().find(|&w| 2 * w <= chunks).unwrap_or(1);
+        let wpr = self.warps_per_rows(rows, cols);
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let (xp, yp) = (x + f32s(c0 * cols) as u64, y + f32s(c0 * rows) as u64);
-            if q4_fast {
-                let grid = rows.div_ceil(8 * (8 / wpr)) as u32;
-                let mut args = vec![Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32), Arg::I32(wpr as i32)];
-                let name = match gate {
-                    Some(g) => {
-                        args.extend([Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)]);
-                        "matvec_q4_gated"
-                    }
-                    None => "matvec_q4",
-                };
-                self.gpu().launch(name, grid, 256, 0, &args)?;
-            } else {
-                let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
-                let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32)];
-                self.gpu().launch("matvec", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)?;
+            match gate {
+                Some(g) if q4_fast => {
+                    let args = [
+                        Arg::Mat(*w),
+                        Arg::Ptr(xp),
+                        Arg::Ptr(yp),
+                        Arg::I32(m as i32),
+                        Arg::I32(wpr as i32),
+                        Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64),
+                        Arg::I32(g.stride as i32),
+                    ];
+                    self.gpu().launch("matvec_q4_gated", rows.div_ceil(8 * (8 / wpr)) as u32, 256, 0, &args)?;
+                }
+                _ => {
+                    let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
+                    let args = [Arg::Mat(*w), Arg::Ptr(xp), Arg::Ptr(yp), Arg::I32(m as i32)];
+                    self.gpu().launch("matvec", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)?;
+                }
             }
         }
         Ok(())
@@ -447,42 +510,44 @@ impl CudaSeq {
         let (plan, s) = (&m.plan, &self.s);
         let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
         let pos = self.s.meta.ptr;
-        // Per-head norm (weight or none) and RoPE (or none) on a [t, heads, hd] buffer.
-        let head_norm_rope = |x: u64, w: u64, rope: bool, heads: usize| {
-            let freq = if rope { lw.inv_freq } else { 0 };
-            let args = [
-                Arg::Ptr(x),
-                Arg::Ptr(w),
-                Arg::Ptr(freq),
-                Arg::I32(heads as i32),
-                Arg::I32(hd as i32),
-                Arg::Ptr(pos),
-                Arg::F32(eps),
-            ];
-            self.gpu().launch("head_norm_rope", (t * heads) as u32, 128, 0, &args)
-        };
 
-        // 3–5: Q, q_norm, RoPE.
-        self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?;
-        head_norm_rope(s.q.ptr, lw.q_norm, true, lp.num_heads)?;
-
-        // 6–11: own K/V, computed straight into this layer's staging rows.
-        if let (Some(wk), Some(k_norm), Some(c)) = (&lw.k, lw.k_norm, &self.caches[lp.index]) {
-            let (sk, sv) = (c.staged_k.ptr, c.staged_v.ptr);
-            self.matvec(wk, s.a.ptr, sk, t)?;
-            match &lw.v {
-                Some(wv) => self.matvec(wv, s.a.ptr, sv, t)?,
-                // k_eq_v: values are the raw key projection (before k_norm and RoPE).
-                None => {
-                    let n = t * c.width;
-                    self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
+        // 3–11: Q, and on layers that own a cache K and V straight into this layer's staging rows;
+        // then q_norm + RoPE, k_norm + RoPE, v_norm.
+        let (mut nk, mut nv, mut k_args) = (0, 0, (0, 0, 0));
+        match (&lw.k, lw.k_norm, &self.caches[lp.index]) {
+            (Some(wk), Some(k_norm), Some(c)) => {
+                let (sk, sv) = (c.staged_k.ptr, c.staged_v.ptr);
+                match &lw.v {
+                    Some(wv) => self.matvec_many(&[(&lw.q, s.q.ptr), (wk, sk), (wv, sv)], s.a.ptr, t)?,
+                    // k_eq_v: values are the raw key projection (before k_norm and RoPE).
+                    None => {
+                        self.matvec_many(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, t)?;
+                        let n = t * c.width;
+                        self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
+                    }
                 }
+                nk = lp.num_kv_heads;
+                nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
+                k_args = (sk, k_norm, sv);
             }
-            head_norm_rope(sk, k_norm, true, lp.num_kv_heads)?;
-            if plan.v_norm {
-                head_norm_rope(sv, 0, false, lp.num_kv_heads)?;
-            }
+            _ => self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?,
         }
+        let args = [
+            Arg::Ptr(s.q.ptr),
+            Arg::Ptr(lw.q_norm),
+            Arg::I32(lp.num_heads as i32),
+            Arg::Ptr(k_args.0),
+            Arg::Ptr(k_args.1),
+            Arg::I32(nk as i32),
+            Arg::Ptr(k_args.2),
+            Arg::I32(nv as i32),
+            Arg::Ptr(lw.inv_freq),
+            Arg::I32(hd as i32),
+            Arg::Ptr(pos),
+            Arg::I32(t as i32),
+            Arg::F32(eps),
+        ];
+        self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 128, 0, &args)?;
 
         // 12–15: attention over the source layer's cache, O projection, post-attention norm and
         // residual, then the pre-feed-forward norm.
@@ -527,7 +592,8 @@ impl CudaSeq {
             Arg::I32(h as i32),
             Arg::F32(eps),
         ];
-        self.gpu().launch("add_norm", t as u32, if h >= 512 { 256 } else { 64 }, 0, &args)
+        // Many threads per row: each thread's loads form one dependent chain.
+        self.gpu().launch("add_norm", t as u32, if h >= 2048 { 1024 } else { 256 }, 0, &args)
     }
 
     fn attention(&self, lp: &LayerPlan, t: usize) -> Result<()> {
@@ -566,8 +632,7 @@ impl CudaSeq {
     /// `out = down(gelu(gate·x) · up·x)` for `t` columns.
     fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, x: u64, out: u64, t: usize) -> Result<()> {
         let s = &self.s;
-        self.matvec(gate, x, s.g.ptr, t)?;
-        self.matvec(up, x, s.u.ptr, t)?;
+        self.matvec_many(&[(gate, s.g.ptr), (up, s.u.ptr)], x, t)?;
         self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
     }
 
