@@ -95,6 +95,17 @@ fn hsum2(a: &[f32; LANES], b: &[f32; LANES]) -> f32 {
     hsum(&s)
 }
 
+/// `[f(0), …, f(31)]` as a plain indexed loop (LLVM vectorises it inside the kernels; the
+/// `std::array::from_fn` equivalent was left out of line in some instantiations).
+#[inline(always)]
+fn lanes32(f: impl Fn(usize) -> f32) -> [f32; 32] {
+    let mut v = [0f32; 32];
+    for (j, x) in v.iter_mut().enumerate() {
+        *x = f(j);
+    }
+    v
+}
+
 /// Per-column lane sums.
 #[inline(always)]
 fn hsum_cols<const N: usize>(acc: &[[f32; LANES]; N]) -> [f32; N] {
@@ -130,7 +141,7 @@ fn dot_floats<M: Madd, const B: usize, const N: usize>(
     let mut acc = [[0f32; LANES]; N];
     for (c, wb) in w[..full * B].chunks_exact(B * LANES).enumerate() {
         prefetch_ahead(wb);
-        let v: [f32; 32] = std::array::from_fn(|i| load(wb[B * i..B * (i + 1)].try_into().unwrap()));
+        let v = lanes32(|i| load(wb[B * i..B * (i + 1)].try_into().unwrap()));
         fma_cols::<M, N>(&mut acc, &v, &xs, c * LANES);
     }
     let mut tail = [0f32; N];
@@ -181,7 +192,7 @@ fn dot_blocks32<M: Madd, const N: usize>(
 fn dot_q8_0<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     dot_blocks32::<M, N>(w, xs, 34, |blk| {
         let d = f16_at(blk, 0);
-        std::array::from_fn(|j| (blk[2 + j] as i8) as f32 * d)
+        lanes32(|j| (blk[2 + j] as i8) as f32 * d)
     })
 }
 
@@ -240,7 +251,7 @@ fn dot_q5_0<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
         // (q - 16)·d as q·d − 16·d: both products and their difference are exact in f32
         // (5-bit × 11-bit significands), so this equals the dequantized weight bit for bit.
         let m = -16.0 * d;
-        std::array::from_fn(|j| M::madd(q[j] as f32, d, m))
+        lanes32(|j| M::madd(q[j] as f32, d, m))
     })
 }
 
@@ -249,7 +260,7 @@ fn dot_q5_1<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     dot_blocks32::<M, N>(w, xs, 24, |blk| {
         let (d, m) = (f16_at(blk, 0), f16_at(blk, 2));
         let q = q5_values(blk[4..8].try_into().unwrap(), blk[8..24].try_into().unwrap());
-        std::array::from_fn(|j| M::madd(q[j] as f32, d, m))
+        lanes32(|j| M::madd(q[j] as f32, d, m))
     })
 }
 
@@ -282,8 +293,8 @@ fn dot_k4<M: Madd, const Q5: bool, const N: usize>(w: &[u8], xs: [&[f32]; N]) ->
             }
             let (d1, m1) = (d * sc[2 * c] as f32, dmin * mn[2 * c] as f32);
             let (d2, m2) = (d * sc[2 * c + 1] as f32, dmin * mn[2 * c + 1] as f32);
-            let w1: [f32; 32] = std::array::from_fn(|l| M::madd(d1, lo[l] as f32, -m1));
-            let w2: [f32; 32] = std::array::from_fn(|l| M::madd(d2, hi[l] as f32, -m2));
+            let w1 = lanes32(|l| M::madd(d1, lo[l] as f32, -m1));
+            let w2 = lanes32(|l| M::madd(d2, hi[l] as f32, -m2));
             fma_cols::<M, N>(&mut acc_lo, &w1, &xs, 256 * b + 64 * c);
             fma_cols::<M, N>(&mut acc_hi, &w2, &xs, 256 * b + 64 * c + 32);
         }
@@ -304,7 +315,7 @@ fn dot_q5_k<M: Madd, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
 /// 32 Q6_K weights whose first and last 16 have scales `s0` and `s1`.
 #[inline(always)]
 fn q6k_weights(q: &[i8], s0: f32, s1: f32) -> [f32; 32] {
-    std::array::from_fn(|j| if j < 16 { s0 * q[j] as f32 } else { s1 * q[j] as f32 })
+    lanes32(|j| if j < 16 { s0 * q[j] as f32 } else { s1 * q[j] as f32 })
 }
 
 #[inline(always)]
