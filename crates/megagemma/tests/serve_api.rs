@@ -1,0 +1,277 @@
+//! `serve` over real loopback sockets: outputs equal `megagemma run`, streaming framing,
+//! batch invariance of concurrent requests, `n` by fork, stop strings, logprobs, cancellation.
+
+mod common;
+mod http;
+
+use common::{megagemma, stderr, stdout};
+use http::*;
+use serde_json::{json, Value};
+
+const MODEL: &str = "gemma3";
+
+fn run_json(args: &[&str]) -> Value {
+    let dir = fixture(MODEL);
+    let mut a = vec!["run", "--model", dir.to_str().unwrap(), "--greedy", "--output", "json"];
+    a.extend_from_slice(args);
+    let out = megagemma(&a);
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_str(stdout(&out).trim()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn greedy_chat_and_completion_equal_megagemma_run() {
+    let server = TestServer::with_defaults(MODEL);
+
+    let expected = run_json(&["--prompt", "the cat sat", "-n", "24"]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "the cat sat"}],
+                "temperature": 0, "max_tokens": 24, "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    let choice = &v["choices"][0];
+    assert_eq!(ids(&choice["token_ids"]), ids(&expected["ids"]));
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"], expected["text"]);
+    assert_eq!(choice["finish_reason"], expected["finish_reason"]);
+    assert_eq!(v["usage"]["prompt_tokens"], expected["prompt_tokens"]);
+    assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), ids(&expected["ids"]).len() as u64);
+    assert_eq!(
+        v["usage"]["total_tokens"].as_u64().unwrap(),
+        v["usage"]["prompt_tokens"].as_u64().unwrap() + v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+
+    let expected = run_json(&["--prompt", "once upon a time", "--raw", "--ignore-eos", "-n", "20"]);
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "once upon a time", "temperature": 0, "max_tokens": 20, "ignore_eos": true,
+                "return_token_ids": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(ids(&v["choices"][0]["token_ids"]), ids(&expected["ids"]));
+    assert_eq!(v["choices"][0]["text"], expected["text"]);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 20);
+}
+
+#[test]
+fn sse_stream_is_framed_and_adds_up_to_the_whole_reply() {
+    let server = TestServer::with_defaults(MODEL);
+    let body = json!({"messages": [{"role": "user", "content": "hello"}], "temperature": 0, "max_tokens": 16,
+                      "ignore_eos": true});
+    let whole = server.post("/v1/chat/completions", &body).json();
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let s = server.stream("/v1/chat/completions", &streamed);
+    assert_eq!(s.status, 200);
+    assert!(s
+        .headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("content-type") && v.starts_with("text/event-stream")));
+    let chunks = s.read_all();
+    assert!(chunks.len() >= 3, "role chunk, content chunks, finish chunk: {chunks:?}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"], "one id for the whole stream");
+    }
+    let finishes: Vec<&Value> = chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .filter(|ch| !ch["finish_reason"].is_null())
+        .map(|ch| &ch["finish_reason"])
+        .collect();
+    assert_eq!(finishes, vec![&json!("length")]);
+    assert_eq!(stream_text(&chunks, 1, "delta")[0], whole["choices"][0]["message"]["content"].as_str().unwrap());
+    // include_usage: a last chunk with no choices carries the usage; the others carry null.
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], whole["usage"]);
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c["usage"].is_null()));
+
+    // Completions stream too, without usage when not asked.
+    let s = server
+        .stream("/v1/completions", &json!({"prompt": "hello", "max_tokens": 5, "stream": true, "ignore_eos": true}));
+    let chunks = s.read_all();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion" && c.get("usage").is_none()));
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+}
+
+/// Requests that run together (one batched step per token) get exactly what they get alone.
+#[test]
+fn concurrent_streams_each_get_what_they_get_alone() {
+    let server = TestServer::with_defaults(MODEL);
+    let bodies = [
+        json!({"prompt": "the cat", "temperature": 0, "max_tokens": 400, "ignore_eos": true, "stream": true}),
+        json!({"prompt": "a dog ran", "temperature": 0.9, "top_k": 40, "seed": 7, "max_tokens": 300,
+               "ignore_eos": true, "stream": true}),
+        json!({"prompt": "one two three four", "temperature": 0, "max_tokens": 200, "ignore_eos": true,
+               "stream": true}),
+    ];
+    let alone: Vec<String> = bodies
+        .iter()
+        .map(|b| stream_text(&server.stream("/v1/completions", b).read_all(), 1, "text").remove(0))
+        .collect();
+    let steps_before = server.metric("megagemma_decode_tokens_total") - server.metric("megagemma_decode_steps_total");
+
+    // Each stream is running (its first token arrived) before the next one starts.
+    let mut streams = Vec::new();
+    for b in &bodies {
+        let mut s = server.stream("/v1/completions", b);
+        assert!(s.next_event().is_some());
+        streams.push(s);
+    }
+    let together: Vec<String> = streams
+        .into_iter()
+        .map(|s| std::thread::spawn(move || stream_text(&s.read_all(), 1, "text").remove(0)))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i} changed when run beside others");
+    }
+    let batched = server.metric("megagemma_decode_tokens_total") - server.metric("megagemma_decode_steps_total");
+    assert!(batched > steps_before, "the requests never shared a decode step");
+}
+
+#[test]
+fn n_choices_fork_one_prefill() {
+    let server = TestServer::with_defaults(MODEL);
+    let one = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "the cat", "temperature": 0, "max_tokens": 12,
+                                                        "ignore_eos": true}),
+        )
+        .json();
+    let prompt_before = server.metric("megagemma_prompt_tokens_total");
+    let three = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "the cat", "temperature": 0, "max_tokens": 12,
+                                                          "ignore_eos": true, "n": 3}),
+        )
+        .json();
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], one["choices"][0]["text"], "greedy choices of forked sequences equal the lone run");
+    }
+    assert_eq!(three["usage"]["completion_tokens"], 36);
+    let prefilled = server.metric("megagemma_prompt_tokens_total") - prompt_before;
+    assert_eq!(prefilled, three["usage"]["prompt_tokens"].as_f64().unwrap(), "the prompt is prefilled once");
+
+    // Seeded sampling: reproducible, and the choices draw differently.
+    let body =
+        json!({"prompt": "the cat", "temperature": 1.0, "seed": 3, "max_tokens": 24, "ignore_eos": true, "n": 2});
+    let a = server.post("/v1/completions", &body).json();
+    let b = server.post("/v1/completions", &body).json();
+    assert_eq!(a["choices"], b["choices"]);
+    assert_ne!(a["choices"][0]["text"], a["choices"][1]["text"]);
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_are_not_streamed() {
+    let server = TestServer::with_defaults(MODEL);
+    let base = json!({"prompt": "the cat", "temperature": 0, "max_tokens": 40, "ignore_eos": true});
+    let full = server.post("/v1/completions", &base).json()["choices"][0]["text"].as_str().unwrap().to_string();
+    // A stop string taken from the middle of the output: the reply is what comes before it.
+    let chars: Vec<char> = full.chars().collect();
+    assert!(chars.len() >= 12, "the fixture should produce some text: {full:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let cut = &full[..full.find(&stop).unwrap()];
+    let mut body = base.clone();
+    body["stop"] = json!(["never-there", stop]);
+    let v = server.post("/v1/completions", &body).json();
+    assert_eq!(v["choices"][0]["text"], cut);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    body["stream"] = json!(true);
+    let chunks = server.stream("/v1/completions", &body).read_all();
+    assert_eq!(stream_text(&chunks, 1, "text")[0], cut);
+}
+
+#[test]
+fn logprobs_describe_the_chosen_tokens() {
+    let server = TestServer::with_defaults(MODEL);
+    let v = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 6,
+                    "ignore_eos": true, "logprobs": true, "top_logprobs": 3}),
+        )
+        .json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6);
+    for entry in content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(entry["token"], top[0]["token"]);
+        assert_eq!(entry["logprob"], top[0]["logprob"]);
+        let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{lps:?}");
+    }
+    let v = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "hi", "temperature": 0, "max_tokens": 4, "logprobs": 2, "ignore_eos": true}),
+        )
+        .json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_frees_its_sequence() {
+    let server = TestServer::with_defaults(MODEL);
+    let mut s = server.stream(
+        "/v1/completions",
+        &json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true, "stream": true}),
+    );
+    assert!(s.next_event().is_some());
+    assert_eq!(server.metric("megagemma_active_sequences"), 1.0);
+    drop(s);
+    assert!(server.wait_for_metric("megagemma_active_sequences", 0.0, 1000), "the sequence was not freed");
+    assert_eq!(server.metric("megagemma_requests_cancelled_total"), 1.0);
+    // And the server goes on answering.
+    let r = server.post("/v1/completions", &json!({"prompt": "the cat", "max_tokens": 3}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(server.metric("megagemma_active_sequences"), 0.0);
+}
+
+#[test]
+fn models_health_and_metrics_answer() {
+    let server = TestServer::with_defaults(MODEL);
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(server.get("/health").json()["status"], "ok");
+    server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 2}));
+    let m = server.get("/metrics");
+    assert!(m.header("content-type").unwrap().starts_with("text/plain"));
+    for name in [
+        "megagemma_requests_total{path=\"/v1/completions\",status=\"200\"} 1",
+        "megagemma_queue_depth 0",
+        "megagemma_active_sequences 0",
+        "megagemma_time_to_first_token_seconds_count 1",
+        "megagemma_generation_tokens_total",
+        "megagemma_decode_tokens_per_second",
+    ] {
+        assert!(m.body.contains(name), "missing `{name}` in:\n{}", m.body);
+    }
+}
