@@ -28,7 +28,8 @@ fn serve_process_answers_and_stops_on_sigterm() {
     let r = request(addr, "GET", "/v1/models", &[], None);
     assert_eq!(r.json()["data"][0]["id"], "gemma3");
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).to_string();
-    let r = request(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], Some(body.as_bytes()));
+    let r =
+        request(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], Some(body.as_bytes()));
     assert_eq!(r.status, 200, "{}", r.body);
 
     let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
