@@ -58,3 +58,45 @@ fn unknown_command_is_reported_and_the_repl_goes_on() {
     assert!(err.contains("unknown command"), "{err}");
     assert_eq!(out, format!("{}\n", run_text("hi", None)));
 }
+
+#[test]
+fn ctrl_c_stops_the_answer_not_the_program() {
+    use std::io::Read;
+    let d = fixtures_dir().join("gemma3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "30000", "--backend", "cpu"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"the cat sat\n").unwrap();
+    // Drain stdout on a thread (a full pipe would block the answer), telling when it starts.
+    let mut out = child.stdout.take().unwrap();
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = out.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if all.is_empty() {
+                let _ = started_tx.send(());
+            }
+            all.extend_from_slice(&buf[..n]);
+        }
+        all
+    });
+    started.recv().unwrap();
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    stdin.write_all(b"/quit\n").unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("(stopped)"), "the answer should say it was stopped: {err}");
+    assert!(!reader.join().unwrap().is_empty());
+}
