@@ -229,7 +229,7 @@ impl Scheduler {
             e
         };
         let want = want_for(&job.spec);
-        let seq = self.backend.new_sequence().map_err(|e| fail(ApiError::from_model(&e), &job.events))?;
+        let seq = self.backend.new_sequence().map_err(|e| fail(no_room(&e), &job.events))?;
         let out = match self.backend.prefill(seq, &job.prompt, want) {
             Ok(out) => out,
             Err(e) => {
@@ -246,7 +246,7 @@ impl Scheduler {
                     for s in seqs {
                         let _ = self.backend.free(s);
                     }
-                    return Err(fail(ApiError::from_model(&e), &job.events));
+                    return Err(fail(no_room(&e), &job.events));
                 }
             }
         }
@@ -425,6 +425,15 @@ impl Scheduler {
 impl Choice {
     fn needs_logits(&self) -> bool {
         !self.sampler.params().is_greedy() || self.logprobs.is_some()
+    }
+}
+
+/// A sequence that cannot be created: with the context checked beforehand, a capacity error
+/// here means every slot is taken (503), not that the request is too long.
+fn no_room(e: &megagemma_model::error::Error) -> ApiError {
+    match e.kind() {
+        megagemma_model::error::ErrorKind::Capacity => ApiError::overloaded(e.to_string()),
+        _ => ApiError::from_model(e),
     }
 }
 

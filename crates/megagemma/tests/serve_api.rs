@@ -322,3 +322,21 @@ fn many_concurrent_clients_get_their_lone_outputs_and_leak_nothing() {
     assert_eq!(server.metric("megagemma_queue_depth"), 0.0);
     assert_eq!(server.metric("megagemma_requests_cancelled_total"), 0.0);
 }
+
+#[test]
+fn a_client_that_leaves_before_a_whole_reply_frees_its_sequence() {
+    use std::io::Write;
+    let server = TestServer::with_defaults(MODEL);
+    let body = json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true}).to_string();
+    let mut s = std::net::TcpStream::connect(server.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    assert!(server.wait_for_metric("megagemma_active_sequences", 1.0, 1000), "the request never started");
+    drop(s);
+    assert!(server.wait_for_metric("megagemma_active_sequences", 0.0, 1000), "the sequence was not freed");
+    assert_eq!(server.metric("megagemma_requests_cancelled_total"), 1.0);
+}
