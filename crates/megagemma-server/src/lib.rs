@@ -6,6 +6,7 @@
 
 mod error;
 mod metrics;
+mod prefix_cache;
 mod request;
 mod response;
 mod routes;
@@ -40,6 +41,8 @@ pub struct ServerConfig {
     pub max_batch: usize,
     /// Largest request body accepted; larger ones get 413.
     pub max_body_bytes: usize,
+    /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
+    pub prefix_cache: usize,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +53,7 @@ impl Default for ServerConfig {
             max_queue: 64,
             max_batch: 16,
             max_body_bytes: 4 << 20,
+            prefix_cache: 4,
         }
     }
 }
@@ -84,7 +88,11 @@ impl ShutdownHandle {
 impl Server {
     pub fn new(config: ServerConfig, backend: Box<dyn Backend>, chat: ChatModel) -> Result<Server> {
         let metrics = Arc::new(Metrics::default());
-        let sched_config = SchedulerConfig { max_queue: config.max_queue, max_batch: config.max_batch };
+        let sched_config = SchedulerConfig {
+            max_queue: config.max_queue,
+            max_batch: config.max_batch,
+            prefix_cache: config.prefix_cache,
+        };
         let (scheduler, scheduler_thread) =
             scheduler::spawn(backend, chat.tokenizer.clone(), chat.stop_ids.clone(), sched_config, metrics.clone())
                 .context("cannot start the scheduler thread")?;

@@ -15,6 +15,10 @@ pub struct Metrics {
     pub queue_depth: AtomicUsize,
     /// Backend sequences alive.
     pub active_sequences: AtomicUsize,
+    /// Finished sequences kept for prefix reuse.
+    pub cached_sequences: AtomicUsize,
+    /// Prompt tokens taken from cached sequences instead of being prefilled.
+    pub prefix_cache_hit_tokens: AtomicU64,
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
     timings: Mutex<Timings>,
@@ -61,7 +65,13 @@ impl Metrics {
         }
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let gauge = |a: &AtomicUsize| a.load(Ordering::Relaxed);
-        metric(&mut s, "prompt_tokens_total", "counter", "Prompt tokens prefilled.", load(&self.prompt_tokens));
+        metric(
+            &mut s,
+            "prompt_tokens_total",
+            "counter",
+            "Prompt tokens of admitted requests.",
+            load(&self.prompt_tokens),
+        );
         metric(&mut s, "generation_tokens_total", "counter", "Tokens generated.", load(&self.generated_tokens));
         metric(
             &mut s,
@@ -70,6 +80,10 @@ impl Metrics {
             "Requests whose client left early.",
             load(&self.cancelled),
         );
+        let hits = load(&self.prefix_cache_hit_tokens);
+        metric(&mut s, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused from cached sequences.", hits);
+        let cached = gauge(&self.cached_sequences);
+        metric(&mut s, "cached_sequences", "gauge", "Finished sequences kept for prefix reuse.", cached);
         metric(&mut s, "queue_depth", "gauge", "Requests waiting for a sequence.", gauge(&self.queue_depth));
         metric(&mut s, "active_sequences", "gauge", "Sequences held by the backend.", gauge(&self.active_sequences));
         let t = self.timings.lock().unwrap_or_else(|e| e.into_inner());

@@ -6,6 +6,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::prefix_cache::PrefixCache;
 use crate::request::GenSpec;
 use crate::stop_text::StopText;
 use megagemma_engine::sampling::{Sampler, SamplingParams};
@@ -109,6 +110,8 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     /// Sequences decoded together at most (a request with `n` choices takes `n`).
     pub max_batch: usize,
+    /// Finished sequences kept for prompt-prefix reuse (0 = off).
+    pub prefix_cache: usize,
 }
 
 /// Starts the scheduler thread. It ends when every handle is dropped and its work is done.
@@ -139,6 +142,7 @@ pub fn spawn(
         metrics,
         waiting: VecDeque::new(),
         active: Vec::new(),
+        cache: PrefixCache::new(config.prefix_cache),
     };
     let thread = std::thread::Builder::new().name("scheduler".into()).spawn(move || scheduler.run())?;
     Ok((handle, thread))
@@ -155,6 +159,7 @@ struct Scheduler {
     metrics: Arc<Metrics>,
     waiting: VecDeque<Job>,
     active: Vec<Choice>,
+    cache: PrefixCache,
 }
 
 /// One choice of one request, on its own backend sequence.
@@ -176,6 +181,8 @@ struct Choice {
     finished: bool,
     /// Why it finished, told to the client once its sequence is freed.
     reason: Option<FinishReason>,
+    /// The tokens the sequence's committed positions hold (prompt, then fed tokens).
+    tokens: Vec<u32>,
 }
 
 impl Scheduler {
@@ -215,7 +222,7 @@ impl Scheduler {
                 continue;
             }
             if let Err(e) = self.start(job) {
-                tracing_line(&e);
+                log_server_error(&e);
             }
             self.publish_active();
         }
@@ -229,8 +236,12 @@ impl Scheduler {
             e
         };
         let want = want_for(&job.spec);
-        let seq = self.backend.new_sequence().map_err(|e| fail(no_room(&e), &job.events))?;
-        let out = match self.backend.prefill(seq, &job.prompt, want) {
+        let (seq, reused) = match self.cache.lookup(self.backend.as_mut(), &job.prompt) {
+            Some(hit) => hit,
+            None => (self.new_sequence().map_err(|e| fail(no_room(&e), &job.events))?, 0),
+        };
+        self.metrics.prefix_cache_hit_tokens.fetch_add(reused as u64, Ordering::Relaxed);
+        let out = match self.backend.prefill(seq, &job.prompt[reused..], want) {
             Ok(out) => out,
             Err(e) => {
                 let _ = self.backend.free(seq);
@@ -273,6 +284,7 @@ impl Scheduler {
                 arrived: (index == 0).then_some(job.arrived),
                 finished: false,
                 reason: None,
+                tokens: job.prompt.clone(),
             };
             self.accept(&mut choice, &out);
             self.active.push(choice);
@@ -285,6 +297,9 @@ impl Scheduler {
     fn step(&mut self) {
         let want = if self.active.iter().any(Choice::needs_logits) { Want::Logits } else { Want::Argmax };
         let batch: Vec<(SeqId, u32)> = self.active.iter().map(|c| (c.seq, c.next)).collect();
+        for c in &mut self.active {
+            c.tokens.push(c.next);
+        }
         let t0 = Instant::now();
         match self.backend.step(&batch, want) {
             Ok(outs) => {
@@ -403,11 +418,16 @@ impl Scheduler {
     /// Frees the sequences of finished choices, then tells their clients: when a reply ends,
     /// its sequence is already gone.
     fn release_finished(&mut self) {
-        let (done, running): (Vec<Choice>, Vec<Choice>) =
+        let (mut done, running): (Vec<Choice>, Vec<Choice>) =
             std::mem::take(&mut self.active).into_iter().partition(|c| c.finished);
         self.active = running;
-        for c in &done {
-            let _ = self.backend.free(c.seq);
+        for c in &mut done {
+            if c.reason.is_some() {
+                // Finished normally: its rows may serve the next prompt that starts alike.
+                self.cache.insert(self.backend.as_mut(), c.seq, std::mem::take(&mut c.tokens));
+            } else {
+                let _ = self.backend.free(c.seq);
+            }
         }
         self.publish_active();
         for c in done {
@@ -419,6 +439,18 @@ impl Scheduler {
 
     fn publish_active(&self) {
         self.metrics.active_sequences.store(self.active.len(), Ordering::Relaxed);
+        self.metrics.cached_sequences.store(self.cache.len(), Ordering::Relaxed);
+    }
+
+    /// A fresh sequence; when the backend has no room, cached sequences make way.
+    fn new_sequence(&mut self) -> megagemma_model::Result<SeqId> {
+        match self.backend.new_sequence() {
+            Err(e) if e.kind() == megagemma_model::error::ErrorKind::Capacity && self.cache.len() > 0 => {
+                self.cache.clear(self.backend.as_mut());
+                self.backend.new_sequence()
+            }
+            r => r,
+        }
     }
 }
 
@@ -446,7 +478,7 @@ fn want_for(spec: &GenSpec) -> Want {
 }
 
 /// A failed start is already reported to its client; note it on stderr for the operator.
-fn tracing_line(e: &ApiError) {
+fn log_server_error(e: &ApiError) {
     if e.status.is_server_error() {
         eprintln!("error: request failed: {}", e.message);
     }

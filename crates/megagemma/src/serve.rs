@@ -42,6 +42,9 @@ pub struct ServeArgs {
     /// Largest request body in bytes; larger ones are answered 413.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub prefix_cache: usize,
     /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
@@ -70,6 +73,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_queue: args.max_queue,
         max_batch: args.max_batch,
         max_body_bytes: args.max_body,
+        prefix_cache: args.prefix_cache,
     };
     let addr = SocketAddr::new(args.host, args.port);
     let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;

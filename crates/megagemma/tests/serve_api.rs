@@ -6,6 +6,7 @@ mod http;
 
 use common::{megagemma, stderr, stdout};
 use http::*;
+use megagemma_server::ServerConfig;
 use serde_json::{json, Value};
 
 const MODEL: &str = "gemma3";
@@ -339,4 +340,61 @@ fn a_client_that_leaves_before_a_whole_reply_frees_its_sequence() {
     drop(s);
     assert!(server.wait_for_metric("megagemma_active_sequences", 0.0, 1000), "the sequence was not freed");
     assert_eq!(server.metric("megagemma_requests_cancelled_total"), 1.0);
+}
+
+/// Prompts that start like an earlier request reuse its sequence (fork, roll back, prefill the
+/// rest) and still get exactly what a server without the cache gives.
+#[test]
+fn prefix_cache_reuse_changes_no_output() {
+    for model in ["gemma3", "ple_shared_dw"] {
+        let cached = TestServer::start(model, ServerConfig { model_name: model.into(), ..Default::default() }, None);
+        let plain = TestServer::start(
+            model,
+            ServerConfig { model_name: model.into(), prefix_cache: 0, ..Default::default() },
+            None,
+        );
+        let ask = |server: &TestServer, prompt: &[u64]| {
+            let r = server.post(
+                "/v1/completions",
+                &json!({"prompt": prompt, "temperature": 0, "max_tokens": 6, "ignore_eos": true, "return_token_ids": true}),
+            );
+            assert_eq!(r.status, 200, "{}", r.body);
+            ids(&r.json()["choices"][0]["token_ids"])
+        };
+        let p1: Vec<u64> = vec![2, 10, 11, 12, 13, 14, 15, 16, 17, 18];
+        let o1 = ask(&plain, &p1);
+        assert_eq!(ask(&cached, &p1), o1, "{model}: first request");
+        // The next turn: the whole earlier sequence, then more (no rollback needed).
+        let p2: Vec<u64> = p1.iter().chain(&o1).chain(&[20, 21, 22]).copied().collect();
+        let hits = cached.metric("megagemma_prefix_cache_hit_tokens_total");
+        assert_eq!(ask(&cached, &p2), ask(&plain, &p2), "{model}: extension");
+        // Every position the first request committed is reused (its last token was never fed).
+        let reused = cached.metric("megagemma_prefix_cache_hit_tokens_total") - hits;
+        assert_eq!(reused as usize, p1.len() + o1.len() - 1, "{model}");
+        // A shared head and a different tail (rollback, or a fresh prefill when the window forbids it).
+        let p3: Vec<u64> = p1[..7].iter().chain(&[30, 31]).copied().collect();
+        assert_eq!(ask(&cached, &p3), ask(&plain, &p3), "{model}: shared head");
+        let p4: Vec<u64> = p1[..9].iter().chain(&[40]).copied().collect();
+        assert_eq!(ask(&cached, &p4), ask(&plain, &p4), "{model}: short rollback");
+        // A chat's second turn.
+        let chat = |server: &TestServer, messages: &Value| {
+            let r = server.post(
+                "/v1/chat/completions",
+                &json!({"messages": messages, "temperature": 0, "max_tokens": 8, "return_token_ids": true}),
+            );
+            r.json()["choices"][0].clone()
+        };
+        let turn1 = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]);
+        let a1 = chat(&plain, &turn1);
+        assert_eq!(chat(&cached, &turn1), a1);
+        let mut turn2 = turn1.as_array().unwrap().clone();
+        turn2.push(json!({"role": "assistant", "content": a1["message"]["content"]}));
+        turn2.push(json!({"role": "user", "content": "and then?"}));
+        let turn2 = Value::Array(turn2);
+        assert_eq!(chat(&cached, &turn2), chat(&plain, &turn2), "{model}: second chat turn");
+
+        assert!(cached.metric("megagemma_prefix_cache_hit_tokens_total") > 0.0, "{model}: the cache was never used");
+        assert_eq!(plain.metric("megagemma_prefix_cache_hit_tokens_total"), 0.0);
+        assert!(cached.metric("megagemma_cached_sequences") <= 4.0);
+    }
 }
