@@ -43,6 +43,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
     pub prefix_cache: usize,
+    /// Tokens drafted per round by prompt lookup while one greedy request runs alone (0 = off).
+    pub draft_k: usize,
 }
 
 impl Default for ServerConfig {
@@ -54,6 +56,7 @@ impl Default for ServerConfig {
             max_batch: 16,
             max_body_bytes: 4 << 20,
             prefix_cache: 4,
+            draft_k: 0,
         }
     }
 }
@@ -92,6 +95,7 @@ impl Server {
             max_queue: config.max_queue,
             max_batch: config.max_batch,
             prefix_cache: config.prefix_cache,
+            draft_k: config.draft_k,
         };
         let (scheduler, scheduler_thread) =
             scheduler::spawn(backend, chat.tokenizer.clone(), chat.stop_ids.clone(), sched_config, metrics.clone())

@@ -19,6 +19,9 @@ pub struct Metrics {
     pub cached_sequences: AtomicUsize,
     /// Prompt tokens taken from cached sequences instead of being prefilled.
     pub prefix_cache_hit_tokens: AtomicU64,
+    /// Speculative rounds: tokens drafted and accepted.
+    pub drafted_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
     timings: Mutex<Timings>,
@@ -56,6 +59,11 @@ impl Metrics {
         t.last_decode_rate = if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 };
     }
 
+    pub fn record_drafts(&self, drafted: usize, accepted: usize) {
+        self.drafted_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
+        self.accepted_tokens.fetch_add(accepted as u64, Ordering::Relaxed);
+    }
+
     pub fn render(&self) -> String {
         let mut s = String::new();
         s.push_str("# HELP megagemma_requests_total HTTP requests answered, by path and status.\n");
@@ -82,6 +90,9 @@ impl Metrics {
         );
         let hits = load(&self.prefix_cache_hit_tokens);
         metric(&mut s, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused from cached sequences.", hits);
+        metric(&mut s, "draft_tokens_total", "counter", "Tokens drafted by prompt lookup.", load(&self.drafted_tokens));
+        let accepted = load(&self.accepted_tokens);
+        metric(&mut s, "draft_accepted_tokens_total", "counter", "Drafted tokens the target accepted.", accepted);
         let cached = gauge(&self.cached_sequences);
         metric(&mut s, "cached_sequences", "gauge", "Finished sequences kept for prefix reuse.", cached);
         metric(&mut s, "queue_depth", "gauge", "Requests waiting for a sequence.", gauge(&self.queue_depth));

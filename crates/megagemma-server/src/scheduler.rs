@@ -9,6 +9,7 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::PrefixCache;
 use crate::request::GenSpec;
 use crate::stop_text::StopText;
+use megagemma_engine::generate::speculate::LookupDrafter;
 use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_engine::tokenizer::{StreamDecoder, Tokenizer};
 use megagemma_model::backend::{top_logprobs, Backend, PosOut, SeqId, Want};
@@ -17,6 +18,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
+
+/// Longest n-gram prompt lookup matches.
+const LOOKUP_NGRAM: usize = 3;
 
 /// What a request's handler hears from the scheduler, per choice `index`.
 #[derive(Debug)]
@@ -112,6 +116,8 @@ pub struct SchedulerConfig {
     pub max_batch: usize,
     /// Finished sequences kept for prompt-prefix reuse (0 = off).
     pub prefix_cache: usize,
+    /// Tokens drafted per round by prompt lookup while a single greedy sequence runs (0 = off).
+    pub draft_k: usize,
 }
 
 /// Starts the scheduler thread. It ends when every handle is dropped and its work is done.
@@ -136,6 +142,7 @@ pub fn spawn(
         tokenizer,
         stop_ids,
         max_batch: config.max_batch.max(1),
+        draft_k: config.draft_k,
         rx,
         queued: handle.queued.clone(),
         draining: handle.draining.clone(),
@@ -153,6 +160,7 @@ struct Scheduler {
     tokenizer: Tokenizer,
     stop_ids: Vec<u32>,
     max_batch: usize,
+    draft_k: usize,
     rx: mpsc::Receiver<Job>,
     queued: Arc<AtomicUsize>,
     draining: Arc<AtomicBool>,
@@ -261,6 +269,8 @@ impl Scheduler {
                 }
             }
         }
+        // Counted before the first tokens go out, so a client never sees its sequence missing.
+        self.metrics.active_sequences.store(self.active.len() + seqs.len(), Ordering::Relaxed);
         for (index, seq) in seqs.into_iter().enumerate() {
             // Choice i of a seeded request draws from seed + i: reproducible, yet distinct.
             let sampling = SamplingParams {
@@ -293,8 +303,12 @@ impl Scheduler {
         Ok(())
     }
 
-    /// One token for every active sequence, in one weight pass.
+    /// One token for every active sequence, in one weight pass (several for a lone greedy
+    /// sequence whose drafts are accepted).
     fn step(&mut self) {
+        if self.draft_k > 0 && self.active.len() == 1 && !self.active[0].needs_logits() && self.speculate() {
+            return;
+        }
         let want = if self.active.iter().any(Choice::needs_logits) { Want::Logits } else { Want::Argmax };
         let batch: Vec<(SeqId, u32)> = self.active.iter().map(|c| (c.seq, c.next)).collect();
         for c in &mut self.active {
@@ -319,6 +333,53 @@ impl Scheduler {
             }
         }
         self.release_finished();
+    }
+
+    /// Lossless prompt-lookup speculation for the only running sequence: draft from its own
+    /// tokens, verify [next, drafts] in one pass, keep the longest prefix the target agrees
+    /// with. Each verify column equals a decode step's, so the output is plain greedy's.
+    /// False when there is nothing to draft (the caller steps normally).
+    fn speculate(&mut self) -> bool {
+        let c = &self.active[0];
+        let k = self.draft_k.min((c.max_tokens - c.generated).saturating_sub(1));
+        let mut history = c.tokens.clone();
+        history.push(c.next);
+        let drafts = LookupDrafter { max_ngram: LOOKUP_NGRAM }.lookup(&history, k);
+        if drafts.is_empty() {
+            return false;
+        }
+        let mut block = Vec::with_capacity(drafts.len() + 1);
+        block.push(c.next);
+        block.extend_from_slice(&drafts);
+        let seq = c.seq;
+        let t0 = Instant::now();
+        let outs = match self.backend.verify(seq, &block, Want::Argmax) {
+            Ok(outs) => outs,
+            Err(_) => return false, // e.g. no room for the drafts near the context end
+        };
+        let accepted = drafts.iter().zip(&outs).take_while(|(d, o)| **d == o.argmax).count();
+        self.metrics.record_drafts(drafts.len(), accepted);
+        let mut c = self.active.pop().expect("one active sequence");
+        // Emit d1..d_accepted and the target's token after them; commit the rows of the fed
+        // tokens that an emitted token follows.
+        let mut fed = 0;
+        for out in &outs[..=accepted] {
+            self.accept(&mut c, out);
+            fed += 1;
+            if c.finished {
+                break;
+            }
+        }
+        if let Err(e) = self.backend.commit(seq, fed) {
+            let _ = c.events.send(Event::Failed(ApiError::from_model(&e)));
+            c.finished = true;
+            c.reason = None;
+        }
+        c.tokens.extend_from_slice(&block[..fed]);
+        self.metrics.record_decode_step(fed, t0.elapsed().as_secs_f64());
+        self.active.push(c);
+        self.release_finished();
+        true
     }
 
     /// Takes the token a position's output gives, streams its text, and decides whether the

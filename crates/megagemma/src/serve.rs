@@ -45,6 +45,13 @@ pub struct ServeArgs {
     /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub prefix_cache: usize,
+    /// Speculative decoding while one greedy request runs alone: none, or lookup (n-gram
+    /// match in prompt + output; the output stays exactly greedy's).
+    #[arg(long, default_value = "none", value_name = "none|lookup")]
+    pub draft: String,
+    /// Tokens drafted per round.
+    #[arg(long = "k", default_value_t = 4, value_name = "N")]
+    pub k: usize,
     /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
@@ -60,6 +67,12 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if args.max_queue == 0 || args.max_batch == 0 {
         bail!("--max-queue and --max-batch must be at least 1");
     }
+    let draft_k = match args.draft.as_str() {
+        "none" => 0,
+        "lookup" if args.k > 0 => args.k,
+        "lookup" => bail!("--k must be at least 1 with --draft lookup"),
+        other => bail!("unknown --draft `{other}` for serve (expected none or lookup)"),
+    };
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
@@ -74,6 +87,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_batch: args.max_batch,
         max_body_bytes: args.max_body,
         prefix_cache: args.prefix_cache,
+        draft_k,
     };
     let addr = SocketAddr::new(args.host, args.port);
     let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;

@@ -398,3 +398,35 @@ fn prefix_cache_reuse_changes_no_output() {
         assert!(cached.metric("megagemma_cached_sequences") <= 4.0);
     }
 }
+
+/// Prompt-lookup drafting while one greedy request runs alone: the same ids as plain decoding,
+/// with drafts accepted along the way.
+#[test]
+fn lookup_drafting_changes_no_output() {
+    for model in ["gemma3", "ple_shared_dw"] {
+        let config =
+            |draft_k| ServerConfig { model_name: model.into(), draft_k, prefix_cache: 0, ..Default::default() };
+        let drafting = TestServer::start(model, config(4), None);
+        let plain = TestServer::start(model, config(0), None);
+        for (prompt, max_tokens, stop) in [
+            (json!("the cat the cat the cat the cat"), 64, json!(null)),
+            (json!([2, 5, 6, 7, 5, 6, 7, 5, 6]), 50, json!(null)),
+            (json!("once upon a time"), 37, json!(null)),
+            (json!("the cat the cat"), 40, json!(["never", "ca"])),
+        ] {
+            let body = json!({"prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": true,
+                              "stop": stop, "return_token_ids": true});
+            let a = drafting.post("/v1/completions", &body).json();
+            let b = plain.post("/v1/completions", &body).json();
+            assert_eq!(a["choices"], b["choices"], "{model}: {prompt}");
+            assert_eq!(a["usage"], b["usage"], "{model}: {prompt}");
+            let mut streamed = body.clone();
+            streamed["stream"] = json!(true);
+            let text = stream_text(&drafting.stream("/v1/completions", &streamed).read_all(), 1, "text");
+            assert_eq!(json!(text[0]), b["choices"][0]["text"], "{model}: streamed {prompt}");
+        }
+        assert!(drafting.metric("megagemma_draft_accepted_tokens_total") > 0.0, "{model}: no draft was accepted");
+        assert_eq!(plain.metric("megagemma_draft_tokens_total"), 0.0);
+        assert_eq!(drafting.metric("megagemma_active_sequences"), 0.0);
+    }
+}
