@@ -36,9 +36,10 @@ impl ApiError {
         e
     }
 
-    pub fn context_exceeded(message: impl Into<String>) -> Self {
+    /// The prompt (`param`: `messages` or `prompt`) and the token budget do not fit the context.
+    pub fn context_exceeded(param: Option<&str>, message: impl Into<String>) -> Self {
         let mut e = Self::bad_request(message).with_code("context_length_exceeded");
-        e.param = Some("messages".into());
+        e.param = param.map(str::to_string);
         e
     }
 
@@ -85,7 +86,7 @@ impl ApiError {
     pub fn from_model(e: &ModelError) -> Self {
         match e.kind() {
             ErrorKind::InvalidInput => Self::bad_request(e.to_string()),
-            ErrorKind::Capacity => Self::context_exceeded(e.to_string()),
+            ErrorKind::Capacity => Self::context_exceeded(None, e.to_string()),
             ErrorKind::Other => Self::internal(e.to_string()),
         }
     }

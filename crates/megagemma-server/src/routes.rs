@@ -102,12 +102,15 @@ impl AppState {
             None => ctx.saturating_sub(prompt.len()),
         };
         if prompt.len() + max_tokens.max(1) > ctx {
-            return Err(ApiError::context_exceeded(format!(
-                "this model's context is {ctx} tokens; the prompt has {} and max_tokens asks for {}: \
+            return Err(ApiError::context_exceeded(
+                Some(param),
+                format!(
+                    "this model's context is {ctx} tokens; the prompt has {} and max_tokens asks for {}: \
                  shorten the prompt or lower max_tokens",
-                prompt.len(),
-                max_tokens.max(1)
-            )));
+                    prompt.len(),
+                    max_tokens.max(1)
+                ),
+            ));
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let prompt_tokens = prompt.len();

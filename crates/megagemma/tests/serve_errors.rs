@@ -57,11 +57,12 @@ fn bad_requests_get_400_and_the_server_keeps_serving() {
 
     // Prompt + max_tokens beyond the 64-token context: a clear 400 before any work.
     let r = chat(json!({"max_tokens": 100}));
-    assert_error(&r, 400, None);
+    assert_error(&r, 400, Some("messages"));
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
     assert!(r.json()["error"]["message"].as_str().unwrap().contains("64"), "{}", r.body);
     let long_prompt = vec![5u32; 70];
     let r = server.post("/v1/completions", &json!({"prompt": long_prompt}));
+    assert_error(&r, 400, Some("prompt"));
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
 
     // Unknown model and unknown path: 404.
