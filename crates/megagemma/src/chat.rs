@@ -24,6 +24,9 @@ pub struct ChatArgs {
     /// Most tokens per answer.
     #[arg(short = 'n', long, default_value_t = 1024)]
     pub max_new_tokens: usize,
+    /// Do not stop at end-of-sequence ids: every answer runs to --max-new-tokens (or Ctrl-C).
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Greedy decoding (same as --temperature 0).
     #[arg(long)]
     pub greedy: bool,
@@ -65,7 +68,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         sampling,
         stop_ids: files.stop_ids.clone(),
-        ignore_eos: false,
+        ignore_eos: args.ignore_eos,
         keep_logits: false,
         draft: DraftParams::default(),
     };

@@ -64,7 +64,7 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     use std::io::Read;
     let d = fixtures_dir().join("gemma3");
     let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "30000", "--backend", "cpu"])
+        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "30000", "--ignore-eos", "--backend", "cpu"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -98,5 +98,7 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{err}");
     assert!(err.contains("(stopped)"), "the answer should say it was stopped: {err}");
+    let tokens: usize = err.split('[').nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    assert!(tokens < 30000, "the answer ran to its budget: {err}");
     assert!(!reader.join().unwrap().is_empty());
 }
