@@ -243,6 +243,14 @@ impl Scheduler {
             let _ = events.send(Event::Failed(e.clone()));
             e
         };
+        // Choice i of a seeded request draws from seed + i: reproducible, yet distinct.
+        let samplers = (0..job.spec.n)
+            .map(|i| {
+                let seed = job.spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
+                Sampler::new(SamplingParams { seed, ..job.spec.sampling.clone() })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| fail(ApiError::bad_request(e.to_string()), &job.events))?;
         let want = want_for(&job.spec);
         let (seq, reused) = match self.cache.lookup(self.backend.as_mut(), &job.prompt) {
             Some(hit) => hit,
@@ -271,14 +279,7 @@ impl Scheduler {
         }
         // Counted before the first tokens go out, so a client never sees its sequence missing.
         self.metrics.active_sequences.store(self.active.len() + seqs.len(), Ordering::Relaxed);
-        for (index, seq) in seqs.into_iter().enumerate() {
-            // Choice i of a seeded request draws from seed + i: reproducible, yet distinct.
-            let sampling = SamplingParams {
-                seed: job.spec.sampling.seed.map(|s| s.wrapping_add(index as u64)),
-                ..job.spec.sampling.clone()
-            };
-            let sampler =
-                Sampler::new(sampling).map_err(|e| fail(ApiError::bad_request(e.to_string()), &job.events))?;
+        for (index, (seq, sampler)) in seqs.into_iter().zip(samplers).enumerate() {
             let mut choice = Choice {
                 seq,
                 index,
