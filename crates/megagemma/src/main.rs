@@ -1,10 +1,12 @@
 //! `megagemma`: run Gemma models from the command line.
 
 mod bench;
+mod chat;
 mod info;
 mod pull;
 mod quantize;
 mod run;
+mod serve;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -28,6 +30,10 @@ enum Command {
     Bench(Box<bench::BenchArgs>),
     /// Write a 4-bit (MLX-layout) copy of a bf16/f16/f32 checkpoint.
     Quantize(quantize::QuantizeArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(Box<serve::ServeArgs>),
+    /// Talk to a model in the terminal (streaming; /reset, /system TEXT, /quit).
+    Chat(Box<chat::ChatArgs>),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +44,8 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::bench(*args),
         Command::Info(args) => info::info(args),
         Command::Quantize(args) => quantize::quantize(args),
+        Command::Serve(args) => serve::serve(*args),
+        Command::Chat(args) => chat::chat(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -3,10 +3,10 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
-use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
+use megagemma_engine::chat_template::{encode_chat, ChatMessage};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
-use megagemma_engine::sampling::{read_generation_config, SamplingParams};
-use megagemma_engine::tokenizer::Tokenizer;
+use megagemma_engine::model_files::{chat_template, generation_defaults, is_gguf, load_tokenizer, stop_ids};
+use megagemma_engine::sampling::SamplingParams;
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::gguf::GgufFile;
 use megagemma_model::Model;
@@ -201,12 +201,9 @@ pub fn run(args: RunArgs) -> Result<()> {
 
     // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
     // generation_config.json / config.json, whose errors are reported, not ignored.
-    let defaults = if dir.is_dir() { read_generation_config(&dir)? } else { Default::default() };
+    let defaults = generation_defaults(&dir)?;
     let sampling = sampling_params(&args, &defaults)?;
-    let mut stop_ids = defaults.eos_token_ids.clone();
-    if stop_ids.is_empty() {
-        stop_ids = model.config.eos_token_ids.clone();
-    }
+    let stop_ids = stop_ids(&defaults, &model);
     let params = GenerateParams {
         max_new_tokens: args.max_new_tokens,
         sampling,
@@ -330,36 +327,4 @@ pub fn resolve_model(arg: &Path) -> Result<PathBuf> {
         Some(known) => crate::pull::ensure(known),
         None => Ok(arg.to_path_buf()), // Model::load reports the missing path
     }
-}
-
-fn is_gguf(path: &Path) -> bool {
-    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-}
-
-/// `tokenizer.json` in a checkpoint directory, or the tokenizer stored in the GGUF file's metadata.
-fn load_tokenizer(model: &Path, gguf: Option<&GgufFile>) -> Result<Option<Tokenizer>> {
-    if let Some(file) = gguf {
-        if !megagemma_engine::gguf_tokenizer::gguf_has_tokenizer(file) {
-            return Ok(None);
-        }
-        return Ok(Some(megagemma_engine::gguf_tokenizer::tokenizer_from_gguf(file)?));
-    }
-    if model.join("tokenizer.json").exists() {
-        return Ok(Some(Tokenizer::from_model_dir(model)?));
-    }
-    Ok(None)
-}
-
-/// The checkpoint's own chat template, else the built-in one for its family.
-fn chat_template(model_path: &Path, gguf: Option<&GgufFile>, model: &Model) -> Result<ChatTemplate> {
-    let Some(file) = gguf else {
-        return ChatTemplate::from_model_dir(model_path);
-    };
-    if let Some(t) = file.get_str("tokenizer.chat_template") {
-        return ChatTemplate::from_template(t, "<bos>", "<eos>");
-    }
-    Ok(match model.config.family {
-        megagemma_model::config::Family::Gemma3 => ChatTemplate::gemma3(),
-        megagemma_model::config::Family::Gemma4 => ChatTemplate::gemma4(),
-    })
 }

@@ -1,0 +1,84 @@
+//! What a front end needs beside the weights: the tokenizer, the chat template and the
+//! generation defaults, read from a checkpoint directory or a GGUF file's metadata.
+
+use crate::chat_template::ChatTemplate;
+use crate::sampling::{read_generation_config, GenerationDefaults};
+use crate::tokenizer::Tokenizer;
+use anyhow::Result;
+use megagemma_model::config::Family;
+use megagemma_model::gguf::GgufFile;
+use megagemma_model::Model;
+use std::path::Path;
+
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
+/// `tokenizer.json` in a checkpoint directory, or the tokenizer stored in the GGUF file's metadata.
+pub fn load_tokenizer(model: &Path, gguf: Option<&GgufFile>) -> Result<Option<Tokenizer>> {
+    if let Some(file) = gguf {
+        if !crate::gguf_tokenizer::gguf_has_tokenizer(file) {
+            return Ok(None);
+        }
+        return Ok(Some(crate::gguf_tokenizer::tokenizer_from_gguf(file)?));
+    }
+    if model.join("tokenizer.json").exists() {
+        return Ok(Some(Tokenizer::from_model_dir(model)?));
+    }
+    Ok(None)
+}
+
+/// The checkpoint's own chat template, else the built-in one for its family.
+pub fn chat_template(model_path: &Path, gguf: Option<&GgufFile>, model: &Model) -> Result<ChatTemplate> {
+    let Some(file) = gguf else {
+        return ChatTemplate::from_model_dir(model_path);
+    };
+    if let Some(t) = file.get_str("tokenizer.chat_template") {
+        return ChatTemplate::from_template(t, "<bos>", "<eos>");
+    }
+    Ok(match model.config.family {
+        Family::Gemma3 => ChatTemplate::gemma3(),
+        Family::Gemma4 => ChatTemplate::gemma4(),
+    })
+}
+
+/// A checkpoint directory's generation_config.json / config.json (errors reported, not
+/// ignored); a GGUF file carries its stop ids in its metadata instead (see [`stop_ids`]).
+pub fn generation_defaults(model_path: &Path) -> Result<GenerationDefaults> {
+    if model_path.is_dir() {
+        read_generation_config(model_path)
+    } else {
+        Ok(GenerationDefaults::default())
+    }
+}
+
+/// Ids that end generation: the generation config's, else the model config's.
+pub fn stop_ids(defaults: &GenerationDefaults, model: &Model) -> Vec<u32> {
+    if defaults.eos_token_ids.is_empty() {
+        model.config.eos_token_ids.clone()
+    } else {
+        defaults.eos_token_ids.clone()
+    }
+}
+
+/// Tokenizer, chat template and defaults of a model opened for chat (`serve`, `chat`).
+pub struct ChatModel {
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub defaults: GenerationDefaults,
+    pub stop_ids: Vec<u32>,
+}
+
+impl ChatModel {
+    /// Everything beside the weights of the model at `path`; errors when it has no tokenizer.
+    pub fn open(path: &Path, model: &Model) -> Result<ChatModel> {
+        let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
+        let Some(tokenizer) = load_tokenizer(path, gguf.as_ref())? else {
+            anyhow::bail!("no tokenizer found for {}: serving text needs tokenizer.json", path.display());
+        };
+        let template = chat_template(path, gguf.as_ref(), model)?;
+        let defaults = generation_defaults(path)?;
+        let stop_ids = stop_ids(&defaults, model);
+        Ok(ChatModel { tokenizer, template, defaults, stop_ids })
+    }
+}

@@ -1,0 +1,179 @@
+//! `megagemma chat`: an interactive, streaming conversation in the terminal.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::chat_template::{encode_chat, ChatMessage};
+use megagemma_engine::generate::{generate, DraftParams, GenerateParams};
+use megagemma_engine::model_files::ChatModel;
+use megagemma_engine::sampling::SamplingParams;
+use megagemma_model::Model;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// Model: a Hugging Face checkpoint directory, a .gguf file, or a name `megagemma pull` knows.
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// System message for the conversation (change it with /system TEXT).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per answer.
+    #[arg(short = 'n', long, default_value_t = 1024)]
+    pub max_new_tokens: usize,
+    /// Do not stop at end-of-sequence ids: every answer runs to --max-new-tokens (or Ctrl-C).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Greedy decoding (same as --temperature 0).
+    #[arg(long)]
+    pub greedy: bool,
+    /// Sampling temperature (0 = greedy). Default: the checkpoint's generation_config, else greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Random seed for sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute backend: cpu, cuda, or auto.
+    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    pub backend: String,
+    /// Context length: the longest conversation a sequence may hold.
+    #[arg(short = 'c', long)]
+    pub ctx: Option<usize>,
+}
+
+const HELP: &str = "Type a message and press Enter (end a line with \\ to continue it on the next).
+Commands: /reset (forget the conversation), /system TEXT (set the system message), /quit.
+Ctrl-C stops the current answer; Ctrl-D or /quit leaves.";
+
+pub fn chat(args: ChatArgs) -> Result<()> {
+    if args.greedy && args.temperature.is_some() {
+        bail!("--greedy cannot be combined with --temperature");
+    }
+    let path = crate::run::resolve_model(&args.model)?;
+    let backend_kind: BackendKind = args.backend.parse()?;
+    let model = Arc::new(Model::load(&path)?);
+    let files = ChatModel::open(&path, &model)?;
+    let mut backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let base = files.defaults.sampling_params(args.seed);
+    let sampling = if args.greedy {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams { temperature: args.temperature.unwrap_or(base.temperature), ..base }
+    };
+    sampling.validate()?;
+    let params = GenerateParams {
+        max_new_tokens: args.max_new_tokens,
+        sampling,
+        stop_ids: files.stop_ids.clone(),
+        ignore_eos: args.ignore_eos,
+        keep_logits: false,
+        draft: DraftParams::default(),
+    };
+
+    // Ctrl-C ends the answer being written, not the program.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)).context("cannot install the Ctrl-C handler")?;
+
+    eprintln!("{HELP}");
+    let mut system = args.system.clone();
+    let mut history: Vec<ChatMessage> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        let Some(input) = read_message(&mut lines)? else { break };
+        let input = input.trim();
+        if input.is_empty() {
+            continue;
+        }
+        match input {
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                history.clear();
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            "/help" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            _ => {}
+        }
+        if let Some(rest) = input.strip_prefix("/system") {
+            system = Some(rest.trim().to_string()).filter(|s| !s.is_empty());
+            history.clear();
+            eprintln!("(system message {}; conversation cleared)", if system.is_some() { "set" } else { "removed" });
+            continue;
+        }
+        if input.starts_with('/') {
+            eprintln!("unknown command `{input}` (/help lists them)");
+            continue;
+        }
+
+        history.push(ChatMessage::user(input));
+        let mut messages: Vec<ChatMessage> = system.iter().map(|s| ChatMessage::system(s.clone())).collect();
+        messages.extend(history.iter().cloned());
+        let prompt = encode_chat(&files.tokenizer, &files.template, &messages)?;
+        interrupted.store(false, Ordering::SeqCst);
+        let mut stream = files.tokenizer.stream_decoder(true);
+        let stdout = std::io::stdout();
+        let result = generate(backend.as_mut(), &prompt, &params, |tok| {
+            if !files.stop_ids.contains(&tok) {
+                if let Ok(Some(piece)) = stream.step(tok) {
+                    let mut out = stdout.lock();
+                    let _ = out.write_all(piece.as_bytes());
+                    let _ = out.flush();
+                }
+            }
+            !interrupted.load(Ordering::SeqCst)
+        });
+        let gen = match result {
+            Ok(g) => g,
+            Err(e) => {
+                // A conversation past the context, say: report it and keep the REPL going.
+                history.pop();
+                eprintln!("error: {e:#}");
+                continue;
+            }
+        };
+        if let Some(rest) = stream.flush()? {
+            print!("{rest}");
+        }
+        println!();
+        let answer_ids: Vec<u32> = gen.ids.iter().copied().filter(|t| !files.stop_ids.contains(t)).collect();
+        history.push(ChatMessage::assistant(files.tokenizer.decode(&answer_ids, true)?));
+        let stopped = if interrupted.load(Ordering::SeqCst) { " (stopped)" } else { "" };
+        eprintln!("[{} tokens, {:.1} tok/s{stopped}]", gen.ids.len(), gen.decode_tokens_per_second());
+    }
+    Ok(())
+}
+
+/// One message: a line, or several joined when each but the last ends with `\`. `None` at
+/// end of input.
+fn read_message(lines: &mut impl Iterator<Item = std::io::Result<String>>) -> Result<Option<String>> {
+    let mut out = std::io::stderr();
+    let _ = write!(out, "> ");
+    let _ = out.flush();
+    let mut message = String::new();
+    loop {
+        let Some(line) = lines.next() else {
+            return Ok((!message.is_empty()).then_some(message));
+        };
+        let line = line.context("cannot read standard input")?;
+        match line.strip_suffix('\\') {
+            Some(part) => {
+                message.push_str(part);
+                message.push('\n');
+                let _ = write!(out, ". ");
+                let _ = out.flush();
+            }
+            None => {
+                message.push_str(&line);
+                return Ok(Some(message));
+            }
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! `megagemma serve`: the OpenAI-compatible HTTP server.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::model_files::ChatModel;
+use megagemma_model::Model;
+use megagemma_server::{Server, ServerConfig};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model: a Hugging Face checkpoint directory, a .gguf file, or a name `megagemma pull` knows.
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// The name clients give as `model` (default: the model directory's or file's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Address to listen on; loopback unless you say otherwise.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to listen on (0 = any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on the /v1 endpoints.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
+    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
+    pub backend: String,
+    /// Context length: the longest prompt + generation a sequence may hold.
+    #[arg(short = 'c', long)]
+    pub ctx: Option<usize>,
+    /// Requests that may wait for a sequence; more are answered 503.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Sequences decoded together in one step at most.
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
+    /// Largest request body in bytes; larger ones are answered 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    pub max_body: usize,
+    /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub prefix_cache: usize,
+    /// Speculative decoding while one greedy request runs alone: none, or lookup (n-gram
+    /// match in prompt + output; the output stays exactly greedy's).
+    #[arg(long, default_value = "none", value_name = "none|lookup")]
+    pub draft: String,
+    /// Tokens drafted per round.
+    #[arg(long = "k", default_value_t = 4, value_name = "N")]
+    pub k: usize,
+    /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
+    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
+    pub quant: String,
+    /// Worker threads (default: all cores).
+    #[arg(short, long)]
+    pub threads: Option<usize>,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        crate::run::rayon_threads(n)?;
+    }
+    if args.max_queue == 0 || args.max_batch == 0 {
+        bail!("--max-queue and --max-batch must be at least 1");
+    }
+    let draft_k = match args.draft.as_str() {
+        "none" => 0,
+        "lookup" if args.k > 0 => args.k,
+        "lookup" => bail!("--k must be at least 1 with --draft lookup"),
+        other => bail!("unknown --draft `{other}` for serve (expected none or lookup)"),
+    };
+    let path = crate::run::resolve_model(&args.model)?;
+    let backend_kind: BackendKind = args.backend.parse()?;
+    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
+    let model = Arc::new(Model::load_with(&path, quant)?);
+    let chat = ChatModel::open(&path, &model)?;
+    let backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
+    let config = ServerConfig {
+        model_name: model_name.clone(),
+        api_key: args.api_key.clone(),
+        max_queue: args.max_queue,
+        max_batch: args.max_batch,
+        max_body_bytes: args.max_body,
+        prefix_cache: args.prefix_cache,
+        draft_k,
+    };
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    if !args.host.is_loopback() && args.api_key.is_none() {
+        eprintln!("warning: listening on {bound} without --api-key: anyone who can reach it may use it");
+    }
+    let server = Server::new(config, backend, chat)?;
+    eprintln!("serving `{model_name}` on http://{bound} (OpenAI API under /v1; Ctrl-C stops)");
+    server.serve_blocking(listener, true)?;
+    eprintln!("stopped");
+    Ok(())
+}
+
+/// `--model` as typed for a known name, else the directory's or file's name.
+fn default_name(arg: &Path) -> String {
+    if !arg.exists() {
+        return arg.display().to_string();
+    }
+    let stem = if arg.is_file() { arg.file_stem() } else { arg.file_name() };
+    stem.map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+}

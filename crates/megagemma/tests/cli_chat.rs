@@ -1,0 +1,104 @@
+//! `megagemma chat` driven through standard input: answers equal `run`'s, commands work.
+
+mod common;
+use common::*;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+fn chat(input: &str, extra: &[&str]) -> (String, String, bool) {
+    let d = fixtures_dir().join("gemma3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "12"])
+        .args(extra)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (stdout(&out), stderr(&out), out.status.success())
+}
+
+fn run_text(prompt: &str, system: Option<&str>) -> String {
+    let d = fixtures_dir().join("gemma3");
+    let mut args =
+        vec!["run", "--model", d.to_str().unwrap(), "--prompt", prompt, "--greedy", "-n", "12", "--output", "json"];
+    if let Some(s) = system {
+        args.extend(["--system", s]);
+    }
+    let out = megagemma(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    v["text"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn first_answer_equals_run_and_commands_work() {
+    let (out, err, ok) = chat("the cat sat\n/reset\n/system be brief\nthe cat sat\n/quit\nnot read\n", &[]);
+    assert!(ok, "{err}");
+    // One answer per message, each ended by a newline.
+    let expected = format!("{}\n{}\n", run_text("the cat sat", None), run_text("the cat sat", Some("be brief")));
+    assert_eq!(out, expected);
+    assert_eq!(err.matches("tok/s").count(), 2, "a speed line after each answer: {err}");
+    assert!(err.contains("conversation cleared"), "{err}");
+}
+
+#[test]
+fn continued_lines_make_one_message() {
+    let (out, err, ok) = chat("the cat\\\nsat\n", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(out, format!("{}\n", run_text("the cat\nsat", None)));
+}
+
+#[test]
+fn unknown_command_is_reported_and_the_repl_goes_on() {
+    let (out, err, ok) = chat("/frobnicate\nhi\n", &[]);
+    assert!(ok, "{err}");
+    assert!(err.contains("unknown command"), "{err}");
+    assert_eq!(out, format!("{}\n", run_text("hi", None)));
+}
+
+#[test]
+fn ctrl_c_stops_the_answer_not_the_program() {
+    use std::io::Read;
+    let d = fixtures_dir().join("gemma3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "30000", "--ignore-eos", "--backend", "cpu"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"the cat sat\n").unwrap();
+    // Drain stdout on a thread (a full pipe would block the answer), telling when it starts.
+    let mut out = child.stdout.take().unwrap();
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = out.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if all.is_empty() {
+                let _ = started_tx.send(());
+            }
+            all.extend_from_slice(&buf[..n]);
+        }
+        all
+    });
+    started.recv().unwrap();
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    stdin.write_all(b"/quit\n").unwrap();
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("(stopped)"), "the answer should say it was stopped: {err}");
+    let tokens: usize = err.split('[').nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    assert!(tokens < 30000, "the answer ran to its budget: {err}");
+    assert!(!reader.join().unwrap().is_empty());
+}

@@ -1,0 +1,64 @@
+//! `megagemma serve` as a process: it says where it listens, answers, and stops cleanly on
+//! SIGTERM; bad arguments get one `error:` line. Also graceful shutdown of an in-process server.
+
+mod common;
+mod http;
+
+use common::*;
+use http::*;
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+#[test]
+fn serve_process_answers_and_stops_on_sigterm() {
+    let d = fixtures_dir().join("gemma3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(["serve", "--model", d.to_str().unwrap(), "--port", "0", "--backend", "cpu"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    assert!(line.starts_with("serving `gemma3` on http://127.0.0.1:"), "{line}");
+    let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+
+    let r = request(addr, "GET", "/v1/models", &[], None);
+    assert_eq!(r.json()["data"][0]["id"], "gemma3");
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).to_string();
+    let r =
+        request(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], Some(body.as_bytes()));
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "serve should exit 0 on SIGTERM, got {status}");
+}
+
+#[test]
+fn serve_with_a_missing_model_is_one_error_line() {
+    let out = megagemma(&["serve", "--model", "/nonexistent/model", "--port", "0"]);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.starts_with("error: ") && err.trim_end().lines().count() == 1, "{err}");
+}
+
+#[test]
+fn shutdown_ends_running_streams_and_stops_listening() {
+    let server = TestServer::with_defaults("gemma3");
+    let addr = server.addr;
+    let mut s = server.stream(
+        "/v1/completions",
+        &json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true, "stream": true}),
+    );
+    assert!(s.next_event().is_some());
+    // Dropping the server asks it to shut down and waits for it.
+    let stopper = std::thread::spawn(move || drop(server));
+    let chunks = s.read_all();
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+    stopper.join().unwrap();
+    assert!(std::net::TcpStream::connect(addr).is_err(), "still listening after shutdown");
+}
