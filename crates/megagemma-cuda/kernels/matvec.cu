@@ -125,6 +125,7 @@ __device__ __forceinline__ void matvec_dense_row(const Mat& W, int r, const floa
 
 extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
+  pdl_start();
   int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= W.rows) return;
   if (W.fmt == FMT_Q4) matvec_q4_row(W, r, x, y, m);
@@ -157,6 +158,20 @@ __device__ __forceinline__ float nibble_scale(int k) {
   return __uint_as_float((unsigned)(127 - 4 * kk) << 23);
 }
 
+// Asks L2 for the codes and (scale, bias) pairs of the 8 rows from row0, the group's `wpr` warps
+// splitting the lines. Issued before `pdl_start()`: the weights stream in while the previous
+// kernel finishes, and every line of the rows is in flight at once instead of two chunks.
+__device__ __forceinline__ void prefetch_rows_q4(const Mat& W, int row0, int ws, int wpr, int lane) {
+  const u64 code_bytes = (u64)W.cols / 2, sb_bytes = (u64)(W.cols / W.gs) * 8;
+  const int nc = (int)((code_bytes + 127) / 128), ns = (int)((sb_bytes + 127) / 128), per_row = nc + ns;
+  for (int i = ws * 32 + lane; i < Q4_ROWS * per_row; i += wpr * 32) {
+    const int row = min(row0 + i / per_row, W.rows - 1), l = i % per_row;
+    const char* p = l < nc ? (const char*)W.w + row * code_bytes + l * 128
+                           : (const char*)W.sb + row * sb_bytes + (l - nc) * 128;
+    prefetch_l2(p);
+  }
+}
+
 // With `gate` non-null the input is gelu(x)·gate instead of x (the GeGLU and PLE gates fused into
 // the projection that consumes them); `gate_stride` is the gate's row stride.
 template <bool GATED>
@@ -171,6 +186,8 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
   const int nchunks = (cols + Q4_CHUNK - 1) / Q4_CHUNK;
   const unsigned* __restrict__ wbase = (const unsigned*)W.w;
   const float2* __restrict__ sbase = (const float2*)W.sb;
+  prefetch_rows_q4(W, row0, ws, wpr, lane);
+  pdl_start();
   for (int j = 0; j < m; j++) {
     float acc[Q4_ROWS];
 #pragma unroll
