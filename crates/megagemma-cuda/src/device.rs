@@ -59,6 +59,29 @@ const PDL_KERNELS: [&str; 15] = [
     "argmax_final",
 ];
 
+/// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of
+/// virtual blocks) and how many virtual blocks ahead each asks L2 for. Results do not depend on
+/// either. `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` and `MEGAGEMMA_CUDA_Q4_AHEAD` override them.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4Stream {
+    pub blocks_per_sm: usize,
+    pub ahead: usize,
+}
+
+impl Q4Stream {
+    fn from_env() -> Q4Stream {
+        let var = |name: &str, default: usize| {
+            std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 64).unwrap_or(default)
+        };
+        Q4Stream {
+            // Measured on the H200 (E4B, graph): 4 per SM and 1 ahead 4.11 ms/token; 2 and 2
+            // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
+            blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
+            ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
+        }
+    }
+}
+
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::msg(format!("CUDA {what}: {e:?}"))
 }
@@ -138,6 +161,7 @@ pub struct Gpu {
     /// Programmatic dependent launch for `PDL_KERNELS` (off below compute capability 9, with
     /// `MEGAGEMMA_CUDA_PDL=0`, and while profiling).
     pdl: bool,
+    pub q4_stream: Q4Stream,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
 }
@@ -200,6 +224,7 @@ impl Gpu {
             launches: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
             pdl,
+            q4_stream: Q4Stream::from_env(),
             profile,
         })
     }
