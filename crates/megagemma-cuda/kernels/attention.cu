@@ -15,6 +15,9 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
           const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale) {
   extern __shared__ float smem[];
+  // The positions and the committed cache rows were written before this pass began (positions
+  // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
+  // while the previous kernel finishes. Staged rows (this pass's) only after it.
   int p0 = pos_ptr[0];
   int t = blockIdx.x / heads, head = blockIdx.x % heads;
   int kvh = head / (heads / kv_heads);
@@ -22,6 +25,16 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   int lo = window > 0 ? max(0, pos + 1 - window) : 0;
   int n = pos - lo + 1;
   int kvw = kv_heads * hd;
+  {
+    const int lines = (hd + 31) / 32;  // 128-byte lines per head row
+    const int committed = max(0, p0 - lo);
+    for (int i = threadIdx.x; i < 2 * committed * lines; i += blockDim.x) {
+      const int j = lo + (i / lines) % committed, l = i % lines;
+      const float* base = i < committed * lines ? kc : vc;
+      prefetch_l2(base + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + l * 32);
+    }
+  }
+  pdl_start();
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   float* qs = smem;
   float* scores = smem + hd;

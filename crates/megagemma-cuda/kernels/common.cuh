@@ -23,6 +23,21 @@ struct Mat {
   int gs;
 };
 
+// Programmatic dependent launch. Kernels launched with the PDL attribute (`PDL_KERNELS` in
+// src/device.rs) may start while the previous kernel is still running: each calls `pdl_start()`
+// before it reads or writes any activation (it waits for the previous kernel to finish and its
+// writes to be visible, then lets the next kernel launch). Only weights may be touched before it.
+// Both instructions are no-ops for a kernel launched without the attribute.
+__device__ __forceinline__ void pdl_start() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks for the 128-byte line holding `p` in L2 (a hint: no register waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {

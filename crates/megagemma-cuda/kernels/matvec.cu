@@ -125,6 +125,7 @@ __device__ __forceinline__ void matvec_dense_row(const Mat& W, int r, const floa
 
 extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
 matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
+  pdl_start();
   int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= W.rows) return;
   if (W.fmt == FMT_Q4) matvec_q4_row(W, r, x, y, m);
@@ -142,6 +143,12 @@ matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
 
 #define Q4_ROWS 8
 #define Q4_CHUNK 512
+// Chunks whose weights a warp holds in registers at once, and the blocks per SM the register
+// budget must allow. Two chunks at once need ~155 registers: one 256-thread block per SM, eight
+// warps to keep loads in flight. One chunk fits 128 registers without spills: two blocks per SM
+// (the L2 prefetch keeps the memory busy, not the registers).
+#define Q4_STEP 1
+#define Q4_MIN_BLOCKS 2
 
 // Nibble k of a word as the float q·2^(4k') without shifting it down: `w` is the word itself for
 // k < 5 (k' = k) and the word shifted right by 12 for k ≥ 5 (k' = k − 3); OR-ing the masked bits
@@ -155,6 +162,20 @@ __device__ __forceinline__ float nibble_in_place(unsigned w, int k) {
 __device__ __forceinline__ float nibble_scale(int k) {
   const int kk = k < 5 ? k : k - 3;
   return __uint_as_float((unsigned)(127 - 4 * kk) << 23);
+}
+
+// Asks L2 for the codes and (scale, bias) pairs of the 8 rows from row0, the group's `wpr` warps
+// splitting the lines. Issued before `pdl_start()`: the weights stream in while the previous
+// kernel finishes, and every line of the rows is in flight at once instead of two chunks.
+__device__ __forceinline__ void prefetch_rows_q4(const Mat& W, int row0, int ws, int wpr, int lane) {
+  const u64 code_bytes = (u64)W.cols / 2, sb_bytes = (u64)(W.cols / W.gs) * 8;
+  const int nc = (int)((code_bytes + 127) / 128), ns = (int)((sb_bytes + 127) / 128), per_row = nc + ns;
+  for (int i = ws * 32 + lane; i < Q4_ROWS * per_row; i += wpr * 32) {
+    const int row = min(row0 + i / per_row, W.rows - 1), l = i % per_row;
+    const char* p = l < nc ? (const char*)W.w + row * code_bytes + l * 128
+                           : (const char*)W.sb + row * sb_bytes + (l - nc) * 128;
+    prefetch_l2(p);
+  }
 }
 
 // With `gate` non-null the input is gelu(x)·gate instead of x (the GeGLU and PLE gates fused into
@@ -175,12 +196,12 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
     float acc[Q4_ROWS];
 #pragma unroll
     for (int r = 0; r < Q4_ROWS; r++) acc[r] = 0.f;
-    // Two of this warp's chunks per step, all their weight loads issued before either is used.
-    for (int c = ws; c < nchunks; c += 2 * wpr) {
-      uint2 wv[2][Q4_ROWS];
-      float2 sb[2][Q4_ROWS];
+    // Q4_STEP of this warp's chunks per step, all their weight loads issued before any is used.
+    for (int c = ws; c < nchunks; c += Q4_STEP * wpr) {
+      uint2 wv[Q4_STEP][Q4_ROWS];
+      float2 sb[Q4_STEP][Q4_ROWS];
 #pragma unroll
-      for (int h = 0; h < 2; h++) {
+      for (int h = 0; h < Q4_STEP; h++) {
         const int col = (c + h * wpr) * Q4_CHUNK + lane * 16;
         if (c + h * wpr < nchunks && col < cols) {
 #pragma unroll
@@ -192,7 +213,7 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
         }
       }
 #pragma unroll
-      for (int h = 0; h < 2; h++) {
+      for (int h = 0; h < Q4_STEP; h++) {
         const int col = (c + h * wpr) * Q4_CHUNK + lane * 16;
         if (c + h * wpr < nchunks && col < cols) {
           float xv[16];
@@ -253,21 +274,59 @@ __device__ __forceinline__ void matvec_q4_body(const Mat& W, const float* __rest
     for (int w = 0; w < wpr; w++) s += red[gg * wpr + w][r][j];
     y[(u64)j * W.rows + row] = s;
   }
+  __syncthreads();  // `red` is reused by the block's next row groups
 }
+
+// The row groups of virtual block `blk` (as the body splits them) asked of L2 by this block.
+__device__ __forceinline__ void prefetch_block_q4(const Mat& W, int wpr, int blk) {
+  const int warp = threadIdx.x >> 5, groups_per_block = 8 / wpr;
+  const int row0 = (blk * groups_per_block + warp / wpr) * Q4_ROWS;
+  prefetch_rows_q4(W, row0, warp % wpr, wpr, threadIdx.x & 31);
+}
+
+// Virtual blocks 0 .. nblocks are spread over the grid (block b takes b, b + gridDim.x, …), so a
+// grid of a few waves streams a whole matrix (the LM head too). Each block asks L2 for its first `ahead` virtual
+// blocks before `pdl_start()` and for virtual block i + ahead before computing block i: the
+// matrix streams from memory at full width while the math runs on lines already in L2. A virtual
+// block's arithmetic does not depend on the grid, so neither does any result bit.
+#define FOR_VIRTUAL_BLOCKS(PREFETCH, BODY)                                            \
+  {                                                                                   \
+    for (int i = 0; i < ahead; i++) {                                                 \
+      const int vb = blockIdx.x + i * gridDim.x;                                      \
+      if (vb < nblocks) PREFETCH(vb);                                                 \
+    }                                                                                 \
+    pdl_start();                                                                      \
+    for (int vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {                        \
+      const int next = vb + ahead * gridDim.x;                                        \
+      if (ahead > 0 && next < nblocks) PREFETCH(next);                                \
+      BODY(vb);                                                                       \
+    }                                                                                 \
+  }
 
 // Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
-// blocks [0, nb0) compute y0 = W0·x, the next nb1 blocks y1 = W1·x, the rest y2 = W2·x.
-extern "C" __global__ void __launch_bounds__(256)
+// virtual blocks [0, nb0) compute y0 = W0·x, the next nb1 y1 = W1·x, the rest y2 = W2·x.
+extern "C" __global__ void __launch_bounds__(256, Q4_MIN_BLOCKS)
 matvec_q4(Mat W0, Mat W1, Mat W2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
-          float* __restrict__ y2, int nb0, int nb1, int m, int wpr) {
-  int b = blockIdx.x;
-  if (b < nb0) matvec_q4_body<false>(W0, x, y0, m, wpr, nullptr, 0, b);
-  else if (b < nb0 + nb1) matvec_q4_body<false>(W1, x, y1, m, wpr, nullptr, 0, b - nb0);
-  else matvec_q4_body<false>(W2, x, y2, m, wpr, nullptr, 0, b - nb0 - nb1);
+          float* __restrict__ y2, int nb0, int nb1, int m, int wpr, int nblocks, int ahead) {
+#define Q4_PREFETCH(b)                                     \
+  if ((b) < nb0) prefetch_block_q4(W0, wpr, (b));          \
+  else if ((b) < nb0 + nb1) prefetch_block_q4(W1, wpr, (b) - nb0); \
+  else prefetch_block_q4(W2, wpr, (b) - nb0 - nb1);
+#define Q4_BODY(b)                                                                              \
+  if ((b) < nb0) matvec_q4_body<false>(W0, x, y0, m, wpr, nullptr, 0, (b));                     \
+  else if ((b) < nb0 + nb1) matvec_q4_body<false>(W1, x, y1, m, wpr, nullptr, 0, (b) - nb0);   \
+  else matvec_q4_body<false>(W2, x, y2, m, wpr, nullptr, 0, (b) - nb0 - nb1);
+  FOR_VIRTUAL_BLOCKS(Q4_PREFETCH, Q4_BODY)
+#undef Q4_PREFETCH
+#undef Q4_BODY
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, Q4_MIN_BLOCKS)
 matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr,
-                const float* __restrict__ gate, int gate_stride) {
-  matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride, blockIdx.x);
+                const float* __restrict__ gate, int gate_stride, int nblocks, int ahead) {
+#define Q4_PREFETCH(b) prefetch_block_q4(W, wpr, (b));
+#define Q4_BODY(b) matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride, (b));
+  FOR_VIRTUAL_BLOCKS(Q4_PREFETCH, Q4_BODY)
+#undef Q4_PREFETCH
+#undef Q4_BODY
 }

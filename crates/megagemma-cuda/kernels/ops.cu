@@ -4,6 +4,7 @@
 
 // x[t] = embed[tokens[t]] · scale. One block per token.
 extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
+  pdl_start();
   int t = blockIdx.x;
   u64 row = tokens[t];
   for (int c = threadIdx.x; c < E.cols; c += blockDim.x)
@@ -14,6 +15,7 @@ extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ toke
 // mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in f64.
 extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
                                     int mode) {
+  pdl_start();
   u64 base = (u64)blockIdx.x * dim;
   float r = inv_rms(x + base, dim, eps);
   __syncthreads();
@@ -61,6 +63,7 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
                                          int T, float eps) {
+  pdl_start();
   int b = blockIdx.x;
   int p0 = pos[0];
   if (b < T * nq) {
@@ -77,6 +80,7 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
 extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
                                     float* a, const float* __restrict__ w2, int dim, float eps) {
+  pdl_start();
   u64 base = (u64)blockIdx.x * dim;
   float r = inv_rms(o + base, dim, eps);
   double ss2 = 0.0;
@@ -95,6 +99,7 @@ extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const
 
 // x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).
 extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) {
+  pdl_start();
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= T * n) return;
   int t = i / n, k = i % n;
@@ -105,6 +110,7 @@ extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, i
 // and normed. One block per token.
 extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
                                        float input_scale) {
+  pdl_start();
   int t = blockIdx.x;
   u64 row = tokens[t];
   for (int i = threadIdx.x; i < table.cols; i += blockDim.x) {
@@ -115,18 +121,21 @@ extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __re
 
 // x *= s over n elements.
 extern "C" __global__ void scale(float* x, float s, u64 n) {
+  pdl_start();
   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 
 // x += y over n elements.
 extern "C" __global__ void add(float* x, const float* __restrict__ y, u64 n) {
+  pdl_start();
   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __fadd_rn(x[i], y[i]);
 }
 
 // y = x over n elements.
 extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) {
+  pdl_start();
   u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i];
 }
@@ -204,6 +213,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 // Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:
 // `split` blocks per row write (value, index) pairs to partial[row·split + b].
 extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float cap, float2* partial, int split) {
+  pdl_start();
   int row = blockIdx.x / split, b = blockIdx.x % split;
   float* l = logits + (u64)row * V;
   int per = (V + split - 1) / split;
@@ -233,6 +243,7 @@ extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float ca
 
 // ids[row] = the best of the row's `split` candidates. One warp per row.
 extern "C" __global__ void argmax_final(const float2* __restrict__ partial, int split, unsigned* ids) {
+  pdl_start();
   float best = NEG_INF;
   int bi = 0x7fffffff;
   for (int b = threadIdx.x; b < split; b += 32) {

@@ -38,6 +38,50 @@ const FUNCTIONS: [(&str, &[&str]); 4] = [
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
 ];
 
+/// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`): on
+/// compute capability ≥ 9 they are launched with programmatic stream serialization, so each may
+/// start (and prefetch its weights) while the kernel before it finishes.
+const PDL_KERNELS: [&str; 15] = [
+    "matvec",
+    "matvec_q4",
+    "matvec_q4_gated",
+    "attention",
+    "embed_gather",
+    "rms_norm",
+    "qkv_norm_rope",
+    "add_norm",
+    "gelu_gate",
+    "ple_combine",
+    "scale",
+    "add",
+    "copy",
+    "softcap_argmax_partial",
+    "argmax_final",
+];
+
+/// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of
+/// virtual blocks) and how many virtual blocks ahead each asks L2 for. Results do not depend on
+/// either. `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` and `MEGAGEMMA_CUDA_Q4_AHEAD` override them.
+#[derive(Clone, Copy, Debug)]
+pub struct Q4Stream {
+    pub blocks_per_sm: usize,
+    pub ahead: usize,
+}
+
+impl Q4Stream {
+    fn from_env() -> Q4Stream {
+        let var = |name: &str, default: usize| {
+            std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 64).unwrap_or(default)
+        };
+        Q4Stream {
+            // Measured on the H200 (E4B, graph): 4 per SM and 1 ahead 4.11 ms/token; 2 and 2
+            // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
+            blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
+            ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
+        }
+    }
+}
+
 pub(crate) fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::msg(format!("CUDA {what}: {e:?}"))
 }
@@ -114,6 +158,10 @@ pub struct Gpu {
     pub sms: u32,
     launches: AtomicU64,
     capturing: AtomicBool,
+    /// Programmatic dependent launch for `PDL_KERNELS` (off below compute capability 9, with
+    /// `MEGAGEMMA_CUDA_PDL=0`, and while profiling).
+    pdl: bool,
+    pub q4_stream: Q4Stream,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
 }
@@ -166,6 +214,7 @@ impl Gpu {
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
+        let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
             ctx,
             stream,
@@ -174,6 +223,8 @@ impl Gpu {
             sms,
             launches: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
+            pdl,
+            q4_stream: Q4Stream::from_env(),
             profile,
         })
     }
@@ -245,19 +296,41 @@ impl Gpu {
             }
             None => None,
         };
-        // SAFETY: argument lists match the kernels' signatures (see kernels/*.cu); every pointer
-        // is a live device allocation sized by the caller.
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                (grid, 1, 1),
-                (block, 1, 1),
-                smem,
-                self.stream.cu_stream(),
-                &mut ptrs,
-            )
-        }
-        .map_err(|e| cuda_err(&format!("launch {name}"), e))?;
+        let launched = if self.pdl && PDL_KERNELS.contains(&name) {
+            // SAFETY: as below; the attribute array outlives the call.
+            unsafe {
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = sys::CUlaunchConfig {
+                    gridDimX: grid,
+                    gridDimY: 1,
+                    gridDimZ: 1,
+                    blockDimX: block,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                sys::cuLaunchKernelEx(&config, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
+            }
+        } else {
+            // SAFETY: argument lists match the kernels' signatures (see kernels/*.cu); every
+            // pointer is a live device allocation sized by the caller.
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    (grid, 1, 1),
+                    (block, 1, 1),
+                    smem,
+                    self.stream.cu_stream(),
+                    &mut ptrs,
+                )
+            }
+        };
+        launched.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
         if let (Some(p), Some(t0)) = (timed, start) {
             self.sync()?;
             let mut p = p.lock().unwrap_or_else(|e| e.into_inner());

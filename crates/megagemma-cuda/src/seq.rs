@@ -339,7 +339,7 @@ impl CudaSeq {
         w.fmt == FMT_Q4 && (w.cols as usize).is_multiple_of(16)
     }
 
-    /// Warps sharing a row group: each warp takes its 512-column chunks two at a time and should
+    /// Warps sharing a row group: each warp takes its 512-column chunks in order and should
     /// get at least two, unless that leaves SMs idle (few rows): then up to one chunk per warp.
     /// Depends only on the shape (and the GPU), never on the number of columns of x.
     fn warps_per_rows(&self, rows: usize, cols: usize) -> usize {
@@ -349,6 +349,12 @@ impl CudaSeq {
             wpr *= 2;
         }
         wpr
+    }
+
+    /// Blocks launched for `nblocks` virtual blocks of the 4-bit kernels: at most
+    /// `blocks_per_sm` per SM, each looping over its share.
+    fn q4_grid(&self, nblocks: usize) -> u32 {
+        nblocks.min(self.gpu().q4_stream.blocks_per_sm * self.gpu().sms as usize) as u32
     }
 
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
@@ -367,6 +373,7 @@ impl CudaSeq {
         let nb0 = blocks(w0);
         let nb1 = if mats.len() > 1 { blocks(w1) } else { 0 };
         let nb2 = if mats.len() > 2 { blocks(w2) } else { 0 };
+        let nblocks = nb0 + nb1 + nb2;
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
@@ -382,8 +389,10 @@ impl CudaSeq {
                 Arg::I32(nb1 as i32),
                 Arg::I32(m as i32),
                 Arg::I32(wpr as i32),
+                Arg::I32(nblocks as i32),
+                Arg::I32(self.gpu().q4_stream.ahead as i32),
             ];
-            self.gpu().launch("matvec_q4", (nb0 + nb1 + nb2) as u32, 256, 0, &args)?;
+            self.gpu().launch("matvec_q4", self.q4_grid(nblocks), 256, 0, &args)?;
         }
         Ok(())
     }
@@ -406,6 +415,7 @@ impl CudaSeq {
             _ => {}
         }
         let wpr = self.warps_per_rows(rows, cols);
+        let nblocks = rows.div_ceil(8 * (8 / wpr));
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let (xp, yp) = (x + f32s(c0 * cols) as u64, y + f32s(c0 * rows) as u64);
@@ -419,8 +429,10 @@ impl CudaSeq {
                         Arg::I32(wpr as i32),
                         Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64),
                         Arg::I32(g.stride as i32),
+                        Arg::I32(nblocks as i32),
+                        Arg::I32(self.gpu().q4_stream.ahead as i32),
                     ];
-                    self.gpu().launch("matvec_q4_gated", rows.div_ceil(8 * (8 / wpr)) as u32, 256, 0, &args)?;
+                    self.gpu().launch("matvec_q4_gated", self.q4_grid(nblocks), 256, 0, &args)?;
                 }
                 _ => {
                     let grid = rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32;
