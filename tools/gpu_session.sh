@@ -19,7 +19,7 @@ fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [ -x "$BIN/gpu_forward" ]; then
-  MEGAGEMMA_GPU_TESTS=1 timeout 300 "$BIN/gpu_forward" 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
+  MEGAGEMMA_GPU_TESTS=1 MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
 fi
 if [ -x "$BIN/gpu_check" ]; then
   timeout 300 "$BIN/gpu_check" fixtures 2>&1 | tee "$OUT/gpu_check.log" || fail=1
@@ -43,6 +43,7 @@ done
 for m in e4b e2b; do
   timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_$m.log" || fail=1
 done
+timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
 echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
 exit $fail
