@@ -1,5 +1,6 @@
 //! `megagemma`: run Gemma models from the command line.
 
+mod demo;
 mod info;
 mod pull;
 mod quantize;
