@@ -6,7 +6,7 @@
 //! `1 + w`, so norms are used as stored).
 
 use crate::config::{check_limit, AttnKind, Family, ModelConfig, RopeSpec, MAX_LAYERS};
-use crate::gguf::{GgufFile, GgufMatrix};
+use crate::gguf::{GgufFile, GgufMatrix, GgufValue};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
 use crate::{bail, Error, Result};
@@ -18,27 +18,9 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
         bail!("unsupported GGUF architecture `{arch}` (supported: gemma3)");
     }
     let key = |k: &str| format!("{arch}.{k}");
-    // Counts and sizes: any integer width, converted without truncation.
-    let opt = |k: &str| -> Result<Option<usize>> {
-        let full = key(k);
-        match f.metadata(&full) {
-            None => Ok(None),
-            Some(v) => match v.as_u64().and_then(|x| usize::try_from(x).ok()) {
-                Some(x) => Ok(Some(x)),
-                None => bail!("GGUF metadata `{full}` must be a non-negative integer, got {v:?}"),
-            },
-        }
-    };
-    let float = |k: &str| -> Result<Option<f64>> {
-        let full = key(k);
-        match f.metadata(&full) {
-            None => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) => Ok(Some(x)),
-                None => bail!("GGUF metadata `{full}` must be a float, got {v:?}"),
-            },
-        }
-    };
+    // Any integer width, converted without truncation; floats as f32 or f64.
+    let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
+    let float = |k: &str| typed(f, &key(k), "a float", GgufValue::as_f64);
     let req = |k: &str| -> Result<usize> {
         opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
     };
@@ -70,15 +52,7 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
             _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", key("rope.scaling.type")),
         },
     }
-    let id = |k: &str| -> Result<Option<u32>> {
-        match f.metadata(k) {
-            None => Ok(None),
-            Some(v) => match v.as_u64().and_then(|x| u32::try_from(x).ok()) {
-                Some(x) => Ok(Some(x)),
-                None => bail!("GGUF metadata `{k}` must be a token id, got {v:?}"),
-            },
-        }
-    };
+    let id = |k: &str| typed(f, k, "a token id", |v| v.as_u64()?.try_into().ok());
     let mut eos_token_ids = Vec::new();
     // Instruction-tuned files also name an end-of-turn token; generation stops at either.
     for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
@@ -121,6 +95,17 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     };
     config.validate()?;
     Ok(config)
+}
+
+/// Metadata `key` converted by `conv`: `None` when absent, an error naming the key when its type
+/// or value does not convert.
+fn typed<T>(f: &GgufFile, key: &str, what: &str, conv: impl Fn(&GgufValue) -> Option<T>) -> Result<Option<T>> {
+    match f.metadata(key) {
+        None => Ok(None),
+        Some(v) => {
+            conv(v).map(Some).ok_or_else(|| Error::msg(format!("GGUF metadata `{key}` must be {what}, got {v:?}")))
+        }
+    }
 }
 
 /// GGUF tensors under the HF names the weight loader uses.
