@@ -1,28 +1,31 @@
 //! Every kernel compiles with NVRTC for sm_90a through the crate's own compile path, with no
-//! register spills. Needs libnvrtc (`tools/fetch_nvrtc.sh`, then `MEGAGEMMA_CUDA_LIB_DIR`); without
-//! it the test fails when `MEGAGEMMA_REQUIRE_NVRTC=1` and prints a skip line otherwise.
+//! register spills. Runs on machines without a GPU: libnvrtc comes from `$MEGAGEMMA_CUDA_LIB_DIR`
+//! when set, else from the repository's ignored `.cache/nvrtc`, which `tools/fetch_nvrtc.sh`
+//! fills from PyPI (the wheel nvidia-cuda-nvrtc 13.0.88) on first use. No NVRTC is a failure.
 
 use megagemma_cuda::compile::{compile_cubin, kernel_source, options, parse_ptxas, KERNEL_FILES};
 use megagemma_cuda::libs::nvrtc_present;
+use std::path::PathBuf;
+use std::process::Command;
 
-/// A line on the real stderr: the test harness captures `eprintln!`, and a skip must be visible.
-macro_rules! skip_line {
-    ($($arg:tt)*) => {{
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
-    }};
+/// Point the library search at the repository's NVRTC copy, fetching it if needed.
+fn ensure_nvrtc() {
+    if std::env::var_os("MEGAGEMMA_CUDA_LIB_DIR").is_some() {
+        return;
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = root.join(".cache/nvrtc");
+    if !dir.join("libnvrtc.so.13").is_file() {
+        let status = Command::new("bash").arg(root.join("tools/fetch_nvrtc.sh")).status().expect("cannot run bash");
+        assert!(status.success(), "tools/fetch_nvrtc.sh failed: NVRTC is needed to compile-check the kernels");
+    }
+    std::env::set_var("MEGAGEMMA_CUDA_LIB_DIR", dir);
 }
 
 #[test]
 fn kernels_compile() {
-    if !nvrtc_present() {
-        let msg = "kernels_compile: libnvrtc not found (run tools/fetch_nvrtc.sh, then set MEGAGEMMA_CUDA_LIB_DIR=$PWD/.cache/nvrtc from the repository root)";
-        if std::env::var("MEGAGEMMA_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
-            panic!("{msg}");
-        }
-        skip_line!("SKIPPED {msg}");
-        return;
-    }
+    ensure_nvrtc();
+    assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
     let mut failures = Vec::new();
     for (file, _) in KERNEL_FILES {
         let src = kernel_source(file).expect("kernel source");

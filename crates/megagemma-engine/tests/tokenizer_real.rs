@@ -3,7 +3,6 @@
 //! Without network access these tests fail (they never skip silently).
 
 use std::sync::OnceLock;
-use std::time::Instant;
 
 use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
 use megagemma_engine::tokenizer::Tokenizer;
@@ -95,28 +94,11 @@ fn stream_decoder_matches_full_decode() {
 }
 
 #[test]
-fn tokenizer_speed() {
+fn one_megabyte_round_trip() {
+    // Encode and decode speed is measured by `cargo bench -p megagemma-engine --bench tokenizer`.
     let tok = tokenizer();
     let sample = multilingual_text() + "\n";
     let text = sample.repeat((1 << 20) / sample.len() + 1);
-
-    let start = Instant::now();
     let ids = tok.encode(&text, false).unwrap();
-    let encode_s = start.elapsed().as_secs_f64();
-
-    let start = Instant::now();
-    let decoded = tok.decode(&ids, false).unwrap();
-    let decode_s = start.elapsed().as_secs_f64();
-    assert_eq!(decoded.len(), text.len());
-
-    // Printed only: timings depend on the machine.
-    println!(
-        "tokenizer speed: encoded {:.2} MB into {} tokens in {:.3}s = {:.0} tokens/s ({:.2} MB/s); decode {:.0} tokens/s",
-        text.len() as f64 / 1e6,
-        ids.len(),
-        encode_s,
-        ids.len() as f64 / encode_s,
-        text.len() as f64 / 1e6 / encode_s,
-        ids.len() as f64 / decode_s,
-    );
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
 }

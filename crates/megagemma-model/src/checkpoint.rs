@@ -263,12 +263,15 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<TensorRef>> {
             )));
         }
         let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
-        if numel.checked_mul(dtype.size()) != Some(end - start) {
-            return Err(bad(&format!(
-                "{} bytes of data but shape {shape:?} of {dtype_s} needs {}",
-                end - start,
-                numel * dtype.size()
-            )));
+        match numel.checked_mul(dtype.size()) {
+            Some(need) if need == end - start => {}
+            Some(need) => {
+                return Err(bad(&format!(
+                    "{} bytes of data but shape {shape:?} of {dtype_s} needs {need}",
+                    end - start
+                )))
+            }
+            None => return Err(bad(&format!("shape {shape:?} of {dtype_s} overflows the byte size"))),
         }
         out.push(TensorRef {
             name: tname.clone(),

@@ -78,6 +78,19 @@ pub struct ModelConfig {
     pub quantization: Option<Value>,
 }
 
+/// Limits far above any Gemma (at most 62 layers, head dims up to 512) that keep the per-layer
+/// lists a config implies (layer types, head dims, RoPE tables) small before any weight is read.
+pub const MAX_LAYERS: usize = 1024;
+pub const MAX_HEAD_DIM: usize = 8192;
+
+/// `value` of `key`, or an error when it is above `max`.
+pub fn check_limit(key: &str, value: usize, max: usize) -> Result<usize> {
+    if value > max {
+        bail!("`{key}` {value} is larger than any supported model (at most {max})");
+    }
+    Ok(value)
+}
+
 /// Read and validate `DIR/config.json`.
 pub fn load_config(dir: &Path) -> Result<ModelConfig> {
     let path = dir.join("config.json");
@@ -124,13 +137,25 @@ impl<'a> Obj<'a> {
     }
 }
 
+/// A token id: a non-negative integer that fits in `u32`, else an error naming the key.
+fn token_id(key: &str, v: &Value) -> Result<u32> {
+    v.as_u64()
+        .and_then(|x| u32::try_from(x).ok())
+        .ok_or_else(|| Error::msg(format!("key `{key}` must be a token id (an integer in 0..2^32), got {v}")))
+}
+
 /// `eos_token_id` may be one id or a list.
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
+fn token_ids(key: &str, v: Option<&Value>) -> Result<Vec<u32>> {
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-        _ => vec![],
+        None => Ok(vec![]),
+        Some(Value::Array(a)) => a.iter().map(|x| token_id(key, x)).collect(),
+        Some(x) => Ok(vec![token_id(key, x)?]),
     }
+}
+
+/// An optional single id, looked up in the text config first, then at the top level.
+fn optional_token_id(c: &Obj, top: &Obj, key: &str) -> Result<Option<u32>> {
+    c.get(key).or_else(|| top.get(key)).map(|v| token_id(key, v)).transpose()
 }
 
 impl ModelConfig {
@@ -170,14 +195,11 @@ impl ModelConfig {
         let vocab_size = c.usize_req("vocab_size")?;
         let hidden_size = c.usize_req("hidden_size")?;
         let intermediate_size = c.usize_req("intermediate_size")?;
-        let num_layers = c.usize_req("num_hidden_layers")?;
+        let num_layers = check_limit("num_hidden_layers", c.usize_req("num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads = c.usize_req("num_attention_heads")?;
         // Defaults mirror transformers' Gemma3TextConfig / Gemma4TextConfig for keys a config omits.
         let num_kv_heads = c.usize_opt("num_key_value_heads")?.unwrap_or(4);
         let head_dim = c.usize_opt("head_dim")?.unwrap_or(256);
-        if num_layers == 0 || hidden_size == 0 || num_heads == 0 || vocab_size == 0 {
-            bail!("num_hidden_layers, hidden_size, num_attention_heads and vocab_size must be positive");
-        }
         let rms_norm_eps = c.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
         let sliding_window =
             c.usize_opt("sliding_window")?.unwrap_or(if family == Family::Gemma4 { 512 } else { 4096 });
@@ -228,17 +250,6 @@ impl ModelConfig {
                 }
             }
         }
-        for i in 0..num_layers {
-            if kv_heads[i] == 0 || num_heads % kv_heads[i] != 0 {
-                bail!(
-                    "layer {i}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {}",
-                    kv_heads[i]
-                );
-            }
-            if head_dims[i] == 0 || head_dims[i] % 2 != 0 {
-                bail!("layer {i}: head_dim {} must be even and positive", head_dims[i]);
-            }
-        }
 
         let (rope_sliding, rope_full) = parse_rope(&c, family)?;
 
@@ -251,19 +262,9 @@ impl ModelConfig {
         } else {
             None
         };
-        if let Some(m) = &moe {
-            if m.top_k == 0 || m.top_k > m.num_experts {
-                bail!("top_k_experts {} must be in 1..={}", m.top_k, m.num_experts);
-            }
-        }
 
         let num_kv_shared_layers =
             if family == Family::Gemma4 { c.usize_opt("num_kv_shared_layers")?.unwrap_or(0) } else { 0 };
-        if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
-            bail!(
-                "num_kv_shared_layers {num_kv_shared_layers} leaves no layer to own a KV cache ({num_layers} layers)"
-            );
-        }
         let ple_dim =
             if family == Family::Gemma4 { c.usize_opt("hidden_size_per_layer_input")?.unwrap_or(256) } else { 0 };
 
@@ -282,25 +283,15 @@ impl ModelConfig {
             Some(_) => c.bool_or("tie_word_embeddings", true)?,
             None => top.bool_or("tie_word_embeddings", true)?,
         };
-        let mut eos_token_ids = token_ids(c.get("eos_token_id"));
-        if eos_token_ids.is_empty() {
-            eos_token_ids = token_ids(top.get("eos_token_id"));
-        }
-        let bos_token_id = c
-            .usize_opt("bos_token_id")
-            .ok()
-            .flatten()
-            .or(top.usize_opt("bos_token_id").ok().flatten())
-            .map(|x| x as u32);
-        let pad_token_id = c
-            .usize_opt("pad_token_id")
-            .ok()
-            .flatten()
-            .or(top.usize_opt("pad_token_id").ok().flatten())
-            .map(|x| x as u32);
+        let eos_token_ids = match c.get("eos_token_id") {
+            Some(v) => token_ids("eos_token_id", Some(v))?,
+            None => token_ids("eos_token_id", top.get("eos_token_id"))?,
+        };
+        let bos_token_id = optional_token_id(&c, &top, "bos_token_id")?;
+        let pad_token_id = optional_token_id(&c, &top, "pad_token_id")?;
         let quantization = top.get("quantization").or_else(|| top.get("quantization_config")).cloned();
 
-        Ok(ModelConfig {
+        let config = ModelConfig {
             family,
             architecture,
             tensor_prefix,
@@ -329,8 +320,143 @@ impl ModelConfig {
             bos_token_id,
             pad_token_id,
             quantization,
-        })
+        };
+        config.validate()?;
+        Ok(config)
     }
+}
+
+impl ModelConfig {
+    /// The one check every config goes through, whatever its source (config.json, GGUF metadata,
+    /// a draft model's config): sizes positive and consistent, per-layer lists complete, every
+    /// float finite, token ids inside the vocabulary, and every weight shape and layer width
+    /// computable without overflow. Errors name the key and the bad value.
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("num_attention_heads", self.num_heads),
+            ("sliding_window", self.sliding_window),
+        ] {
+            if v == 0 {
+                bail!("`{key}` must be positive, got 0");
+            }
+        }
+        let n = check_limit("num_hidden_layers", self.num_layers, MAX_LAYERS)?;
+        for (key, len) in [
+            ("layer_types", self.layer_types.len()),
+            ("head_dim", self.head_dims.len()),
+            ("num_key_value_heads", self.kv_heads.len()),
+        ] {
+            if len != n {
+                bail!("`{key}` has {len} per-layer entries but num_hidden_layers is {n}");
+            }
+        }
+        for i in 0..n {
+            let (kv, hd) = (self.kv_heads[i], self.head_dims[i]);
+            if kv == 0 || !self.num_heads.is_multiple_of(kv) {
+                bail!(
+                    "layer {i}: num_attention_heads {} is not a multiple of num_key_value_heads {kv}",
+                    self.num_heads
+                );
+            }
+            if hd == 0 || !hd.is_multiple_of(2) {
+                bail!("layer {i}: head_dim {hd} must be even and positive");
+            }
+            check_limit(&format!("layer {i}: head_dim"), hd, MAX_HEAD_DIM)?;
+            sizes_product(
+                &format!("layer {i}: num_attention_heads × head_dim"),
+                &[self.num_heads, hd, self.hidden_size],
+            )?;
+        }
+        if self.num_kv_shared_layers >= n && self.num_kv_shared_layers > 0 {
+            bail!("num_kv_shared_layers {} leaves no layer to own a KV cache ({n} layers)", self.num_kv_shared_layers);
+        }
+        if self.ple_dim > 0 {
+            if self.ple_vocab_size < self.vocab_size {
+                bail!(
+                    "vocab_size_per_layer_input {} is smaller than vocab_size {}: token ids past it have no \
+                     per-layer embedding",
+                    self.ple_vocab_size,
+                    self.vocab_size
+                );
+            }
+            sizes_product(
+                "vocab_size_per_layer_input × num_hidden_layers × hidden_size_per_layer_input",
+                &[self.ple_vocab_size, n, self.ple_dim],
+            )?;
+            sizes_product(
+                "num_hidden_layers × hidden_size_per_layer_input × hidden_size",
+                &[n, self.ple_dim, self.hidden_size],
+            )?;
+        }
+        sizes_product("vocab_size × hidden_size", &[self.vocab_size, self.hidden_size])?;
+        // Double-wide MLP layers have twice intermediate_size.
+        sizes_product("2 × intermediate_size × hidden_size", &[2, self.intermediate_size, self.hidden_size])?;
+        if let Some(m) = &self.moe {
+            if m.num_experts == 0 || m.intermediate_size == 0 {
+                bail!(
+                    "num_experts ({}) and moe_intermediate_size ({}) must be positive",
+                    m.num_experts,
+                    m.intermediate_size
+                );
+            }
+            if m.top_k == 0 || m.top_k > m.num_experts {
+                bail!("top_k_experts {} must be in 1..={}", m.top_k, m.num_experts);
+            }
+            sizes_product(
+                "2 × num_experts × moe_intermediate_size × hidden_size",
+                &[2, m.num_experts, m.intermediate_size, self.hidden_size],
+            )?;
+        }
+        for (key, rope) in [("sliding_attention rope", &self.rope_sliding), ("full_attention rope", &self.rope_full)] {
+            if !(rope.theta.is_finite() && rope.theta > 0.0) {
+                bail!("{key}: rope_theta must be a positive number, got {}", rope.theta);
+            }
+            if !(rope.factor.is_finite() && rope.factor > 0.0) {
+                bail!("{key}: factor must be a positive number, got {}", rope.factor);
+            }
+            if !(rope.partial_rotary_factor > 0.0 && rope.partial_rotary_factor <= 1.0) {
+                bail!("{key}: partial_rotary_factor must be in (0, 1], got {}", rope.partial_rotary_factor);
+            }
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            bail!("`rms_norm_eps` must be a non-negative number, got {}", self.rms_norm_eps);
+        }
+        if let Some(cap) = self.final_logit_softcapping {
+            if !(cap.is_finite() && cap > 0.0) {
+                bail!("`final_logit_softcapping` must be a positive number, got {cap}");
+            }
+        }
+        if !(self.attn_scale.is_finite() && self.attn_scale > 0.0) {
+            bail!(
+                "attention scale (query_pre_attn_scalar / attention.scale) must be positive, got {}",
+                self.attn_scale
+            );
+        }
+        let ids = self.eos_token_ids.iter().map(|&id| ("eos_token_id", id));
+        let ids = ids.chain(self.bos_token_id.map(|id| ("bos_token_id", id)));
+        for (key, id) in ids.chain(self.pad_token_id.map(|id| ("pad_token_id", id))) {
+            if id as usize >= self.vocab_size {
+                bail!("`{key}` {id} is outside the vocabulary (vocab_size {})", self.vocab_size);
+            }
+        }
+        if let Some(q) = &self.quantization {
+            if !q.is_object() {
+                bail!("`quantization` must be an object, got {q}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The product of `dims`, or an error naming `what` when it overflows.
+fn sizes_product(what: &str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::msg(format!("{what} = {dims:?} overflows")))
 }
 
 fn parse_layer_types(c: &Obj, family: Family, num_layers: usize) -> Result<Vec<AttnKind>> {
@@ -354,8 +480,8 @@ fn parse_layer_types(c: &Obj, family: Family, num_layers: usize) -> Result<Vec<A
         bail!("`layer_types` has {} entries but num_hidden_layers is {num_layers}", types.len());
     }
     // Gemma 4 forces the last layer to full attention.
-    if family == Family::Gemma4 {
-        types[num_layers - 1] = AttnKind::Full;
+    if let (Family::Gemma4, Some(last)) = (family, types.last_mut()) {
+        *last = AttnKind::Full;
     }
     Ok(types)
 }

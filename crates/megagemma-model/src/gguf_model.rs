@@ -5,8 +5,8 @@
 //! Supported architectures: `gemma3` (llama.cpp's converter stores Gemma 3 RMSNorm weights as
 //! `1 + w`, so norms are used as stored).
 
-use crate::config::{AttnKind, Family, ModelConfig, RopeSpec};
-use crate::gguf::{GgufFile, GgufMatrix};
+use crate::config::{check_limit, AttnKind, Family, ModelConfig, RopeSpec, MAX_LAYERS};
+use crate::gguf::{GgufFile, GgufMatrix, GgufValue};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
 use crate::{bail, Error, Result};
@@ -18,31 +18,47 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
         bail!("unsupported GGUF architecture `{arch}` (supported: gemma3)");
     }
     let key = |k: &str| format!("{arch}.{k}");
+    // Any integer width, converted without truncation; floats as f32 or f64.
+    let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
+    let float = |k: &str| typed(f, &key(k), "a float", GgufValue::as_f64);
     let req = |k: &str| -> Result<usize> {
-        f.get_u64(&key(k))
-            .map(|v| v as usize)
-            .ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
+        opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
     };
     let hidden_size = req("embedding_length")?;
-    let num_layers = req("block_count")?;
+    let num_layers = check_limit(&key("block_count"), req("block_count")?, MAX_LAYERS)?;
     let num_heads = req("attention.head_count")?;
-    let num_kv_heads = f.get_u64(&key("attention.head_count_kv")).map(|v| v as usize).unwrap_or(num_heads);
-    let head_dim =
-        f.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden_size / num_heads.max(1));
+    if num_heads == 0 {
+        bail!("GGUF metadata `{}` must be positive, got 0", key("attention.head_count"));
+    }
+    let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = opt("attention.key_length")?.unwrap_or(hidden_size / num_heads);
     let embd =
         f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
-    let vocab_size = embd.shape()[0];
-    let sliding_window = f.get_u64(&key("attention.sliding_window")).map(|v| v as usize).unwrap_or(4096);
+    let vocab_size = match embd.shape()[..] {
+        [rows, _] => rows,
+        ref other => bail!("GGUF tensor `token_embd.weight` has shape {other:?}, expected [vocab, hidden]"),
+    };
+    let sliding_window = opt("attention.sliding_window")?.unwrap_or(4096);
     // llama.cpp's Gemma 3: every 6th layer is global; local layers use RoPE base 10000.
     let layer_types =
         (0..num_layers).map(|i| if (i + 1) % 6 == 0 { AttnKind::Full } else { AttnKind::Sliding }).collect();
     let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-    let mut rope_full = plain(f.get_f64(&key("rope.freq_base")).unwrap_or(1_000_000.0));
-    if f.get_str(&key("rope.scaling.type")) == Some("linear") {
-        rope_full.factor = f.get_f64(&key("rope.scaling.factor")).unwrap_or(1.0);
+    let mut rope_full = plain(float("rope.freq_base")?.unwrap_or(1_000_000.0));
+    match f.metadata(&key("rope.scaling.type")) {
+        None => {}
+        Some(v) => match v.as_str() {
+            Some("none") => {}
+            Some("linear") => rope_full.factor = float("rope.scaling.factor")?.unwrap_or(1.0),
+            _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", key("rope.scaling.type")),
+        },
     }
-    let id = |k: &str| f.get_u64(k).map(|v| v as u32);
-    Ok(ModelConfig {
+    let id = |k: &str| typed(f, k, "a token id", |v| v.as_u64()?.try_into().ok());
+    let mut eos_token_ids = Vec::new();
+    // Instruction-tuned files also name an end-of-turn token; generation stops at either.
+    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        eos_token_ids.extend(id(k)?);
+    }
+    let config = ModelConfig {
         family: Family::Gemma3,
         architecture: format!("gguf:{arch}"),
         tensor_prefix: String::new(),
@@ -57,8 +73,8 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
         sliding_window,
         rope_sliding: plain(10_000.0),
         rope_full,
-        rms_norm_eps: f.get_f64(&key("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
-        final_logit_softcapping: f.get_f64(&key("final_logit_softcapping")),
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        final_logit_softcapping: float("final_logit_softcapping")?,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         ple_dim: 0,
         ple_vocab_size: vocab_size,
@@ -68,19 +84,28 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
         moe: None,
         // query_pre_attn_scalar = head_dim for every Gemma 3 size llama.cpp converts but 27B,
         // whose converter writes attention.scale... use it when present.
-        attn_scale: match f.get_f64(&key("attention.scale")) {
+        attn_scale: match float("attention.scale")? {
             Some(s) => s,
             None => (head_dim as f64).powf(-0.5),
         },
-        // Instruction-tuned files also name an end-of-turn token; generation stops at either.
-        eos_token_ids: ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"]
-            .iter()
-            .filter_map(|k| id(k))
-            .collect(),
-        bos_token_id: id("tokenizer.ggml.bos_token_id"),
-        pad_token_id: id("tokenizer.ggml.padding_token_id"),
+        eos_token_ids,
+        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+        pad_token_id: id("tokenizer.ggml.padding_token_id")?,
         quantization: None,
-    })
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Metadata `key` converted by `conv`: `None` when absent, an error naming the key when its type
+/// or value does not convert.
+fn typed<T>(f: &GgufFile, key: &str, what: &str, conv: impl Fn(&GgufValue) -> Option<T>) -> Result<Option<T>> {
+    match f.metadata(key) {
+        None => Ok(None),
+        Some(v) => {
+            conv(v).map(Some).ok_or_else(|| Error::msg(format!("GGUF metadata `{key}` must be {what}, got {v:?}")))
+        }
+    }
 }
 
 /// GGUF tensors under the HF names the weight loader uses.

@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use megagemma_model::gguf::{GgmlType, GgufArray, GgufFile, GgufMatrix, GgufValue};
 use megagemma_model::matrix::{matmul, RowDot};
 
+#[path = "../../../tests/support/pulled_gguf.rs"]
+mod pulled_gguf;
+
 // ---------------------------------------------------------------- writer
 
 /// Little-endian GGUF byte builder; counts the metadata keys it writes.
@@ -436,16 +439,12 @@ fn find(hay: &[u8], needle: &[u8]) -> usize {
 
 // ---------------------------------------------------------------- a real model, when present
 
-/// The Gemma 3 270M Q4_K_M file fetched into the workspace cache (skipped when absent). Its
+/// The Gemma 3 270M Q4_K_M file `megagemma pull` fetches (pulled on first use). Its
 /// dequantization was cross-checked bit-for-bit against llama.cpp's gguf-py for all 236 tensors;
 /// here: structure, and fused dots against dequantize-then-dot for every quant type it uses.
 #[test]
-fn real_gemma3_file_if_present() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/models/gemma-3-270m-q4_k_m.gguf");
-    if !path.exists() {
-        eprintln!("skipping: {} not present", path.display());
-        return;
-    }
+fn real_gemma3_file() {
+    let path = pulled_gguf::gemma3_270m_gguf();
     let f = GgufFile::open(&path).unwrap();
     assert_eq!((f.version(), f.architecture()), (3, Some("gemma3")));
     assert_eq!(f.get_u32("gemma3.block_count"), Some(18));

@@ -2,6 +2,7 @@
 
 mod bench;
 mod chat;
+mod demo;
 mod info;
 mod pull;
 mod quantize;

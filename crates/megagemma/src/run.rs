@@ -132,11 +132,6 @@ impl DraftArgs {
     }
 }
 
-/// The bundled demo model: a tiny random Gemma 4 committed with the sources.
-fn demo_model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo")
-}
-
 fn parse_ids(raw: &[String]) -> Result<Vec<u32>> {
     raw.iter()
         .filter(|s| !s.trim().is_empty())
@@ -152,7 +147,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         Some(d) => resolve_model(d)?,
         None => {
             eprintln!("note: no --model given; using the bundled demo model, whose weights are random (its output is gibberish)");
-            demo_model_dir()
+            crate::demo::demo_model_dir()?
         }
     };
     let draft = args.draft.params(args.seed)?;

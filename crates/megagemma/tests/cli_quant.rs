@@ -188,14 +188,10 @@ fn quantize_refuses_bad_arguments_with_one_line() {
 }
 
 /// The outside oracle: an MLX 4-bit checkpoint converted by mlx-lm, with transformers' greedy ids
-/// (and logits) on its dequantized weights. Skipped until `tests/fixtures/mlx_q4/` exists.
+/// (and logits) on its dequantized weights, committed in `tests/fixtures/mlx_q4/`.
 #[test]
 fn mlx_fixture_matches_its_expected_outputs() {
     let dir = fixtures_dir().join("mlx_q4");
-    if !dir.join("expected.json").exists() {
-        eprintln!("note: tests/fixtures/mlx_q4 not present; skipped");
-        return;
-    }
     let expected: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let tmp = scratch("mlx");
     std::fs::create_dir_all(&tmp).unwrap();

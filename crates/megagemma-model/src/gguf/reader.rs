@@ -580,8 +580,10 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
     }
     let (n_tensors, n_kv) = (n_tensors as usize, n_kv as usize);
 
-    let mut metadata = Vec::with_capacity(n_kv);
-    let mut metadata_index = HashMap::with_capacity(n_kv);
+    // Counts are only bounded by the file size and an entry is far larger in memory than its
+    // smallest encoding: cap the up-front capacity, let parsed bytes pay for the rest.
+    let mut metadata = Vec::with_capacity(n_kv.min(MAX_PREALLOC));
+    let mut metadata_index = HashMap::with_capacity(n_kv.min(MAX_PREALLOC));
     for i in 0..n_kv {
         let key = cur.string(&format!("metadata key #{i}"))?;
         let what = format!("metadata '{key}'");
@@ -601,8 +603,8 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         },
     };
 
-    let mut tensors = Vec::with_capacity(n_tensors);
-    let mut tensor_index = HashMap::with_capacity(n_tensors);
+    let mut tensors = Vec::with_capacity(n_tensors.min(MAX_PREALLOC));
+    let mut tensor_index = HashMap::with_capacity(n_tensors.min(MAX_PREALLOC));
     for i in 0..n_tensors {
         let name = cur.string(&format!("tensor #{i} name"))?;
         let what = format!("tensor '{name}'");

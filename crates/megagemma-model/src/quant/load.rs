@@ -284,7 +284,8 @@ fn params(what: &str, o: &serde_json::Map<String, Value>, group_size: usize, bit
             None => Ok(d),
             Some(v) => v
                 .as_u64()
-                .map(|x| x as usize)
+                .and_then(|x| usize::try_from(x).ok())
+                .filter(|&x| x > 0)
                 .ok_or_else(|| Error::msg(format!("{what}: `{k}` must be a positive integer, got {v}"))),
         }
     };

@@ -24,8 +24,14 @@ pub fn fixtures() -> Vec<PathBuf> {
     v
 }
 
+/// The CLI, with its cache (pulled models, the unpacked demo model) in the repository's ignored
+/// `.cache/megagemma` rather than the user's.
 pub fn megagemma(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_megagemma")).args(args).output().expect("failed to start megagemma")
+    Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(args)
+        .env("MEGAGEMMA_CACHE", repo_root().join(".cache/megagemma"))
+        .output()
+        .expect("failed to start megagemma")
 }
 
 pub fn stderr(o: &Output) -> String {

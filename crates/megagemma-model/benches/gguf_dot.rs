@@ -1,6 +1,5 @@
 //! Single-thread `dot_row` throughput on a 4096×4096 matrix (GB/s of weight bytes streamed).
-//! Ignored by default; run with
-//! `cargo test --release -p megagemma-model --test gguf_bench -- --ignored --nocapture`.
+//! `cargo bench -p megagemma-model --bench gguf_dot`.
 //!
 //! Timed with the thread's CPU clock, not wall time, so other processes competing for the
 //! (2-core) machine do not distort the figure; best of 7 full matvecs.
@@ -78,9 +77,7 @@ fn gbps(ty: GgmlType, w: &[u8], x: &[f32], dot: Dot) -> (f64, f32) {
     (w.len() as f64 / best / 1e9, sink)
 }
 
-#[test]
-#[ignore]
-fn dot_row_throughput() {
+fn main() {
     let x: Vec<f32> = (0..COLS).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) / 1000.0).collect();
     for ty in
         [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q5_K, GgmlType::Q4_0, GgmlType::F16]
