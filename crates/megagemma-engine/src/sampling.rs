@@ -109,6 +109,26 @@ impl Sampler {
 
     /// Picks the next token id from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
+        match self.filter(logits)? {
+            Some(only) => Ok(only),
+            None => Ok(self.draw()),
+        }
+    }
+
+    /// The distribution `sample` draws from, after temperature, top-k, top-p and min-p:
+    /// `(token, probability)` pairs summing to 1 (one pair when the choice is deterministic).
+    /// Speculative sampling compares the target's and the drafter's distributions through this.
+    pub fn distribution(&mut self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SamplingError> {
+        if let Some(only) = self.filter(logits)? {
+            return Ok(vec![(only, 1.0)]);
+        }
+        let total: f64 = self.weights.iter().sum();
+        Ok(self.candidates.iter().zip(&self.weights).map(|(c, w)| (c.0, w / total)).collect())
+    }
+
+    /// The sampling transforms: `Some(token)` when the choice is deterministic (greedy, top-k 1,
+    /// an infinite logit), else the surviving candidates and their weights in the scratch buffers.
+    fn filter(&mut self, logits: &[f32]) -> Result<Option<u32>, SamplingError> {
         if logits.is_empty() {
             return Err(SamplingError::EmptyLogits);
         }
@@ -119,7 +139,7 @@ impl Sampler {
         }
         // top_k == 1 is greedy too; +inf would make every other weight NaN/0, so it wins outright.
         if self.params.is_greedy() || self.params.top_k == 1 || best_logit == f32::INFINITY {
-            return Ok(best);
+            return Ok(Some(best));
         }
         self.collect_candidates(logits);
         self.apply_top_k();
@@ -129,34 +149,7 @@ impl Sampler {
         self.compute_weights(best_logit);
         self.apply_top_p();
         self.apply_min_p();
-        Ok(self.draw())
-    }
-
-    /// The distribution `sample` draws from, after temperature, top-k, top-p and min-p:
-    /// `(token, probability)` pairs summing to 1 (one pair when the choice is deterministic).
-    /// Speculative sampling compares the target's and the drafter's distributions through this.
-    pub fn distribution(&mut self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SamplingError> {
-        if logits.is_empty() {
-            return Err(SamplingError::EmptyLogits);
-        }
-        let best = argmax(logits).ok_or(SamplingError::NoFiniteLogits)?;
-        let best_logit = logits[best as usize];
-        if best_logit == f32::NEG_INFINITY {
-            return Err(SamplingError::NoFiniteLogits);
-        }
-        if self.params.is_greedy() || self.params.top_k == 1 || best_logit == f32::INFINITY {
-            return Ok(vec![(best, 1.0)]);
-        }
-        self.collect_candidates(logits);
-        self.apply_top_k();
-        if self.params.top_p < 1.0 {
-            self.candidates.sort_unstable_by(by_logit_desc);
-        }
-        self.compute_weights(best_logit);
-        self.apply_top_p();
-        self.apply_min_p();
-        let total: f64 = self.weights.iter().sum();
-        Ok(self.candidates.iter().zip(&self.weights).map(|(c, w)| (c.0, w / total)).collect())
+        Ok(None)
     }
 
     /// A uniform draw in [0, 1) from the sampler's seeded stream.
