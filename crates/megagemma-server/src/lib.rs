@@ -2,7 +2,7 @@
 //!
 //! Handlers parse and validate requests, build prompts and stream replies; one scheduler
 //! thread ([`scheduler`]) owns the backend and batches every running request into one decode
-//! step per token.
+//! step per token. `GET /` serves a chat page (`chat.html`) that streams from the chat API.
 
 mod error;
 mod metrics;
@@ -126,6 +126,8 @@ impl Server {
             .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
         Router::new()
             .merge(api)
+            // Outside the key check: the page itself sends the key its user types.
+            .route("/", get(routes::chat_page))
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .fallback(routes::not_found)

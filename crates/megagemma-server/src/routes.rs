@@ -216,6 +216,11 @@ pub async fn models(State(app): State<Arc<AppState>>) -> Json<serde_json::Value>
     }))
 }
 
+/// The chat page: one self-contained HTML file that talks to the API above.
+pub async fn chat_page() -> Response {
+    ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], include_str!("chat.html")).into_response()
+}
+
 pub async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
 }

@@ -146,6 +146,10 @@ fn is_chunked(headers: &[(String, String)]) -> bool {
     headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"))
 }
 
+fn content_length(headers: &[(String, String)]) -> Option<usize> {
+    headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("content-length")).and_then(|(_, v)| v.parse().ok())
+}
+
 /// One chunk of a chunked body; `None` at the end.
 fn read_chunk(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
     let mut line = String::new();
@@ -169,6 +173,10 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &st
         while let Some(c) = read_chunk(&mut r) {
             bytes.extend(c);
         }
+    } else if let Some(len) = content_length(&headers) {
+        // Servers that keep the connection open (ChromeDriver) end the body by its length.
+        bytes.resize(len, 0);
+        r.read_exact(&mut bytes).unwrap();
     } else {
         r.read_to_end(&mut bytes).unwrap();
     }
