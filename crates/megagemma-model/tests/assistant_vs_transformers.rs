@@ -307,6 +307,12 @@ fn add_moe(text: &mut Value) {
     text["moe_intermediate_size"] = 16.into();
 }
 
+/// A valid PLE block (its table covers the vocabulary), which an assistant must not have.
+fn add_ple(text: &mut Value) {
+    text["hidden_size_per_layer_input"] = 8.into();
+    text["vocab_size_per_layer_input"] = text["vocab_size"].clone();
+}
+
 #[test]
 fn mismatched_assistants_fail_with_one_line() {
     let target = target();
@@ -316,7 +322,7 @@ fn mismatched_assistants_fail_with_one_line() {
         ("head_dim", |c| c["text_config"]["per_layer_config"]["3"]["head_dim"] = 64.into(), "head_dim 64"),
         ("vocab", |c| c["text_config"]["vocab_size"] = 256.into(), "vocab_size 256 does not match"),
         ("shared", |c| c["text_config"]["num_kv_shared_layers"] = 2.into(), "num_kv_shared_layers is 2"),
-        ("ple", |c| c["text_config"]["hidden_size_per_layer_input"] = 8.into(), "per-layer embeddings"),
+        ("ple", |c| add_ple(&mut c["text_config"]), "per-layer embeddings"),
         ("moe", |c| add_moe(&mut c["text_config"]), "enable_moe_block must be false"),
         ("window", |c| c["text_config"]["sliding_window"] = 4.into(), "sliding_window 4 does not match"),
         ("arch", |c| c["architectures"] = serde_json::json!(["Gemma4ForCausalLM"]), "not an MTP assistant"),
