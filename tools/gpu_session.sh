@@ -19,7 +19,7 @@ fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 if [ -x "$BIN/gpu_forward" ]; then
-  MEGAGEMMA_GPU_TESTS=1 MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
+  MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" --include-ignored 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
 fi
 if [ -x "$BIN/gpu_check" ]; then
   timeout 300 "$BIN/gpu_check" fixtures 2>&1 | tee "$OUT/gpu_check.log" || fail=1

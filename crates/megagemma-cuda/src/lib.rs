@@ -8,7 +8,7 @@
 //! Without a GPU, [`CudaModel::load`] returns one error line ("no CUDA device found: …"). On the GPU
 //! machine: `gpu_check all` (example) compares every fixture with the CPU reference, checks verify
 //! columns against decode steps bit for bit and benchmarks synthetic E4B/E2B; the tests in
-//! `tests/gpu_forward.rs` run with `MEGAGEMMA_GPU_TESTS=1`. Environment: `MEGAGEMMA_CUDA_LIB_DIR`
+//! `tests/gpu_forward.rs` run with `--include-ignored`. Environment: `MEGAGEMMA_CUDA_LIB_DIR`
 //! (where libnvrtc is), `MEGAGEMMA_KERNELS` (read `.cu` files from a folder), `MEGAGEMMA_CACHE`
 //! (CUBIN cache), `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
