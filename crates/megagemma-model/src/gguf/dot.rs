@@ -374,33 +374,14 @@ macro_rules! kernels {
             )*
         }
 
-        /// The multi-vector kernels once more with AVX-512: the same fused multiply-adds per lane
-        /// (so the same bits as the AVX2 build), but 32 vector registers hold the MULTI × 32-lane
-        /// accumulator sets that spill from AVX2's 16.
+        /// Only called after `is_x86_feature_detected!` confirmed AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
-        mod avx512 {
-            use super::*;
-            $(
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-                pub(super) unsafe fn $f(w: &[u8], xs: [&[f32]; MULTI]) -> [f32; MULTI] {
-                    super::$f::<Fused, MULTI>(w, xs)
-                }
-            )*
-        }
-
-        /// Only called after `is_x86_feature_detected!` confirmed AVX2 and FMA (and AVX-512 when
-        /// `wide_multi`).
-        #[cfg(target_arch = "x86_64")]
-        fn avx2_kernel(ty: GgmlType, wide_multi: bool) -> Option<(DotFn, DotMultiFn)> {
+        fn avx2_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
             match ty {
-                // SAFETY: the CPU supports avx2+fma, and avx512 when `wide_multi` (checked by the only caller).
+                // SAFETY: the CPU supports avx2+fma (checked by the only caller).
                 $(GgmlType::$ty => Some((
                     |w, x| unsafe { avx2::$f::<1>(w, [x])[0] },
-                    if wide_multi {
-                        |w, xs| unsafe { avx512::$f(w, xs) }
-                    } else {
-                        |w, xs| unsafe { avx2::$f::<MULTI>(w, xs) }
-                    },
+                    |w, xs| unsafe { avx2::$f::<MULTI>(w, xs) },
                 )),)*
                 _ => None,
             }
@@ -418,18 +399,10 @@ kernels! {
 /// CPU lacks it, see [`crate::simd::level`]), or `None` when the type is unsupported.
 pub(super) fn dot_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
     #[cfg(target_arch = "x86_64")]
-    match crate::simd::level() {
-        crate::simd::Level::Avx512 => return avx2_kernel(ty, wide_multi_supported()),
-        crate::simd::Level::Avx2 => return avx2_kernel(ty, false),
-        crate::simd::Level::Portable => {}
+    if crate::simd::level() != crate::simd::Level::Portable {
+        return avx2_kernel(ty);
     }
     portable_kernel(ty)
-}
-
-/// AVX-512 with the byte/word and 256-bit forms the multi-vector build is compiled for.
-#[cfg(target_arch = "x86_64")]
-fn wide_multi_supported() -> bool {
-    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")
 }
 
 fn checked(ty: GgmlType, bytes: &[u8], x: &[f32], k: Option<(DotFn, DotMultiFn)>) -> Result<f32> {
