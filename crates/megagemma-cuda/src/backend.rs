@@ -6,7 +6,7 @@
 
 use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Want as SeqWant, MAX_CHUNK};
-use megagemma_model::backend::{top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
+use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
 use megagemma_model::Result;
@@ -49,28 +49,8 @@ impl CudaBackend {
     }
 
     fn check(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(Error::invalid_input("empty input: at least one token is needed"));
-        }
-        let v = self.model.plan().vocab_size;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(Error::invalid_input(format!("token id {bad} is out of range (vocab_size is {v})")));
-        }
         let s = self.seqs.get(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
-        if s.staged() > 0 {
-            return Err(Error::invalid_input(format!(
-                "sequence {seq}: {} verified rows are still staged: commit or truncate first",
-                s.staged()
-            )));
-        }
-        let need = s.len() + tokens.len();
-        if need > self.max_context {
-            return Err(Error::capacity(format!(
-                "sequence {seq} would hold {need} positions, more than the context of {} (use a larger --ctx)",
-                self.max_context
-            )));
-        }
-        Ok(())
+        check_pass(seq, tokens, self.model.plan().vocab_size, s.len(), s.staged(), self.max_context)
     }
 
     fn host_output(&mut self, o: crate::seq::PosOut, want: Want) -> PosOut {

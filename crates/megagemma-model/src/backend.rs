@@ -127,6 +127,37 @@ pub trait Backend: Send {
     }
 }
 
+/// The checks every backend makes before a pass of `tokens` on sequence `seq`, which holds `len`
+/// committed and `staged` uncommitted rows: tokens present and inside the vocabulary, nothing
+/// staged, and the context not outgrown. Kinds: `InvalidInput`, or `Capacity` for the context.
+pub fn check_pass(
+    seq: SeqId,
+    tokens: &[u32],
+    vocab: usize,
+    len: usize,
+    staged: usize,
+    max_context: usize,
+) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::invalid_input("empty input: at least one token is needed"));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::invalid_input(format!("token id {bad} is out of range (vocab_size is {vocab})")));
+    }
+    if staged > 0 {
+        return Err(Error::invalid_input(format!(
+            "sequence {seq}: {staged} verified rows are still staged: commit or truncate first"
+        )));
+    }
+    let need = len + tokens.len();
+    if need > max_context {
+        return Err(Error::capacity(format!(
+            "sequence {seq} would hold {need} positions, more than the context of {max_context} (use a larger --ctx)"
+        )));
+    }
+    Ok(())
+}
+
 /// The `n` most likely tokens of a logits row with their log-probabilities (log-softmax in
 /// f64), most likely first; ties keep the lower id first.
 pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {

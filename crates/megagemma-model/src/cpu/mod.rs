@@ -5,7 +5,7 @@ pub mod kv;
 pub mod ops;
 
 use crate::assistant::{self, AssistantModel};
-use crate::backend::{pos_out, Backend, BackendStats, Draft, PosOut, SeqId, Want};
+use crate::backend::{check_pass, pos_out, Backend, BackendStats, Draft, PosOut, SeqId, Want};
 use crate::error::Error;
 use crate::model::Model;
 use crate::plan::ModelPlan;
@@ -97,28 +97,8 @@ impl CpuBackend {
     }
 
     fn check_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
-        if tokens.is_empty() {
-            return Err(Error::invalid_input("empty input: at least one token is needed"));
-        }
-        let v = self.model.plan.vocab_size;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= v) {
-            return Err(Error::invalid_input(format!("token id {bad} is out of range (vocab_size is {v})")));
-        }
         let s = self.seq(seq)?;
-        if s.kv.staged() > 0 {
-            return Err(Error::invalid_input(format!(
-                "sequence {seq}: {} verified rows are still staged: commit or truncate first",
-                s.kv.staged()
-            )));
-        }
-        let need = s.kv.len() + tokens.len();
-        if need > self.max_context {
-            return Err(Error::capacity(format!(
-                "sequence {seq} would hold {need} positions, more than the context of {} (use a larger --ctx)",
-                self.max_context
-            )));
-        }
-        Ok(())
+        check_pass(seq, tokens, self.model.plan.vocab_size, s.kv.len(), s.kv.staged(), self.max_context)
     }
 
     /// One weight pass over `(seq, tokens, keep)` segments; results land in `self.scratch`.
