@@ -22,8 +22,13 @@ if [ -x "$BIN/gpu_forward" ]; then
   MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" --include-ignored 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
 fi
 if [ -x "$BIN/gpu_check" ]; then
-  timeout 300 "$BIN/gpu_check" fixtures 2>&1 | tee "$OUT/gpu_check.log" || fail=1
-  timeout 300 "$BIN/gpu_check" verify 2>&1 | tee -a "$OUT/gpu_check.log" || fail=1
+  # The same checks with the tensor-core 4-bit kernel on every tileable matrix (by default only
+  # large ones take it, so the small fixtures would not reach it).
+  for what in fixtures verify; do
+    MEGAGEMMA_CUDA_Q4_MMA_MIN=0 timeout 300 "$BIN/gpu_check" $what > "$OUT/gpu_check_$what.log" 2>&1 || fail=1
+    grep -v " ok$" "$OUT/gpu_check_$what.log"
+    echo "gpu_check $what (tensor-core kernel everywhere): $(grep -c ' ok$' "$OUT/gpu_check_$what.log") checks ok"
+  done
 fi
 
 # CLI: CUDA ids == CPU ids on every fixture and prompt, plain and speculative.
@@ -45,5 +50,9 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
+# The CUDA-core 4-bit kernel alone, for comparison in the same run.
+for m in e4b e2b; do
+  MEGAGEMMA_CUDA_Q4_MMA=0 timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_${m}_cuda_cores.log" || fail=1
+done
 echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
 exit $fail

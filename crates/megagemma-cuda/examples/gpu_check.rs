@@ -9,6 +9,7 @@
 
 use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
 use megagemma_cuda::{CudaModel, CudaSeq, Want};
+use megagemma_model::quant::load::QuantMode;
 use megagemma_model::{Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -65,25 +66,39 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
     }
 }
 
+/// A fixture as stored, and dense ones quantized on load (`q4`: groups of 64, `q4_0`: of 32).
+fn fixture_models(dir: &Path) -> Result<Vec<(String, Model)>> {
+    let mut out = vec![];
+    for quant in [QuantMode::Stored, QuantMode::Q4, QuantMode::Q4_0] {
+        let label = format!("{}/{quant}", dir.file_name().unwrap_or_default().to_string_lossy());
+        match Model::load_with(dir, quant) {
+            Ok(m) => out.push((label, m)),
+            Err(_) if quant != QuantMode::Stored => {} // an already-quantized checkpoint
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 fn fixtures_check(dirs: &[PathBuf]) -> Result<bool> {
     let mut all_ok = true;
     for dir in dirs {
-        let model = Model::load(dir)?;
-        let cm = CudaModel::load(&model)?;
-        for (name, prompt) in fixture_cases(dir)? {
-            let r = compare_greedy(&model, &cm, &prompt, STEPS)?;
-            all_ok &= r.ok();
-            println!(
-                "fixture {:<14} {:<10} prompt {:>3}  ids equal {:>2}/{STEPS}  max rel L2 {:.2e}  {}",
-                dir.file_name().unwrap_or_default().to_string_lossy(),
-                name,
-                prompt.len(),
-                r.ids_equal,
-                r.max_rel_l2,
-                if r.ok() { "ok" } else { "FAIL" }
-            );
-            if !r.ok() {
-                println!("  cpu  {:?}\n  cuda {:?}", r.cpu_ids, r.cuda_ids);
+        for (label, model) in fixture_models(dir)? {
+            let cm = CudaModel::load(&model)?;
+            for (name, prompt) in fixture_cases(dir)? {
+                let r = compare_greedy(&model, &cm, &prompt, STEPS)?;
+                all_ok &= r.ok();
+                println!(
+                    "fixture {label:<22} {:<10} prompt {:>3}  ids equal {:>2}/{STEPS}  max rel L2 {:.2e}  {}",
+                    name,
+                    prompt.len(),
+                    r.ids_equal,
+                    r.max_rel_l2,
+                    if r.ok() { "ok" } else { "FAIL" }
+                );
+                if !r.ok() {
+                    println!("  cpu  {:?}\n  cuda {:?}", r.cpu_ids, r.cuda_ids);
+                }
             }
         }
     }
@@ -105,11 +120,12 @@ fn verify_one(label: &str, cm: &Arc<CudaModel>, prompt: &[u32], t: usize) -> Res
 fn verify_all(dirs: &[PathBuf]) -> Result<bool> {
     let mut ok = true;
     for dir in dirs {
-        let model = Model::load(dir)?;
-        let cm = CudaModel::load(&model)?;
-        if let Some((_, prompt)) = fixture_cases(dir)?.into_iter().next() {
-            let label = dir.file_name().unwrap_or_default().to_string_lossy().to_string();
-            ok &= verify_one(&label, &cm, &prompt, 8)?;
+        for (label, model) in fixture_models(dir)? {
+            let cm = CudaModel::load(&model)?;
+            if let Some((_, prompt)) = fixture_cases(dir)?.into_iter().next() {
+                ok &= verify_one(&label, &cm, &prompt, 8)?;
+                ok &= verify_one(&label, &cm, &prompt, 5)?;
+            }
         }
     }
     for name in ["tiny", "e4b"] {

@@ -1,51 +1,77 @@
 // Scaled dot-product attention for each (token, query head), keys in chronological order: the
 // committed cache (inside the window) followed by this pass's staged rows up to the query.
-// One block per (token, head). Dynamic shared memory: q (hd floats), one score per key, and one
-// partial output row per warp. Every reduction runs in a fixed order that depends only on the
-// query's position, never on how many tokens share the pass.
+// Checked against the CPU reference (`gpu_check fixtures`, `tests/gpu_forward.rs`).
+//
+// Split along the keys (flash-decoding): a query's n keys are cut into nsplit contiguous ranges,
+// one block each, so a long context streams from many SMs at once. Each block writes its range's
+// maximum score m, Σ exp(s − m) and Σ exp(s − m)·v; the last of the query's blocks to finish (an
+// arrival counter per query, reset by that block) combines them in split order. nsplit depends only
+// on n and on whether the pass has at most ATT_FEW_TOKENS tokens (decode and speculative verify
+// split alike), and every reduction runs in a fixed order, so a query's result never depends on the
+// other tokens of its pass or on timing.
 #include "common.cuh"
 
-#define ATT_MAX_DPL 16  // dims per lane: head dims up to 512
+#define ATT_MAX_DPL 16      // dims per lane: head dims up to 512
+#define ATT_WARPS 8
+#define ATT_SPLIT_KEYS 64   // fewest keys a split gets
+#define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
+#define ATT_MAX_SPLITS 64
+#define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
+
+// Splits of a query over n keys in a pass of T tokens.
+__device__ __forceinline__ int att_splits(int n, int T) {
+  const int cap = T <= ATT_FEW_TOKENS ? ATT_MAX_SPLITS : ATT_LONG_SPLITS;
+  return min(cap, (n + ATT_SPLIT_KEYS - 1) / ATT_SPLIT_KEYS);
+}
 
 // q, out: [T, heads·hd]. Committed rows: kc/vc [slots or max_len, kv_heads·hd]; staged rows
 // (positions p0 + i, p0 = pos[0]): ks/vs [T, kv_heads·hd]. window 0 = full attention; ring 0 =
-// full cache, else the number of ring slots (slot = pos mod ring).
-extern "C" __global__ void __launch_bounds__(1024)
+// full cache, else the number of ring slots (slot = pos mod ring). Grid: T·heads·grid_splits
+// blocks (grid_splits ≥ every query's nsplit; extra blocks return at once). part_o
+// [T·heads·grid_splits, hd], part_ml [T·heads·grid_splits] and counters [T·heads] are scratch.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
 attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
-          int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale) {
+          int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters) {
   extern __shared__ float smem[];
+  __shared__ int last;
   // The positions and the committed cache rows were written before this pass began (positions
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
-  int p0 = pos_ptr[0];
-  int t = blockIdx.x / heads, head = blockIdx.x % heads;
-  int kvh = head / (heads / kv_heads);
-  int pos = p0 + t;
-  int lo = window > 0 ? max(0, pos + 1 - window) : 0;
-  int n = pos - lo + 1;
-  int kvw = kv_heads * hd;
+  const int p0 = pos_ptr[0];
+  const int split = blockIdx.x % grid_splits, query = blockIdx.x / grid_splits;
+  const int t = query / heads, head = query % heads;
+  const int kvh = head / (heads / kv_heads);
+  const int pos = p0 + t;
+  const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+  const int n = pos - lo + 1;
+  const int nsplit = att_splits(n, T);
+  if (split >= nsplit) return;
+  const int per = (n + nsplit - 1) / nsplit;
+  const int k0 = lo + split * per, nk = min(per, n - split * per);  // keys k0 .. k0 + nk
+  const int kvw = kv_heads * hd;
   {
     const int lines = (hd + 31) / 32;  // 128-byte lines per head row
-    const int committed = max(0, p0 - lo);
+    const int committed = max(0, min(k0 + nk, p0) - k0);
     for (int i = threadIdx.x; i < 2 * committed * lines; i += blockDim.x) {
-      const int j = lo + (i / lines) % committed, l = i % lines;
+      const int j = k0 + (i / lines) % committed, l = i % lines;
       const float* base = i < committed * lines ? kc : vc;
       prefetch_l2(base + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + l * 32);
     }
   }
   pdl_start();
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* qs = smem;
   float* scores = smem + hd;
-  float* part = scores + n;  // [nw, hd]
+  float* part = scores + per;  // [ATT_WARPS, hd]
   for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((u64)t * heads + head) * hd + d];
   __syncthreads();
 
   // Scores: one warp per key, lanes over the head dim (unrolled so several keys' loads overlap).
 #pragma unroll 4
-  for (int jj = warp; jj < n; jj += nw) {
-    int j = lo + jj;
+  for (int jj = warp; jj < nk; jj += ATT_WARPS) {
+    const int j = k0 + jj;
     const float* k = (j < p0 ? kc + (u64)(ring > 0 ? j % ring : j) * kvw : ks + (u64)(j - p0) * kvw) + kvh * hd;
     float s = 0.f;
 #pragma unroll 4
@@ -55,42 +81,76 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   }
   __syncthreads();
   float mx = NEG_INF;
-  for (int jj = threadIdx.x; jj < n; jj += blockDim.x) mx = fmaxf(mx, scores[jj]);
+  for (int jj = threadIdx.x; jj < nk; jj += blockDim.x) mx = fmaxf(mx, scores[jj]);
   mx = block_max(mx);
   float sum = 0.f;
-  for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
-    float e = expf(scores[jj] - mx);
+  for (int jj = threadIdx.x; jj < nk; jj += blockDim.x) {
+    const float e = expf(scores[jj] - mx);
     scores[jj] = e;
     sum += e;
   }
   sum = block_sum(sum);
-  float inv = 1.f / sum;
   __syncthreads();
 
-  // Weighted values: warp w takes keys w, w + nw, …; lane holds dims lane + 32·i.
+  // Weighted values Σ e·v: warp w takes keys w, w + ATT_WARPS, …; lane holds dims lane + 32·i.
   float acc[ATT_MAX_DPL];
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) acc[i] = 0.f;
 #pragma unroll 2
-  for (int jj = warp; jj < n; jj += nw) {
-    int j = lo + jj;
+  for (int jj = warp; jj < nk; jj += ATT_WARPS) {
+    const int j = k0 + jj;
     const float* v = (j < p0 ? vc + (u64)(ring > 0 ? j % ring : j) * kvw : vs + (u64)(j - p0) * kvw) + kvh * hd;
-    float p = __fmul_rn(scores[jj], inv);
+    const float e = scores[jj];
 #pragma unroll
     for (int i = 0; i < ATT_MAX_DPL; i++) {
-      int d = lane + 32 * i;
-      if (d < hd) acc[i] = fmaf(p, v[d], acc[i]);
+      const int d = lane + 32 * i;
+      if (d < hd) acc[i] = fmaf(e, v[d], acc[i]);
     }
   }
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) {
-    int d = lane + 32 * i;
+    const int d = lane + 32 * i;
     if (d < hd) part[warp * hd + d] = acc[i];
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float o = 0.f;
-    for (int w = 0; w < nw; w++) o += part[w * hd + d];
-    out[((u64)t * heads + head) * hd + d] = o;
+  float* o = out + ((u64)t * heads + head) * hd;
+  if (nsplit == 1) {
+    const float inv = 1.f / sum;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      float s = 0.f;
+      for (int w = 0; w < ATT_WARPS; w++) s += part[w * hd + d];
+      o[d] = __fmul_rn(s, inv);
+    }
+    return;
   }
+  // Several splits: publish this one's (m, Σe, Σe·v); the last to arrive combines all in order.
+  const u64 slot = (u64)query * grid_splits + split;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float s = 0.f;
+    for (int w = 0; w < ATT_WARPS; w++) s += part[w * hd + d];
+    part_o[slot * hd + d] = s;
+  }
+  if (threadIdx.x == 0) part_ml[slot] = make_float2(mx, sum);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[query], 1u) == (unsigned)(nsplit - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const u64 first = (u64)query * grid_splits;
+  float m = NEG_INF;
+  for (int s = 0; s < nsplit; s++) m = fmaxf(m, __ldcg(&part_ml[first + s]).x);
+  float l = 0.f;
+  for (int s = 0; s < nsplit; s++) {
+    const float2 ml = __ldcg(&part_ml[first + s]);
+    l = fmaf(ml.y, expf(ml.x - m), l);
+  }
+  const float inv = 1.f / l;
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc_d = 0.f;
+    for (int s = 0; s < nsplit; s++)
+      acc_d = fmaf(__ldcg(&part_o[(first + s) * hd + d]), expf(__ldcg(&part_ml[first + s]).x - m), acc_d);
+    o[d] = __fmul_rn(acc_d, inv);
+  }
+  if (threadIdx.x == 0) counters[query] = 0u;
 }

@@ -11,6 +11,7 @@ typedef unsigned long long u64;
 #define FMT_BF16 1
 #define FMT_F16 2
 #define FMT_Q4 3
+#define FMT_Q4T 4  // 4-bit affine, tensor-core tiled layout (matvec_mma.cu)
 
 // A weight matrix on the device, passed by value. Q4: `w` holds [rows, cols/8] u32 words
 // (nibble k of word j is weight 8j+k), `sb` holds [rows, cols/gs] (scale, bias) float pairs.

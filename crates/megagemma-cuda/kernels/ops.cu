@@ -78,23 +78,53 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
 
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
-extern "C" __global__ void add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
+// Each thread keeps its ≤ ADD_NORM_EPT elements (i = tid + e·blockDim) in registers: o and x are
+// loaded together right after `pdl_start()` (w1 is asked of L2 before it; w1 and w2 are L2 hits), so the row costs one load round trip
+// and two block reductions (sums in the same order as `inv_rms`).
+#define ADD_NORM_EPT 6
+extern "C" __global__ void __launch_bounds__(1024) add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
                                     float* a, const float* __restrict__ w2, int dim, float eps) {
+  float ov[ADD_NORM_EPT], xv[ADD_NORM_EPT];
+#pragma unroll
+  for (int e = 0; e < ADD_NORM_EPT; e++) {
+    const int i = threadIdx.x + e * blockDim.x;
+    if (i < dim) prefetch_l2(w1 + i);
+  }
   pdl_start();
-  u64 base = (u64)blockIdx.x * dim;
-  float r = inv_rms(o + base, dim, eps);
+  const u64 base = (u64)blockIdx.x * dim;
+  double ss = 0.0;
+#pragma unroll
+  for (int e = 0; e < ADD_NORM_EPT; e++) {
+    const int i = threadIdx.x + e * blockDim.x;
+    ov[e] = i < dim ? o[base + i] : 0.f;
+    xv[e] = i < dim ? x[base + i] : 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < ADD_NORM_EPT; e++) {
+    const double v = ov[e];
+    if (threadIdx.x + e * blockDim.x < dim) ss += v * v;
+  }
+  ss = block_sum_d(ss);
+  const float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
   double ss2 = 0.0;
-#pragma unroll 4
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    float v = __fadd_rn(x[base + i], __fmul_rn(__fmul_rn(o[base + i], r), w1[i]));
+#pragma unroll
+  for (int e = 0; e < ADD_NORM_EPT; e++) {
+    const int i = threadIdx.x + e * blockDim.x;
+    if (i >= dim) continue;
+    float v = __fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r), w1[i]));
     if (scale != 1.f) v = __fmul_rn(v, scale);
     x[base + i] = v;
+    xv[e] = v;
     ss2 += (double)v * (double)v;
   }
   if (!w2) return;
   ss2 = block_sum_d(ss2);
-  float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) a[base + i] = __fmul_rn(__fmul_rn(x[base + i], r2), w2[i]);
+  const float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
+#pragma unroll
+  for (int e = 0; e < ADD_NORM_EPT; e++) {
+    const int i = threadIdx.x + e * blockDim.x;
+    if (i < dim) a[base + i] = __fmul_rn(__fmul_rn(xv[e], r2), w2[i]);
+  }
 }
 
 // x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).

@@ -7,8 +7,9 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// `(file name, embedded source)` of every kernel file.
-pub const KERNEL_FILES: [(&str, &str); 4] = [
+pub const KERNEL_FILES: [(&str, &str); 5] = [
     ("matvec.cu", include_str!("../kernels/matvec.cu")),
+    ("matvec_mma.cu", include_str!("../kernels/matvec_mma.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("synth.cu", include_str!("../kernels/synth.cu")),

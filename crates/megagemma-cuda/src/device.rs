@@ -12,8 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Every kernel entry point, by file.
-const FUNCTIONS: [(&str, &[&str]); 4] = [
+const FUNCTIONS: [(&str, &[&str]); 5] = [
     ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated"]),
+    ("matvec_mma.cu", &MMA_KERNELS),
     (
         "ops.cu",
         &[
@@ -41,7 +42,28 @@ const FUNCTIONS: [(&str, &[&str]); 4] = [
 /// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`): on
 /// compute capability ≥ 9 they are launched with programmatic stream serialization, so each may
 /// start (and prefetch its weights) while the kernel before it finishes.
-const PDL_KERNELS: [&str; 15] = [
+/// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of
+/// ≥ 64 columns or of 32, plain or gated.
+pub const MMA_KERNELS: [&str; 8] = [
+    "matvec_q4t_4",
+    "matvec_q4t_8",
+    "matvec_q4t_4_g32",
+    "matvec_q4t_8_g32",
+    "matvec_q4t_4_gated",
+    "matvec_q4t_8_gated",
+    "matvec_q4t_4_g32_gated",
+    "matvec_q4t_8_g32_gated",
+];
+
+const PDL_KERNELS: [&str; 23] = [
+    "matvec_q4t_4",
+    "matvec_q4t_8",
+    "matvec_q4t_4_g32",
+    "matvec_q4t_8_g32",
+    "matvec_q4t_4_gated",
+    "matvec_q4t_8_gated",
+    "matvec_q4t_4_g32_gated",
+    "matvec_q4t_8_g32_gated",
     "matvec",
     "matvec_q4",
     "matvec_q4_gated",
@@ -66,6 +88,9 @@ const PDL_KERNELS: [&str; 15] = [
 pub struct Q4Stream {
     pub blocks_per_sm: usize,
     pub ahead: usize,
+    /// The tensor-core matvec splits tiles over more warps until a launch has this many blocks
+    /// per SM slot (`MEGAGEMMA_CUDA_MMA_WAVES`).
+    pub mma_waves: usize,
 }
 
 impl Q4Stream {
@@ -78,6 +103,7 @@ impl Q4Stream {
             // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
             blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
             ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
+            mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 2).max(1),
         }
     }
 }
@@ -102,6 +128,8 @@ pub const FMT_F32: i32 = 0;
 pub const FMT_BF16: i32 = 1;
 pub const FMT_F16: i32 = 2;
 pub const FMT_Q4: i32 = 3;
+/// 4-bit affine in the tensor-core tiled layout (`tiled.rs`).
+pub const FMT_Q4T: i32 = 4;
 
 /// One kernel argument.
 #[derive(Clone, Copy)]
@@ -213,6 +241,12 @@ impl Gpu {
         funcs["attention"]
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
+        // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums.
+        for name in MMA_KERNELS {
+            funcs[name]
+                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 60 * 1024)
+                .map_err(|e| cuda_err("matvec smem", e))?;
+        }
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
         let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {

@@ -22,6 +22,7 @@ pub mod libs;
 pub mod model;
 pub mod seq;
 pub mod synthetic;
+pub mod tiled;
 pub mod weights;
 
 pub use backend::CudaBackend;

@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4};
+use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -18,7 +18,18 @@ pub const MAX_CHUNK: usize = 64;
 /// Columns one matvec launch handles.
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
-const ATTENTION_WARPS: usize = 32;
+const ATTENTION_WARPS: usize = 8;
+/// Row elements each thread of `add_norm` keeps in registers (`ADD_NORM_EPT` in `kernels/ops.cu`).
+const ADD_NORM_EPT: usize = 6;
+/// Blocks per SM of the tensor-core matvec (its `__launch_bounds__`), and the shared memory its
+/// input fragments may take per block (`MMA_SLICE_BYTES` in `kernels/matvec_mma.cu`).
+const MMA_BLOCKS_PER_SM: usize = 3;
+const MMA_SLICE_BYTES: usize = 48 * 1024;
+/// Columns (64-wide chunks) one part of a split tensor-core matvec covers at most: wider matrices
+/// are split along their columns into parts summed at the end (down projections, wide O).
+const MMA_PART_CHUNKS: usize = 40;
+const MMA_PARTIAL_FLOATS: usize = 1 << 21;
+const MMA_COUNTERS: usize = 1 << 16;
 /// Blocks per row of the softcap + argmax pass.
 const ARGMAX_SPLIT: usize = 64;
 
@@ -72,6 +83,15 @@ struct Scratch {
     ids: DevBuf,
     /// Per-block (value, index) candidates of the argmax.
     partial: DevBuf,
+    /// Per-part sums of split matvecs (`MMA_PARTIAL_FLOATS`) and their per-tile-group arrival
+    /// counters (`MMA_COUNTERS`, zero between launches).
+    mma_partial: DevBuf,
+    mma_counters: DevBuf,
+    /// Attention split along the keys: per-split partial outputs, (max, sum) pairs and per-query
+    /// arrival counters (zero between launches).
+    att_o: DevBuf,
+    att_ml: DevBuf,
+    att_counters: DevBuf,
     /// `[p0, token 0, token 1, …]` as u32: the chunk's first position and its tokens, uploaded
     /// in one copy and read by the kernels on the device.
     meta: DevBuf,
@@ -82,6 +102,44 @@ struct Scratch {
     wts: DevBuf,
     ys: DevBuf,
     e: DevBuf,
+}
+
+/// The most keys a query of layer `lp` can see in a sequence of `max_len` positions.
+fn attention_keys(lp: &LayerPlan, max_len: usize) -> usize {
+    lp.window.map_or(max_len, |w| w.min(max_len))
+}
+
+/// How the attention kernel splits a query's keys over blocks (`kernels/attention.cu`: splits of at
+/// least `ATT_SPLIT_KEYS` keys, at most `ATT_MAX_SPLITS` of them in passes of up to
+/// `ATT_FEW_TOKENS` tokens, `ATT_LONG_SPLITS` in longer ones).
+struct AttentionSplit {
+    /// Blocks per query in the grid (enough for the longest query).
+    grid_splits: usize,
+    /// Most keys one block takes.
+    keys_per_block: usize,
+}
+
+impl AttentionSplit {
+    const SPLIT_KEYS: usize = 64;
+    const FEW_TOKENS: usize = 8;
+    const MAX_SPLITS: usize = 64;
+    const LONG_SPLITS: usize = 4;
+
+    fn new(max_keys: usize, t: usize) -> AttentionSplit {
+        let cap = if t <= Self::FEW_TOKENS { Self::MAX_SPLITS } else { Self::LONG_SPLITS };
+        let grid_splits = max_keys.div_ceil(Self::SPLIT_KEYS).clamp(1, cap);
+        AttentionSplit { grid_splits, keys_per_block: Self::SPLIT_KEYS.max(max_keys.div_ceil(cap)) }
+    }
+
+    /// Partial outputs (`[queries·grid_splits, hd]` floats) the largest pass of a layer needs.
+    fn scratch_floats(lp: &LayerPlan, max_len: usize) -> usize {
+        let keys = attention_keys(lp, max_len);
+        [Self::FEW_TOKENS, MAX_CHUNK]
+            .into_iter()
+            .map(|t| t * lp.num_heads * Self::new(keys, t).grid_splits * lp.head_dim)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 pub struct CudaSeq {
@@ -136,6 +194,9 @@ impl CudaSeq {
         let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
         let lp = plan.layers.len() * plan.ple_dim;
         let top_k = plan.moe_top_k.max(1);
+        let att_floats = plan.layers.iter().map(|l| AttentionSplit::scratch_floats(l, max_len)).max().unwrap_or(0);
+        let min_hd = plan.layers.iter().map(|l| l.head_dim).min().unwrap_or(1).max(1);
+        let max_heads = plan.layers.iter().map(|l| l.num_heads).max().unwrap_or(1);
         let s = Scratch {
             x: gpu.alloc_zeros(f32s(t * h))?,
             a: gpu.alloc_zeros(f32s(t * h))?,
@@ -150,6 +211,11 @@ impl CudaSeq {
             logits: gpu.alloc_zeros(f32s(t * plan.vocab_size))?,
             ids: gpu.alloc_zeros(t * 4)?,
             partial: gpu.alloc_zeros(t * ARGMAX_SPLIT * 8)?,
+            mma_partial: gpu.alloc_zeros(f32s(MMA_PARTIAL_FLOATS))?,
+            att_o: gpu.alloc_zeros(f32s(att_floats))?,
+            att_ml: gpu.alloc_zeros(f32s(2 * att_floats / min_hd))?,
+            att_counters: gpu.alloc_zeros(4 * t * max_heads)?,
+            mma_counters: gpu.alloc_zeros(MMA_COUNTERS * 4)?,
             meta: gpu.alloc_zeros((t + 1) * 4)?,
             zr: gpu.alloc_zeros(f32s(t * h))?,
             rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
@@ -357,10 +423,108 @@ impl CudaSeq {
         nblocks.min(self.gpu().q4_stream.blocks_per_sm * self.gpu().sms as usize) as u32
     }
 
+    /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
+    /// columns: (warps per tile `ks`, column parts). Parts of at most `MMA_PART_CHUNKS` chunks;
+    /// then one warp per tile unless that leaves fewer than `mma_waves` (2) blocks per SM slot. Depends only on
+    /// the shapes, never on the number of tokens.
+    fn mma_split(&self, tiles: &[usize], cols: usize) -> (usize, usize) {
+        let chunks = cols.div_ceil(64);
+        let mut parts = chunks.div_ceil(MMA_PART_CHUNKS);
+        let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
+        if parts > 1 && (tiles.len() > 1 || groups(1) > MMA_COUNTERS || tiles[0] * 16 * 8 * parts > MMA_PARTIAL_FLOATS)
+        {
+            parts = 1; // split launches take one matrix (the caller launches each alone when it can)
+        }
+        let slots = MMA_BLOCKS_PER_SM * self.gpu().sms as usize;
+        let per_part = chunks.div_ceil(parts);
+        let mut ks = 1;
+        let waves = self.gpu().q4_stream.mma_waves;
+        while ks < 8 && 2 * ks <= per_part && groups(8 / ks) * parts < waves * slots {
+            ks *= 2;
+        }
+        (ks, parts)
+    }
+
+    /// Tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`) of up to three tiled matrices of the
+    /// same width and group class on the same input, or one gated matrix: launches of ≤ 8 columns.
+    fn matvec_mma(&self, mats: &[(&DevMat, u64)], x: u64, gate: Option<Gate>, t: usize) -> Result<()> {
+        let (w0, y0) = mats[0];
+        let cols = w0.cols as usize;
+        let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
+        let (ks, parts) = self.mma_split(&tiles, cols);
+        let nb: Vec<usize> = tiles.iter().map(|t| t.div_ceil(8 / ks) * parts).collect();
+        let nblocks: usize = nb.iter().sum();
+        let grid = nblocks.min(MMA_BLOCKS_PER_SM * self.gpu().sms as usize) as u32;
+        let ahead = self.gpu().q4_stream.ahead as i32;
+        let chunks = cols.div_ceil(64);
+        let upc = if w0.gs == 32 { 2 } else { 1 };
+        let (partial, counters) = (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr));
+        for c0 in (0..t).step_by(MATVEC_COLS) {
+            let m = MATVEC_COLS.min(t - c0);
+            let h = m.div_ceil(4);
+            // Input fragments: 1024·h bytes per 64-column chunk, plus the per-unit sums.
+            let slice = chunks.min(MMA_SLICE_BYTES / (1024 * h + 32 * upc));
+            let smem = (slice * (1024 * h + 32 * upc)) as u32;
+            let name = format!(
+                "matvec_q4t_{}{}{}",
+                4 * h,
+                if upc == 2 { "_g32" } else { "" },
+                if gate.is_some() { "_gated" } else { "" }
+            );
+            let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
+            let xp = x + f32s(c0 * cols) as u64;
+            let split = [Arg::I32(m as i32), Arg::I32(ks as i32), Arg::I32(parts as i32), Arg::I32(nblocks as i32)];
+            match gate {
+                Some(g) => {
+                    let mut args = vec![Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))];
+                    args.extend(split);
+                    args.extend([
+                        Arg::I32(ahead),
+                        partial,
+                        counters,
+                        Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64),
+                        Arg::I32(g.stride as i32),
+                    ]);
+                    self.gpu().launch(&name, grid, 256, smem, &args)?;
+                }
+                None => {
+                    let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
+                    let (w2, y2) = mats.get(2).copied().unwrap_or((w0, 0));
+                    let mut args = vec![
+                        Arg::Mat(*w0),
+                        Arg::Mat(*w1),
+                        Arg::Mat(*w2),
+                        Arg::Ptr(xp),
+                        Arg::Ptr(yp(y0, w0)),
+                        Arg::Ptr(yp(y1, w1)),
+                        Arg::Ptr(yp(y2, w2)),
+                        Arg::I32(nb[0] as i32),
+                        Arg::I32(nb.get(1).copied().unwrap_or(0) as i32),
+                    ];
+                    args.extend(split);
+                    args.extend([Arg::I32(ahead), partial, counters]);
+                    self.gpu().launch(&name, grid, 256, smem, &args)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
-    /// per eight columns when all are 4-bit, else one matvec each.
+    /// per eight columns when all are 4-bit in the same layout, else one matvec each.
     fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
         let cols = mats[0].0.cols;
+        let g32 = mats[0].0.gs == 32;
+        let one_part = (cols as usize).div_ceil(64) <= MMA_PART_CHUNKS;
+        if mats.len() <= 3
+            && (mats.len() == 1 || one_part)
+            && mats.iter().all(|(w, _)| w.fmt == FMT_Q4T && w.cols == cols && (w.gs == 32) == g32)
+        {
+            return self.matvec_mma(mats, x, None, t);
+        }
+        if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
+            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
+        }
         if mats.len() > 3 || !mats.iter().all(|(w, _)| Self::q4_fast(w) && w.cols == cols) {
             return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
         }
@@ -399,6 +563,23 @@ impl CudaSeq {
 
     fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
+        if w.fmt == FMT_Q4T {
+            return match gate {
+                None => self.matvec_mma(&[(w, y)], x, None, t),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t),
+                Some(g) => {
+                    let args = [
+                        Arg::Ptr(x),
+                        Arg::Ptr(g.ptr),
+                        Arg::I32(cols as i32),
+                        Arg::I32(g.stride as i32),
+                        Arg::I32(t as i32),
+                    ];
+                    self.elementwise("gelu_gate", t * cols, &args)?;
+                    self.matvec_mma(&[(w, y)], x, None, t)
+                }
+            };
+        }
         let q4_fast = Self::q4_fast(w) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
         match (gate, q4_fast) {
             (None, true) => return self.matvec_many(&[(w, y)], x, t),
@@ -605,23 +786,24 @@ impl CudaSeq {
             Arg::F32(eps),
         ];
         // Many threads per row: each thread's loads form one dependent chain.
-        self.gpu().launch("add_norm", t as u32, if h >= 2048 { 1024 } else { 256 }, 0, &args)
+        let block = if h >= 2048 { 1024 } else { 256 };
+        if h > ADD_NORM_EPT * block {
+            bail!("hidden size {h} is past the residual-norm kernel's {}", ADD_NORM_EPT * block);
+        }
+        self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
     }
 
     fn attention(&self, lp: &LayerPlan, t: usize) -> Result<()> {
         let s = &self.s;
         let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
-        // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
-        let keys = match lp.window {
-            Some(w) => w.min(self.max_len),
-            None => self.max_len,
-        };
-        let smem = f32s(lp.head_dim + keys + ATTENTION_WARPS * lp.head_dim);
         if lp.head_dim > 512 {
             bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
         }
+        // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
+        let split = AttentionSplit::new(attention_keys(lp, self.max_len), t);
+        let smem = f32s(lp.head_dim + split.keys_per_block + ATTENTION_WARPS * lp.head_dim);
         if smem > 200 * 1024 {
-            bail!("attention over {keys} keys needs {smem} bytes of shared memory (at most 200 KB)");
+            bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
         let args = [
             Arg::Ptr(s.q.ptr),
@@ -637,8 +819,14 @@ impl CudaSeq {
             Arg::I32(lp.window.unwrap_or(0) as i32),
             Arg::I32(c.ring as i32),
             Arg::F32(self.model.plan.attn_scale),
+            Arg::I32(t as i32),
+            Arg::I32(split.grid_splits as i32),
+            Arg::Ptr(s.att_o.ptr),
+            Arg::Ptr(s.att_ml.ptr),
+            Arg::Ptr(s.att_counters.ptr),
         ];
-        self.gpu().launch("attention", (t * lp.num_heads) as u32, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
+        let grid = (t * lp.num_heads * split.grid_splits) as u32;
+        self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
     /// `out = down(gelu(gate·x) · up·x)` for `t` columns.

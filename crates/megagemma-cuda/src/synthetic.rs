@@ -60,11 +60,13 @@ pub fn synthetic_config(name: &str) -> Result<ModelConfig> {
 pub fn place_synthetic(p: &mut Placer, plan: &ModelPlan) -> Result<DevWeights> {
     let (h, g) = (plan.hidden, SYNTHETIC_GROUP);
     let (l, pd) = (plan.layers.len(), plan.ple_dim);
-    let embed = p.q4_random(plan.vocab_size, h, g)?;
+    let embed = p.q4_random(plan.vocab_size, h, g, false)?;
+    // Tied head: random like the embedding, in the matvec layout (same bytes per token).
+    let lm_head = p.q4_random(plan.vocab_size, h, g, true)?;
     let ple = if pd > 0 {
         Some(DevPleInput {
-            table: p.q4_random(plan.vocab_size, l * pd, g)?,
-            proj: p.q4_random(l * pd, h, g)?,
+            table: p.q4_random(plan.vocab_size, l * pd, g, false)?,
+            proj: p.q4_random(l * pd, h, g, true)?,
             norm: p.vec_const(pd, 1.0)?,
         })
     } else {
@@ -76,22 +78,22 @@ pub fn place_synthetic(p: &mut Placer, plan: &ModelPlan) -> Result<DevWeights> {
         let (qw, kvw, i) = (lp.q_width(), lp.kv_width(), lp.mlp_width);
         layers.push(DevLayer {
             input_norm: p.vec_const(h, 1.0)?,
-            q: p.q4_random(qw, h, g)?,
+            q: p.q4_random(qw, h, g, true)?,
             q_norm: p.vec_const(lp.head_dim, 1.0)?,
-            k: if owns { Some(p.q4_random(kvw, h, g)?) } else { None },
-            v: if owns { Some(p.q4_random(kvw, h, g)?) } else { None },
+            k: if owns { Some(p.q4_random(kvw, h, g, true)?) } else { None },
+            v: if owns { Some(p.q4_random(kvw, h, g, true)?) } else { None },
             k_norm: if owns { Some(p.vec_const(lp.head_dim, 1.0)?) } else { None },
-            o: p.q4_random(h, qw, g)?,
+            o: p.q4_random(h, qw, g, true)?,
             post_attn_norm: p.vec_const(h, 1.0)?,
             pre_ffn_norm: p.vec_const(h, 1.0)?,
-            gate: p.q4_random(i, h, g)?,
-            up: p.q4_random(i, h, g)?,
-            down: p.q4_random(h, i, g)?,
+            gate: p.q4_random(i, h, g, true)?,
+            up: p.q4_random(i, h, g, true)?,
+            down: p.q4_random(h, i, g, true)?,
             post_ffn_norm: p.vec_const(h, 1.0)?,
             ple: if pd > 0 {
                 Some(DevPleLayer {
-                    gate: p.q4_random(pd, h, g)?,
-                    proj: p.q4_random(h, pd, g)?,
+                    gate: p.q4_random(pd, h, g, true)?,
+                    proj: p.q4_random(h, pd, g, true)?,
                     post_norm: p.vec_const(h, 1.0)?,
                 })
             } else {
@@ -102,7 +104,7 @@ pub fn place_synthetic(p: &mut Placer, plan: &ModelPlan) -> Result<DevWeights> {
             inv_freq: p.vec(&lp.inv_freq)?,
         });
     }
-    Ok(DevWeights { embed, ple, layers, final_norm: p.vec_const(h, 1.0)?, lm_head: embed })
+    Ok(DevWeights { embed, ple, layers, final_norm: p.vec_const(h, 1.0)?, lm_head })
 }
 
 /// Bytes of a `[rows, cols]` 4-bit matrix as stored on disk (codes plus a bf16 scale and bias

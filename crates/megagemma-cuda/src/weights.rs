@@ -1,9 +1,11 @@
 //! Weights on the device: one arena, placed in two passes (measure, then write) so a model is
 //! uploaded without holding a second host copy. Dense bf16/f16/f32 stay as stored; 4-bit affine
-//! matrices (MLX, the crate's `q4`, GGUF `Q4_0`) become packed words plus (scale, bias) f32 pairs;
-//! other GGUF types are widened to f32 (exact) for now.
+//! matrices (MLX, the crate's `q4`, GGUF `Q4_0`) become (scale, bias) f32 pairs plus codes, in the
+//! tensor-core tiled layout (`tiled.rs`) for matrices the matvecs read and row-major for the ones
+//! only gathered from (embedding, PLE table); other GGUF types are widened to f32 (exact) for now.
 
-use crate::device::{Arg, DevBuf, DevMat, Gpu, FMT_BF16, FMT_F16, FMT_F32, FMT_Q4};
+use crate::device::{Arg, DevBuf, DevMat, Gpu, FMT_BF16, FMT_F16, FMT_F32, FMT_Q4, FMT_Q4T};
+use crate::tiled::{tile_q4, tileable, tiled_sizes};
 use megagemma_model::gguf::GgmlType;
 use megagemma_model::matrix::{RowDot, WeightLayout};
 use megagemma_model::plan::ModelPlan;
@@ -71,12 +73,40 @@ pub struct Uploaded {
 
 const ALIGN: usize = 256;
 
+/// A row-major 4-bit affine matrix's data: groups of `gs` columns, `rows·cols/8` code words (nibble
+/// k of word j is weight 8j + k), one scale and bias per (row, group).
+struct Affine4Data<'a> {
+    gs: usize,
+    packed: &'a [u32],
+    scales: &'a [f32],
+    biases: &'a [f32],
+}
+
 /// Places tensors in the arena: the first pass only measures, the second writes.
 pub struct Placer<'g> {
     gpu: &'g Gpu,
     base: Option<u64>,
     off: usize,
     seed: u64,
+    /// 4-bit matvec matrices of at least this many weights take the tiled layout (and the
+    /// tensor-core kernel); `None`: none do.
+    mma_min: Option<usize>,
+}
+
+/// Weights from which a 4-bit matrix takes the tensor-core kernel. On the H200 (E4B/E2B q4) that
+/// kernel streams large matrices (gate/up, down, the LM head) at least as fast as the CUDA-core
+/// one, but its fixed cost per launch (input fragments built in shared memory before any weight is
+/// used) makes small ones slower (`docs/perf-notes.md`, v11). The choice depends on the shape
+/// only, so every token of a multi-token pass runs the same kernel as a single-token pass.
+const MMA_MIN_WEIGHTS: usize = 8 << 20;
+
+/// `MEGAGEMMA_CUDA_Q4_MMA=0` turns the tensor-core kernel off; `MEGAGEMMA_CUDA_Q4_MMA_MIN=N` sets
+/// the threshold (0: every tileable 4-bit matrix, as the GPU tests also check).
+pub fn q4_mma_min() -> Option<usize> {
+    if std::env::var("MEGAGEMMA_CUDA_Q4_MMA").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    Some(std::env::var("MEGAGEMMA_CUDA_Q4_MMA_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(MMA_MIN_WEIGHTS))
 }
 
 impl Placer<'_> {
@@ -108,7 +138,18 @@ impl Placer<'_> {
         Ok(p)
     }
 
-    fn affine4(&mut self, rows: usize, cols: usize, gs: usize, packed: &[u32], s: &[f32], b: &[f32]) -> Result<DevMat> {
+    fn affine4(&mut self, rows: usize, cols: usize, q: Affine4Data, matvec: bool) -> Result<DevMat> {
+        let Affine4Data { gs, packed, scales: s, biases: b } = q;
+        if matvec && self.tiles_shape(rows, cols, gs) {
+            let (nw, ns) = tiled_sizes(rows, cols, gs);
+            let (w, sb) = if self.writing() {
+                let (codes, sb) = tile_q4(rows, cols, gs, packed, s, b);
+                (self.put(&codes)?, self.put(&sb)?)
+            } else {
+                (self.reserve(nw * 4), self.reserve(ns * 4))
+            };
+            return Ok(DevMat { w, sb, rows: rows as i32, cols: cols as i32, fmt: FMT_Q4T, gs: gs as i32 });
+        }
         let w = self.put(packed)?;
         let sb = if self.writing() {
             let pairs: Vec<[f32; 2]> = s.iter().zip(b).map(|(&s, &b)| [s, b]).collect();
@@ -119,8 +160,31 @@ impl Placer<'_> {
         Ok(DevMat { w, sb, rows: rows as i32, cols: cols as i32, fmt: FMT_Q4, gs: gs as i32 })
     }
 
-    /// Uploads a loaded matrix in its kernel format.
+    /// Uploads a matrix the matvecs read (4-bit: tiled when [`Placer::tiles_shape`] says so).
     pub fn mat(&mut self, m: &dyn RowDot) -> Result<DevMat> {
+        self.mat_as(m, true)
+    }
+
+    /// Whether a 4-bit `[rows, cols]` matvec matrix with groups of `gs` takes the tiled layout.
+    fn tiles_shape(&self, rows: usize, cols: usize, gs: usize) -> bool {
+        self.mma_min.is_some_and(|min| rows * cols >= min) && tileable(cols, gs)
+    }
+
+    /// Uploads a matrix only gathered from by row (embedding, PLE table): row-major.
+    pub fn mat_rows(&mut self, m: &dyn RowDot) -> Result<DevMat> {
+        self.mat_as(m, false)
+    }
+
+    /// Whether [`Placer::mat`] stores `m` differently from [`Placer::mat_rows`].
+    pub fn tiles(&self, m: &dyn RowDot) -> bool {
+        match m.layout() {
+            WeightLayout::Affine4 { group_size, .. } => self.tiles_shape(m.rows(), m.cols(), group_size),
+            WeightLayout::Gguf { kind: GgmlType::Q4_0, .. } => self.tiles_shape(m.rows(), m.cols(), 32),
+            _ => false,
+        }
+    }
+
+    fn mat_as(&mut self, m: &dyn RowDot, matvec: bool) -> Result<DevMat> {
         let (rows, cols) = (m.rows(), m.cols());
         let dense = |w, fmt| DevMat { w, sb: 0, rows: rows as i32, cols: cols as i32, fmt, gs: 0 };
         Ok(match m.layout() {
@@ -128,12 +192,13 @@ impl Placer<'_> {
             WeightLayout::Bf16(v) => dense(self.put(v)?, FMT_BF16),
             WeightLayout::F16(v) => dense(self.put(v)?, FMT_F16),
             WeightLayout::Affine4 { group_size, packed, scales, biases } => {
-                self.affine4(rows, cols, group_size, packed, scales, biases)?
+                self.affine4(rows, cols, Affine4Data { gs: group_size, packed, scales, biases }, matvec)?
             }
             WeightLayout::Gguf { kind: GgmlType::Q4_0, bytes } => {
                 // Q4_0 is the affine form with scale d, bias −8d: exact.
                 let q = QuantMatrix::from_ggml_q4_0(bytes, rows, cols)?;
-                self.affine4(rows, cols, 32, q.packed(), q.scales(), q.biases())?
+                let data = Affine4Data { gs: 32, packed: q.packed(), scales: q.scales(), biases: q.biases() };
+                self.affine4(rows, cols, data, matvec)?
             }
             WeightLayout::Gguf { .. } => {
                 // Other GGUF types: widened to f32, exactly as the CPU dequantizes them.
@@ -154,13 +219,19 @@ impl Placer<'_> {
         })
     }
 
-    /// A random 4-bit affine matrix (group size `gs`) generated on the device.
-    pub fn q4_random(&mut self, rows: usize, cols: usize, gs: usize) -> Result<DevMat> {
+    /// A random 4-bit affine matrix (group size `gs`) generated on the device, in the layout
+    /// [`Placer::mat`] (`matvec`) or [`Placer::mat_rows`] (`!matvec`) would give it.
+    pub fn q4_random(&mut self, rows: usize, cols: usize, gs: usize, matvec: bool) -> Result<DevMat> {
         if !cols.is_multiple_of(gs) || !cols.is_multiple_of(8) {
             bail!("synthetic matrix [{rows}, {cols}]: group size {gs} does not divide the columns");
         }
-        let words = rows * cols / 8;
-        let groups = rows * cols / gs;
+        let tiled = matvec && self.tiles_shape(rows, cols, gs);
+        let (words, groups) = if tiled {
+            let (nw, ns) = tiled_sizes(rows, cols, gs);
+            (nw, ns / 2)
+        } else {
+            (rows * cols / 8, rows * cols / gs)
+        };
         let w = self.reserve(words * 4);
         let sb = self.reserve(groups * 8);
         self.seed += 1;
@@ -176,16 +247,18 @@ impl Placer<'_> {
                 &[Arg::Ptr(sb), Arg::U64(groups as u64), Arg::U64(seed ^ 0x5555), Arg::F32(s0)],
             )?;
         }
-        Ok(DevMat { w, sb, rows: rows as i32, cols: cols as i32, fmt: FMT_Q4, gs: gs as i32 })
+        let fmt = if tiled { FMT_Q4T } else { FMT_Q4 };
+        Ok(DevMat { w, sb, rows: rows as i32, cols: cols as i32, fmt, gs: gs as i32 })
     }
 }
 
 /// Runs `place` twice — measuring, then writing into one arena of the measured size.
 pub fn place_all(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<DevWeights>) -> Result<Uploaded> {
-    let mut measure = Placer { gpu, base: None, off: 0, seed: 0 };
+    let mma_min = q4_mma_min();
+    let mut measure = Placer { gpu, base: None, off: 0, seed: 0, mma_min };
     place(&mut measure)?;
     let arena = gpu.alloc(measure.off.max(1))?;
-    let mut write = Placer { gpu, base: Some(arena.ptr), off: 0, seed: 0 };
+    let mut write = Placer { gpu, base: Some(arena.ptr), off: 0, seed: 0, mma_min };
     let w = place(&mut write)?;
     gpu.sync()?;
     Ok(Uploaded { w, arena })
@@ -193,11 +266,13 @@ pub fn place_all(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<DevWeights>) -
 
 /// Every weight of a loaded model, in plan order.
 pub fn place_model(p: &mut Placer, plan: &ModelPlan, mw: &ModelWeights) -> Result<DevWeights> {
-    let embed = p.mat(mw.embed.as_ref())?;
+    let embed = p.mat_rows(mw.embed.as_ref())?;
     let ple = match &mw.ple {
-        Some(x) => {
-            Some(DevPleInput { table: p.mat(x.embed.as_ref())?, proj: p.mat(x.proj.as_ref())?, norm: p.vec(&x.norm)? })
-        }
+        Some(x) => Some(DevPleInput {
+            table: p.mat_rows(x.embed.as_ref())?,
+            proj: p.mat(x.proj.as_ref())?,
+            norm: p.vec(&x.norm)?,
+        }),
         None => None,
     };
     let mut layers = Vec::with_capacity(mw.layers.len());
@@ -247,8 +322,10 @@ pub fn place_model(p: &mut Placer, plan: &ModelPlan, mw: &ModelWeights) -> Resul
             inv_freq: p.vec(&lp.inv_freq)?,
         });
     }
+    // A tied head is the embedding again, in the matvec layout when that differs.
     let lm_head = match &mw.lm_head {
         Some(h) => p.mat(h.as_ref())?,
+        None if p.tiles(mw.embed.as_ref()) => p.mat(mw.embed.as_ref())?,
         None => embed,
     };
     Ok(DevWeights { embed, ple, layers, final_norm: p.vec(&mw.final_norm)?, lm_head })

@@ -1,12 +1,14 @@
 //! The CUDA forward on the GPU, `#[ignore]`d so CI (no GPU) reports them as ignored; on the GPU
 //! machine run the test binary with `--include-ignored` (`tools/gpu_session.sh` does): every
 //! committed fixture greedy against the CPU reference (ids equal, logits within 1e-3 relative L2),
-//! and multi-token verify columns bit-identical to single decode steps.
+//! as stored and quantized to 4 bits on load (`q4`: groups of 64, `q4_0`: groups of 32, which
+//! take the tensor-core matvec), and multi-token verify columns bit-identical to single decode steps.
 
 use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
 use megagemma_cuda::CudaModel;
+use megagemma_model::quant::load::QuantMode;
 use megagemma_model::Model;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn fixtures() -> Vec<PathBuf> {
     // MEGAGEMMA_FIXTURES: where the fixtures are when the test binary runs away from the source tree.
@@ -18,18 +20,37 @@ fn fixtures() -> Vec<PathBuf> {
     dirs
 }
 
+/// Every fixture as stored, and the dense ones quantized on load as `q4` and `q4_0`.
+fn fixture_models() -> Vec<(PathBuf, String, Model)> {
+    let mut out = vec![];
+    for dir in fixtures() {
+        for quant in [QuantMode::Stored, QuantMode::Q4, QuantMode::Q4_0] {
+            let label = format!("{} ({quant})", dir.display());
+            match Model::load_with(&dir, quant) {
+                Ok(m) => out.push((dir.clone(), label, m)),
+                // Already-quantized checkpoints load only as stored.
+                Err(_) if quant != QuantMode::Stored && is_quantized(&dir) => {}
+                Err(e) => panic!("{label}: {e}"),
+            }
+        }
+    }
+    out
+}
+
+fn is_quantized(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json")).is_ok_and(|c| c.contains("\"quantization\""))
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn fixtures_match_cpu_reference() {
-    for dir in fixtures() {
-        let model = Model::load(&dir).expect("load");
+    for (dir, label, model) in fixture_models() {
         let cm = CudaModel::load(&model).expect("upload");
         for (name, prompt) in fixture_cases(&dir).expect("cases") {
             let r = compare_greedy(&model, &cm, &prompt, 16).expect("greedy");
             assert!(
                 r.ok(),
-                "{} {name}: {} of 16 ids equal, max rel L2 {:.2e}\ncpu  {:?}\ncuda {:?}",
-                dir.display(),
+                "{label} {name}: {} of 16 ids equal, max rel L2 {:.2e}\ncpu  {:?}\ncuda {:?}",
                 r.ids_equal,
                 r.max_rel_l2,
                 r.cpu_ids,
@@ -42,15 +63,13 @@ fn fixtures_match_cpu_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn verify_columns_equal_decode_steps() {
-    for dir in fixtures() {
-        let model = Model::load(&dir).expect("load");
+    for (dir, label, model) in fixture_models() {
         let cm = CudaModel::load(&model).expect("upload");
         let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
         let r = verify_columns(&cm, &prompt, 8).expect("verify");
         assert!(
             r.ok(),
-            "{}: {}/8 columns equal, partial commit exact: {}",
-            dir.display(),
+            "{label}: {}/8 columns equal, partial commit exact: {}",
             r.columns_equal,
             r.partial_commit_exact
         );

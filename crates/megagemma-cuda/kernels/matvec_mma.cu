@@ -1,0 +1,360 @@
+// 4-bit affine matvec on the tensor cores: y[t] = W·x[t] for up to 8 columns t, weights in the
+// tiled layout built at upload (`tile_q4` in src/tiled.rs). Checked against the CPU reference
+// (every fixture's logits, `gpu_check fixtures --quant q4`) and against itself (verify columns
+// bit-identical to single-token passes); the layout follows `probes/q4_mma_gemv.cu`.
+//
+// Layout (FMT_Q4T; rows padded to 16, columns to 64 with zero codes, scales and inputs):
+//   codes `W.w`:  [tiles][chunks][32 lanes] uint4. A tile is 16 rows, a chunk 64 columns = four
+//                 16-wide k-tiles; word kt of lane (gid = lane/4, tig = lane%4) is that lane's A
+//                 fragment of `mma.m16n8k16` for k-tile kt: nibble i at bits 4i is element a_i
+//                 (rows gid, gid+8, gid, gid+8; columns 2tig, 2tig, 2tig+8, 2tig+8) and nibble i
+//                 at bits 16+4i the element one column right of it.
+//   scales `W.sb`: [tiles][padded groups][8 gid] float4 = (scale, bias) of row gid, then of gid+8.
+//
+// Math: w = s·q + b, so Σ w·x = s·Σ (q−8)·x + (b + 8s)·Σ x over each group. (q−8) is exact in
+// fp16; x is split into an fp16 high part and an fp16 low part (x − hi), which go to two
+// neighbouring columns of the B operand (token j: columns 2j and 2j+1, four tokens per mma), so
+// the tensor core's f32 sums carry x to ~2^-22 of its value. Σ x per 64 (or 32) columns is summed
+// in f32 in a fixed order. Scales are applied per unit of min(group, 64) columns.
+//
+// Exactness across batch sizes: a token's result only ever depends on its own two B columns
+// (mma columns are independent: `probes/mma_invariance.cu`), on its own Σ x and on a work split
+// that depends on the matrix shape alone, so column t of an 8-token pass is bit-identical to a
+// 1-token pass.
+#include "common.cuh"
+
+#define MMA_WARPS 8
+// Dynamic shared memory for the inputs: 1024·H bytes of fragments and 32·UPC of sums per 64-column
+// chunk (a slice is as many chunks as fit: 46 chunks for H = 1, which a part never exceeds).
+#define MMA_SLICE_BYTES (48 * 1024)
+
+__device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (lo, hi) → half2 bits (lo in the low half), round to nearest.
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float f16_lo(unsigned h2) { return f16_to_f32((unsigned short)(h2 & 0xffffu)); }
+__device__ __forceinline__ float f16_hi(unsigned h2) { return f16_to_f32((unsigned short)(h2 >> 16)); }
+
+// The A fragment of one k-tile from its code word, as four half2(q − 8): nibble pairs at bits
+// (0, 16) and (8, 24) are OR-ed into the mantissa of 1024 and 1032 subtracted; pairs at bits
+// (4, 20) and (12, 28) become 1024 + 16q, scaled by 1/16 and 72 subtracted in one fma. Every step
+// is exact in fp16. The fragment order is a0..a3 = pairs at bits 0, 4, 8, 12 (see the layout).
+__device__ __forceinline__ void q4_fragment(unsigned w, unsigned a[4]) {
+  const unsigned w8 = w >> 8;
+  unsigned lo0, hi0, lo1, hi1;
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(lo0) : "r"(w));   // (w & mask) | magic
+  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(hi0) : "r"(w));
+  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(lo1) : "r"(w8));
+  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(hi1) : "r"(w8));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(a[0]) : "r"(lo0), "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(a[1]) : "r"(hi0), "r"(0x2C002C00u), "r"(0xD480D480u));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(a[2]) : "r"(lo1), "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(a[3]) : "r"(hi1), "r"(0x2C002C00u), "r"(0xD480D480u));
+}
+
+// Shared memory of one block, for the chunks [c0, c0 + n) of a slice:
+//   xf[(kt·H + h)·32 + lane] = uint2 (b0, b1): B fragment of local k-tile kt for lane (gid, tig)
+//     of token group h (tokens 4h .. 4h+3), stored only for the lanes that carry a token below m
+//     (gid < 2·(m − 4h): column 2j holds token j's fp16 high parts, column 2j+1 its low parts);
+//     the other lanes multiply zeros.
+//   xs[u·8 + j] = Σ x over local unit u (64 / UPC columns) for token j, in a fixed order.
+// With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0).
+// Every value depends only on its own token's inputs, never on m.
+template <int H, int UPC, bool GATED>
+__device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* __restrict__ x,
+                                             const float* __restrict__ gate, int gstride, int cols, int m, int c0,
+                                             int n) {
+  constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
+  unsigned* words = (unsigned*)xf;
+  const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
+  const int total = m * per_token;
+  // Whole warps iterate (the unit sums shuffle across lanes); lanes past the end add zeros.
+  for (int base = threadIdx.x & ~31; base < total; base += R * blockDim.x) {
+    float v[R][4];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const int e = base + r * blockDim.x + (threadIdx.x & 31);
+      const int j = e / per_token, k = c0 * 64 + 4 * (e % per_token);
+      v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
+      if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
+        const float4 t = *(const float4*)(x + (u64)j * cols + k);
+        v[r][0] = t.x, v[r][1] = t.y, v[r][2] = t.z, v[r][3] = t.w;
+        if (GATED) {
+          const float4 g = *(const float4*)(gate + (u64)j * gstride + k);
+          v[r][0] = __fmul_rn(gelu_tanh(v[r][0]), g.x);
+          v[r][1] = __fmul_rn(gelu_tanh(v[r][1]), g.y);
+          v[r][2] = __fmul_rn(gelu_tanh(v[r][2]), g.z);
+          v[r][3] = __fmul_rn(gelu_tanh(v[r][3]), g.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const int e = base + r * blockDim.x + (threadIdx.x & 31);
+      const bool in = e < total;
+      const int j = in ? e / per_token : 0, k4 = e % per_token;
+      // Elements kk .. kk+3 of local k-tile lk: pairs (kk, kk+1) and (kk+2, kk+3) belong to lanes
+      // tig0 and tig0 + 1 of the token's two columns, in register b0 (kk < 8) or b1.
+      const int lk = k4 >> 2, kk = (k4 & 3) * 4, reg = kk >> 3, tig0 = (kk & 7) >> 1;
+      const int h = j >> 2, col = 2 * (j & 3);
+      const float* w = v[r];
+      const unsigned hi0 = pack_f16x2(w[0], w[1]), hi1 = pack_f16x2(w[2], w[3]);
+      const unsigned lo0 = pack_f16x2(__fsub_rn(w[0], f16_lo(hi0)), __fsub_rn(w[1], f16_hi(hi0)));
+      const unsigned lo1 = pack_f16x2(__fsub_rn(w[2], f16_lo(hi1)), __fsub_rn(w[3], f16_hi(hi1)));
+      if (in) {
+        unsigned* frag = words + (lk * H + h) * 64 + reg;
+        frag[(col * 4 + tig0) * 2] = hi0;
+        frag[((col + 1) * 4 + tig0) * 2] = lo0;
+        frag[(col * 4 + tig0 + 1) * 2] = hi1;
+        frag[((col + 1) * 4 + tig0 + 1) * 2] = lo1;
+      }
+      // Σ x of the unit: 16 / UPC neighbouring lanes hold its float4s (units never straddle a warp).
+      float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
+#pragma unroll
+      for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+      if (in && k4 % (16 / UPC) == 0) xs[(k4 / (16 / UPC)) * 8 + j] = sum;
+    }
+  }
+}
+
+// log2 of the group size (32, 64 or 128): group indices by shifts, not divisions.
+__device__ __forceinline__ int gs_shift(const Mat& W) { return 31 - __clz(W.gs); }
+
+// Chunks [lo, hi) of part p of `parts` (the same split on host and device).
+__device__ __forceinline__ int2 part_range(int chunks, int parts, int p) {
+  const int per = (chunks + parts - 1) / parts;
+  return make_int2(min(chunks, p * per), min(chunks, (p + 1) * per));
+}
+
+// Asks L2 for the codes and scales of one virtual block (tile group g, part p; the block's
+// threads split the lines of each tile).
+__device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts, int vb) {
+  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16, groups = (chunks * 64) >> gsh;
+  const int g = vb / parts, t0 = g * tpb, nt = min(tpb, tiles - t0);
+  const int2 r = part_range(chunks, parts, vb - g * parts);
+  const int code_lines = (r.y - r.x) * 4;                                           // per tile
+  const int g0 = (r.x * 64) >> gsh, sb_lines = ((r.y - r.x) * 64 + W.gs - 1) >> gsh;  // 128 B each
+  for (int t = t0; t < t0 + nt; t++) {
+    const char* cp = (const char*)W.w + ((u64)t * chunks + r.x) * 512;
+    const char* sp = (const char*)W.sb + ((u64)t * groups + g0) * 128;
+    for (int i = threadIdx.x; i < code_lines; i += blockDim.x) prefetch_l2(cp + i * 128);
+    for (int i = threadIdx.x; i < sb_lines; i += blockDim.x) prefetch_l2(sp + i * 128);
+  }
+}
+
+// One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r]
+// (token 4h + tig; rows gid and gid + 8).
+template <int H, int UPC>
+__device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
+                                           const float* xs, float y[H][2], int m) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh, unit = 64 / UPC;
+  const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
+  // Lane (gid, tig) loads one of the four values (s, b of row gid, s, b of row gid + 8) its quad
+  // needs; the quad shares them by shuffles.
+  const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + lane;
+  constexpr int U = (H == 1 ? 5 : 4) / UPC;  // chunks loaded before any is used (registers allow)
+  // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
+  // the sums do not depend on how many tokens (and so how large a slice) a launch has.
+  const int first = c0 + ((ws - c0) & (ks - 1));  // ks is a power of two
+  bool live[H];
+#pragma unroll
+  for (int h = 0; h < H; h++) live[h] = gid < 2 * (m - 4 * h);
+  for (int c = first; c < c0 + n; c += U * ks) {
+    uint4 q[U];
+    float sb[U][UPC];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int cc = c + u * ks;
+      if (cc < c0 + n) {
+        q[u] = __ldcs(codes + (u64)cc * 32);
+#pragma unroll
+        for (int p = 0; p < UPC; p++) sb[u][p] = sbt[(u64)((cc * 64 + p * unit) >> gsh) * 32];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int cc = c + u * ks;
+      if (cc >= c0 + n) break;
+      const unsigned words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+      const uint2* xb = xf + (cc - c0) * 4 * H * 32 + lane;
+      float acc[H][4];
+#pragma unroll
+      for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < 4; kt++) {
+        unsigned a[4];
+        q4_fragment(words[kt], a);
+#pragma unroll
+        for (int h = 0; h < H; h++) {
+          // Columns past the launch's tokens multiply zeros (their fragments are never written).
+          const uint2 b = live[h] ? xb[(kt * H + h) * 32] : make_uint2(0u, 0u);
+          mma_f16(acc[h], a, b.x, b.y);
+        }
+        if (((kt + 1) * 16) % unit == 0) {
+          const int p = (kt * 16) / unit;
+          const int quad = lane & ~3;
+          const float s0 = __shfl_sync(0xffffffffu, sb[u][p], quad), b0 = __shfl_sync(0xffffffffu, sb[u][p], quad + 1);
+          const float s1 = __shfl_sync(0xffffffffu, sb[u][p], quad + 2), b1 = __shfl_sync(0xffffffffu, sb[u][p], quad + 3);
+          const float* xsu = xs + ((cc - c0) * UPC + p) * 8 + tig;
+#pragma unroll
+          for (int h = 0; h < H; h++) {
+            // Lanes whose token is past m accumulate values nobody writes out.
+            const float sx = xsu[4 * h];
+            y[h][0] = fmaf(s0, __fadd_rn(acc[h][0], acc[h][1]), fmaf(fmaf(8.f, s0, b0), sx, y[h][0]));
+            y[h][1] = fmaf(s1, __fadd_rn(acc[h][2], acc[h][3]), fmaf(fmaf(8.f, s1, b1), sx, y[h][1]));
+            acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The work of one virtual block of one matrix: tile group g = vb / parts (tiles [g·tpb, (g+1)·tpb),
+// ks = 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
+// p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
+// `partial` and the last of the group's blocks to finish adds them in part order (a counter per
+// group, reset by that block), so no result depends on timing.
+template <int H, int UPC, bool GATED>
+__device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, int ks, int parts,
+                                          const float* x, const float* gate, int gstride, int m, uint2* xf,
+                                          float* xs, int slice_chunks, int& built, float* partial,
+                                          unsigned* counters) {
+  __shared__ float red[MMA_WARPS][8][16];
+  __shared__ int last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int tpb = MMA_WARPS / ks, tl = warp / ks, ws = warp % ks;
+  const int g = vb / parts, p = vb - g * parts, tile = g * tpb + tl;
+  const int chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16;
+  const int2 range = part_range(chunks, parts, p);
+  float y[H][2];
+#pragma unroll
+  for (int h = 0; h < H; h++) y[h][0] = y[h][1] = 0.f;
+  for (int c0 = range.x; c0 < range.y; c0 += slice_chunks) {
+    const int n = min(slice_chunks, range.y - c0);
+    if (built != c0) {  // block-uniform: the slice in shared memory is another one
+      __syncthreads();  // its fragments are no longer read
+      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n);
+      __syncthreads();
+      built = c0;
+    }
+    if (tile < tiles) tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
+  }
+  float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
+  if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+      const int j = 4 * h + tig, row = tile * 16 + gid;
+      if (j < m && row < W.rows) dst[(u64)j * W.rows + row] = y[h][0];
+      if (j < m && row + 8 < W.rows) dst[(u64)j * W.rows + row + 8] = y[h][1];
+    }
+  } else {
+    // The ks warps of a tile add their partial sums in warp order; they sync among themselves only.
+#pragma unroll
+    for (int h = 0; h < H; h++) {
+      const int j = 4 * h + tig;
+      if (j < m) {
+        red[warp][j][gid] = y[h][0];
+        red[warp][j][gid + 8] = y[h][1];
+      }
+    }
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + tl), "r"(ks * 32) : "memory");
+    if (ws == 0) {
+      for (int i = lane; i < 16 * m; i += 32) {
+        const int j = i / 16, r = i % 16, row = tile * 16 + r;
+        float s = 0.f;
+        for (int w = 0; w < ks; w++) s += red[tl * ks + w][j][r];
+        if (row < W.rows) dst[(u64)j * W.rows + row] = s;
+      }
+    }
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + tl), "r"(ks * 32) : "memory");  // `red` is reused next
+  }
+  if (parts == 1) return;
+  __threadfence();  // this block's partial sums are visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&counters[g], 1u) == (unsigned)(parts - 1);
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    const int t0 = g * tpb;
+    for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {
+      const int j = i / (tpb * 16), row = t0 * 16 + i % (tpb * 16);
+      if (row >= W.rows) continue;
+      float s = 0.f;
+      for (int q = 0; q < parts; q++) s += __ldcg(partial + ((u64)q * m + j) * W.rows + row);
+      out[(u64)j * W.rows + row] = s;
+    }
+    if (threadIdx.x == 0) counters[g] = 0u;
+  }
+  __syncthreads();  // `last` is reused next
+}
+
+// Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
+// virtual blocks [0, nb0) compute y0 = W0·x, the next nb1 y1 = W1·x, the rest y2 = W2·x (several
+// matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
+// `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
+// before `pdl_start()`.
+template <int H, int UPC, bool GATED>
+__device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2,
+                                           int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead,
+                                           float* partial, unsigned* counters, const float* gate, int gstride) {
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  const int tpb = MMA_WARPS / ks;
+  const int chunks = (W0.cols + 63) / 64;
+  const int slice_chunks = min(chunks, MMA_SLICE_BYTES / (1024 * H + 32 * UPC));
+  uint2* xf = (uint2*)mma_smem;
+  float* xs = (float*)(mma_smem + slice_chunks * 1024 * H);
+#define MMA_MAT(b, BODY)                         \
+  if ((b) < nb0) BODY(W0, y0, (b));               \
+  else if ((b) < nb0 + nb1) BODY(W1, y1, (b) - nb0); \
+  else BODY(W2, y2, (b) - nb0 - nb1);
+#define MMA_PREFETCH(W, Y, b) prefetch_block(W, tpb, parts, b)
+  for (int i = 0; i < ahead; i++) {
+    const int vb = blockIdx.x + i * gridDim.x;
+    if (vb < nblocks) { MMA_MAT(vb, MMA_PREFETCH) }
+  }
+  pdl_start();
+  int built = -1;  // first chunk of the slice whose inputs are in shared memory
+#define MMA_RUN(W, Y, b) \
+  mma_block<H, UPC, GATED>(W, Y, b, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built, partial, counters)
+  for (int vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
+    const int next = vb + ahead * gridDim.x;
+    if (ahead > 0 && next < nblocks) { MMA_MAT(next, MMA_PREFETCH) }
+    MMA_MAT(vb, MMA_RUN)
+  }
+#undef MMA_RUN
+#undef MMA_PREFETCH
+#undef MMA_MAT
+}
+
+// Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
+// (1 for groups of ≥ 64 columns, 2 for groups of 32).
+#define MMA_ENTRY(NAME, H, UPC)                                                                               \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                                        \
+      NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
+           int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters) {                    \
+    mma_kernel<H, UPC, false>(W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, ks, parts, nblocks, ahead, partial,    \
+                              counters, nullptr, 0);                                                          \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                                        \
+      NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
+                   float* partial, unsigned* counters, const float* gate, int gstride) {                      \
+    mma_kernel<H, UPC, true>(W, W, W, x, y, y, y, nblocks, 0, m, ks, parts, nblocks, ahead, partial, counters, \
+                             gate, gstride);                                                                   \
+  }
+
+MMA_ENTRY(matvec_q4t_4, 1, 1)
+MMA_ENTRY(matvec_q4t_8, 2, 1)
+MMA_ENTRY(matvec_q4t_4_g32, 1, 2)
+MMA_ENTRY(matvec_q4t_8_g32, 2, 2)
