@@ -7,7 +7,7 @@
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
 #     with and without speculative drafting (lookup, oracle).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
-#     8k context.
+#     8k context; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit kernel only.
 set -uo pipefail
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -50,6 +50,10 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
+# The larger shapes (26B-A4B: MoE with routed experts; 31B dense).
+for m in 26b-a4b 31b; do
+  timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 128 2>&1 | tee "$OUT/bench_$m.log" || fail=1
+done
 # The CUDA-core 4-bit kernel alone, for comparison in the same run.
 for m in e4b e2b; do
   MEGAGEMMA_CUDA_Q4_MMA=0 timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_${m}_cuda_cores.log" || fail=1

@@ -206,14 +206,14 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
   for (int s = 0; s < k; s++) wts[t * k + s] = wts[t * k + s] / total * per_expert_scale[idx[t * k + s]];
 }
 
-// out[t, :] = Σ_s wts[t, s] · ys[idx[t, s], t, :] in routing order; ys: [E, T, h].
-extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const int* __restrict__ idx,
-                                       const float* __restrict__ wts, int k, int h, int T) {
+// out[t, :] = Σ_s wts[t, s] · ys[t·k + s, :] in routing order.
+extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const float* __restrict__ wts, int k,
+                                       int h, int T) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= T * h) return;
-  int t = i / h;
+  int t = i / h, c = i % h;
   float a = 0.f;
-  for (int s = 0; s < k; s++) a = __fadd_rn(a, __fmul_rn(wts[t * k + s], ys[((u64)idx[t * k + s] * T) * h + i]));
+  for (int s = 0; s < k; s++) a = __fadd_rn(a, __fmul_rn(wts[t * k + s], ys[((u64)t * k + s) * h + c]));
   out[i] = a;
 }
 

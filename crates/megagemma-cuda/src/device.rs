@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 /// Every kernel entry point, by file.
 const FUNCTIONS: [(&str, &[&str]); 5] = [
-    ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated"]),
+    ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated", "matvec_experts"]),
     ("matvec_mma.cu", &MMA_KERNELS),
     (
         "ops.cu",
@@ -55,7 +55,8 @@ pub const MMA_KERNELS: [&str; 8] = [
     "matvec_q4t_8_g32_gated",
 ];
 
-const PDL_KERNELS: [&str; 23] = [
+const PDL_KERNELS: [&str; 24] = [
+    "matvec_experts",
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -312,8 +313,14 @@ impl Gpu {
 
     /// Launches kernel `name` on a 1-D grid.
     pub fn launch(&self, name: &str, grid: u32, block: u32, smem: u32, args: &[Arg]) -> Result<()> {
+        self.launch_2d(name, (grid, 1), block, smem, args)
+    }
+
+    /// [`Gpu::launch`] with a two-dimensional grid `(x, y)`.
+    pub fn launch_2d(&self, name: &str, grid2: (u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
         let Some(f) = self.funcs.get(name) else { bail!("no kernel named {name}") };
-        if grid == 0 {
+        let (grid, grid_y) = grid2;
+        if grid == 0 || grid_y == 0 {
             return Ok(());
         }
         let mut args = args.to_vec();
@@ -338,7 +345,7 @@ impl Gpu {
                 attr.value.programmaticStreamSerializationAllowed = 1;
                 let config = sys::CUlaunchConfig {
                     gridDimX: grid,
-                    gridDimY: 1,
+                    gridDimY: grid_y,
                     gridDimZ: 1,
                     blockDimX: block,
                     blockDimY: 1,
@@ -356,7 +363,7 @@ impl Gpu {
             unsafe {
                 result::launch_kernel(
                     f.cu_function(),
-                    (grid, 1, 1),
+                    (grid, grid_y, 1),
                     (block, 1, 1),
                     smem,
                     self.stream.cu_stream(),

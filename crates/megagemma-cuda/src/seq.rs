@@ -204,8 +204,8 @@ impl CudaSeq {
             att: gpu.alloc_zeros(f32s(t * max_q))?,
             o: gpu.alloc_zeros(f32s(t * h))?,
             f: gpu.alloc_zeros(f32s(t * h))?,
-            g: gpu.alloc_zeros(f32s(t * max_i))?,
-            u: gpu.alloc_zeros(f32s(t * max_i))?,
+            g: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
+            u: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
             pli: gpu.alloc_zeros(f32s(t * lp))?,
             pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
             logits: gpu.alloc_zeros(f32s(t * plan.vocab_size))?,
@@ -221,7 +221,7 @@ impl CudaSeq {
             rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
             idx: gpu.alloc_zeros(t * top_k * 4)?,
             wts: gpu.alloc_zeros(f32s(t * top_k))?,
-            ys: gpu.alloc_zeros(f32s(experts * t * h))?,
+            ys: gpu.alloc_zeros(f32s(t * top_k * h))?,
             e: gpu.alloc_zeros(f32s(t * h))?,
         };
         gpu.sync()?;
@@ -863,13 +863,36 @@ impl CudaSeq {
         ];
         self.gpu().launch("moe_route", 1, 64, 0, &args)?;
         self.norm(s.a.ptr, s.x.ptr, moe.pre_norm_2, h, t, false)?;
-        for (e, [g, u, d]) in moe.experts.iter().enumerate() {
-            self.mlp(g, u, d, s.a.ptr, s.ys.at(f32s(e * t * h)), t)?;
-        }
+        // Only each token's k routed experts run: (token, slot) pairs p = t·k + s.
+        let pairs = t * k;
+        let inter = moe.experts[0][0].rows as usize;
+        let experts = |which: i32, x: u64, x_per_pair: bool, y: u64, rows: usize| {
+            let args = [
+                Arg::Ptr(moe.table),
+                Arg::I32(which),
+                Arg::Ptr(s.idx.ptr),
+                Arg::I32(k as i32),
+                Arg::Ptr(x),
+                Arg::I32(x_per_pair as i32),
+                Arg::Ptr(y),
+            ];
+            let grid = (rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32, pairs as u32);
+            self.gpu().launch_2d("matvec_experts", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)
+        };
+        experts(0, s.a.ptr, false, s.g.ptr, inter)?;
+        experts(1, s.a.ptr, false, s.u.ptr, inter)?;
+        let gate_args = [
+            Arg::Ptr(s.g.ptr),
+            Arg::Ptr(s.u.ptr),
+            Arg::I32(inter as i32),
+            Arg::I32(inter as i32),
+            Arg::I32(pairs as i32),
+        ];
+        self.elementwise("gelu_gate", pairs * inter, &gate_args)?;
+        experts(2, s.g.ptr, true, s.ys.ptr, h)?;
         let args = [
             Arg::Ptr(s.e.ptr),
             Arg::Ptr(s.ys.ptr),
-            Arg::Ptr(s.idx.ptr),
             Arg::Ptr(s.wts.ptr),
             Arg::I32(k as i32),
             Arg::I32(h as i32),

@@ -23,8 +23,10 @@ pub struct DevMoe {
     pub router: DevMat,
     pub router_scale: u64,
     pub per_expert_scale: u64,
-    /// Per expert: gate, up, down.
+    /// Per expert: gate, up, down (row-major: the routed-expert kernel reads them by row).
     pub experts: Vec<[DevMat; 3]>,
+    /// The same descriptors on the device, `[experts·3]`, indexed by the router's choices.
+    pub table: u64,
     pub pre_norm_2: u64,
     pub post_norm_1: u64,
     pub post_norm_2: u64,
@@ -128,6 +130,12 @@ impl Placer<'_> {
 
     pub fn vec(&mut self, v: &[f32]) -> Result<u64> {
         self.put(v)
+    }
+
+    /// The experts' matrix descriptors as a device table (see [`DevMoe::table`]).
+    pub fn expert_table(&mut self, experts: &[[DevMat; 3]]) -> Result<u64> {
+        let flat: Vec<DevMat> = experts.iter().flatten().copied().collect();
+        self.put(&flat)
     }
 
     pub fn vec_const(&mut self, len: usize, value: f32) -> Result<u64> {
@@ -280,19 +288,25 @@ pub fn place_model(p: &mut Placer, plan: &ModelPlan, mw: &ModelWeights) -> Resul
         let a = &lw.attn;
         let opt = |p: &mut Placer, m: &Option<Box<dyn RowDot>>| m.as_ref().map(|m| p.mat(m.as_ref())).transpose();
         let moe = match &lw.moe {
-            Some(m) => Some(DevMoe {
-                router: p.mat(m.router_proj.as_ref())?,
-                router_scale: p.vec(&m.router_scale)?,
-                per_expert_scale: p.vec(&m.per_expert_scale)?,
-                experts: m
+            Some(m) => {
+                let experts: Vec<[DevMat; 3]> = m
                     .experts
                     .iter()
-                    .map(|e| Ok([p.mat(e.gate.as_ref())?, p.mat(e.up.as_ref())?, p.mat(e.down.as_ref())?]))
-                    .collect::<Result<_>>()?,
-                pre_norm_2: p.vec(&m.pre_norm_2)?,
-                post_norm_1: p.vec(&m.post_norm_1)?,
-                post_norm_2: p.vec(&m.post_norm_2)?,
-            }),
+                    .map(|e| {
+                        Ok([p.mat_rows(e.gate.as_ref())?, p.mat_rows(e.up.as_ref())?, p.mat_rows(e.down.as_ref())?])
+                    })
+                    .collect::<Result<_>>()?;
+                Some(DevMoe {
+                    router: p.mat(m.router_proj.as_ref())?,
+                    router_scale: p.vec(&m.router_scale)?,
+                    per_expert_scale: p.vec(&m.per_expert_scale)?,
+                    table: p.expert_table(&experts)?,
+                    experts,
+                    pre_norm_2: p.vec(&m.pre_norm_2)?,
+                    post_norm_1: p.vec(&m.post_norm_1)?,
+                    post_norm_2: p.vec(&m.post_norm_2)?,
+                })
+            }
             None => None,
         };
         layers.push(DevLayer {
