@@ -217,16 +217,24 @@ extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys,
   out[i] = a;
 }
 
-// Copy `n` staged K and V rows of `width` floats into the cache at positions p0.. (slot = pos mod
-// slots for a ring, pos for a full cache). Blocks 0..n copy keys, n..2n values.
-extern "C" __global__ void kv_commit(float* cache_k, float* cache_v, const float* __restrict__ staged_k,
-                                     const float* __restrict__ staged_v, int n, int width, int p0, int slots) {
-  int i = blockIdx.x % n;
-  float* cache = blockIdx.x < n ? cache_k : cache_v;
-  const float* staged = blockIdx.x < n ? staged_k : staged_v;
-  int pos = p0 + i;
-  u64 slot = slots > 0 ? (u64)(pos % slots) : (u64)pos;
-  for (int c = threadIdx.x; c < width; c += blockDim.x) cache[slot * width + c] = staged[(u64)i * width + c];
+// Commit of `accepted` staged K/V rows (positions p0 + i) into every cache-owning layer's cache,
+// in one launch: grid (layers·2, accepted), block (layer, K or V) copies row i. A ring keeps
+// `ring` slots (slot = pos mod ring); rows that a later row of the same commit overwrites are
+// skipped. Layout of a table entry: `struct KvLayer` (src/seq.rs `KvLayerDesc`).
+struct KvLayer {
+  u64 k, v, staged_k, staged_v;
+  int width, ring;
+};
+
+extern "C" __global__ void kv_commit(const KvLayer* __restrict__ layers, int accepted, int p0) {
+  const KvLayer L = layers[blockIdx.x >> 1];
+  const int i = blockIdx.y;
+  if (L.ring > 0 && i < accepted - L.ring) return;
+  float* cache = (float*)((blockIdx.x & 1) ? L.v : L.k);
+  const float* staged = (const float*)((blockIdx.x & 1) ? L.staged_v : L.staged_k);
+  const int pos = p0 + i;
+  const u64 slot = L.ring > 0 ? (u64)(pos % L.ring) : (u64)pos;
+  for (int c = threadIdx.x; c < L.width; c += blockDim.x) cache[slot * L.width + c] = staged[(u64)i * L.width + c];
 }
 
 // (value, index) pair order for the argmax: larger value first, then the lower index.

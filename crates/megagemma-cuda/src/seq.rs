@@ -67,6 +67,18 @@ struct LayerCache {
     ring: usize,
 }
 
+/// One cache-owning layer as `kv_commit` reads it (`struct KvLayer` in `kernels/ops.cu`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct KvLayerDesc {
+    k: u64,
+    v: u64,
+    staged_k: u64,
+    staged_v: u64,
+    width: i32,
+    ring: i32,
+}
+
 /// Activation scratch, f32 `[MAX_CHUNK, width]` each.
 struct Scratch {
     x: DevBuf,
@@ -148,6 +160,10 @@ pub struct CudaSeq {
     len: usize,
     staged: usize,
     caches: Vec<Option<LayerCache>>,
+    /// The cache-owning layers' [`KvLayerDesc`]s on the device, and how many: one commit launch
+    /// copies every layer's accepted rows.
+    kv_table: DevBuf,
+    kv_layers: usize,
     s: Scratch,
     /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
     use_graphs: bool,
@@ -224,9 +240,34 @@ impl CudaSeq {
             ys: gpu.alloc_zeros(f32s(t * top_k * h))?,
             e: gpu.alloc_zeros(f32s(t * h))?,
         };
+        let descs: Vec<KvLayerDesc> = caches
+            .iter()
+            .flatten()
+            .map(|c| KvLayerDesc {
+                k: c.k.ptr,
+                v: c.v.ptr,
+                staged_k: c.staged_k.ptr,
+                staged_v: c.staged_v.ptr,
+                width: c.width as i32,
+                ring: c.ring as i32,
+            })
+            .collect();
+        let kv_table = gpu.alloc_zeros(std::mem::size_of_val(descs.as_slice()).max(1))?;
+        gpu.upload(kv_table.ptr, &descs)?;
         gpu.sync()?;
         let use_graphs = std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        Ok(CudaSeq { model: model.clone(), max_len, len: 0, staged: 0, caches, s, use_graphs, decode_graph: None })
+        Ok(CudaSeq {
+            model: model.clone(),
+            max_len,
+            len: 0,
+            staged: 0,
+            kv_layers: descs.len(),
+            kv_table,
+            caches,
+            s,
+            use_graphs,
+            decode_graph: None,
+        })
     }
 
     /// Committed positions.
@@ -339,22 +380,9 @@ impl CudaSeq {
         if accepted > self.staged {
             bail!("cannot commit {accepted} rows: only {} are staged", self.staged);
         }
-        let gpu = &self.model.gpu;
-        for c in self.caches.iter().flatten() {
-            // Rows that a later row of the same commit overwrites in the ring are skipped.
-            let skip = if c.ring > 0 { accepted.saturating_sub(c.ring) } else { 0 };
-            let n = accepted - skip;
-            let args = [
-                Arg::Ptr(c.k.ptr),
-                Arg::Ptr(c.v.ptr),
-                Arg::Ptr(c.staged_k.at(f32s(skip * c.width))),
-                Arg::Ptr(c.staged_v.at(f32s(skip * c.width))),
-                Arg::I32(n as i32),
-                Arg::I32(c.width as i32),
-                Arg::I32((self.len + skip) as i32),
-                Arg::I32(c.ring as i32),
-            ];
-            gpu.launch("kv_commit", 2 * n as u32, 128, 0, &args)?;
+        if accepted > 0 && self.kv_layers > 0 {
+            let args = [Arg::Ptr(self.kv_table.ptr), Arg::I32(accepted as i32), Arg::I32(self.len as i32)];
+            self.model.gpu.launch_2d("kv_commit", (2 * self.kv_layers as u32, accepted as u32), 128, 0, &args)?;
         }
         self.len += accepted;
         self.staged = 0;
