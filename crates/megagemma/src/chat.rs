@@ -195,7 +195,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
 }
 
 /// Standard input, read with line editing and history (Up/Down, kept across runs in the
-/// megagemma cache) when it and stderr are a terminal, else line by line.
+/// megagemma cache) when it, stdout and stderr are a terminal, else line by line.
 enum LineReader {
     Editor { editor: Box<rustyline::DefaultEditor>, history: Option<PathBuf> },
     Plain(std::io::Lines<std::io::StdinLock<'static>>),
@@ -203,7 +203,8 @@ enum LineReader {
 
 impl LineReader {
     fn new() -> LineReader {
-        if std::io::stdin().is_terminal() && std::io::stderr().is_terminal() {
+        // The editor draws on stdout: only when answers are not being redirected.
+        if std::io::stdin().is_terminal() && std::io::stdout().is_terminal() && std::io::stderr().is_terminal() {
             if let Ok(mut editor) = rustyline::DefaultEditor::new() {
                 let history = megagemma_engine::pull::cache_dir().ok().map(|d| d.join("chat_history"));
                 if let Some(h) = &history {

@@ -15,7 +15,10 @@ fn chat(input: &str, extra: &[&str]) -> (String, String, bool) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    // A run that fails at start (a refused flag) may exit before reading its input.
+    if let Err(e) = child.stdin.take().unwrap().write_all(input.as_bytes()) {
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+    }
     let out = child.wait_with_output().unwrap();
     (stdout(&out), stderr(&out), out.status.success())
 }
