@@ -106,13 +106,22 @@ fn rename_token(tok: &mut Value, id: u64, content: &str) {
         "lstrip": false, "rstrip": false, "normalized": false, "special": true}));
 }
 
-#[test]
-fn the_thought_channel_comes_back_as_reasoning_content() {
-    let d = scratch_copy("gemma3", "channel", &[]);
+/// A copy of `fixture` (only `files`, or all) whose tokenizer calls two ids of the greedy answer
+/// to the test prompt (with `extra` request fields) `<|channel>` and `<channel|>`; with the
+/// answer before the rename and the content and reasoning texts the split must give.
+struct ThoughtFixture {
+    dir: PathBuf,
+    before: Value,
+    want_content: String,
+    want_reasoning: String,
+}
+
+fn thought_fixture(fixture: &str, tag: &str, files: &[&str], extra: &Value) -> ThoughtFixture {
+    let d = scratch_copy(fixture, tag, files);
     // The greedy answer's ids with the fixture's own tokenizer.
     let before = {
         let s = server(&d);
-        let r = s.post("/v1/chat/completions", &request(json!({})));
+        let r = s.post("/v1/chat/completions", &request(extra.clone()));
         assert_eq!(r.status, 200, "{}", r.body);
         r.json()
     };
@@ -159,6 +168,13 @@ fn the_thought_channel_comes_back_as_reasoning_content() {
     let want_reasoning: String = stretches.iter().map(|s| tokenizer.decode(s, true).unwrap()).collect();
     assert!(!want_reasoning.is_empty() && !want_content.is_empty(), "the test needs both parts");
 
+    ThoughtFixture { dir: d, before, want_content, want_reasoning }
+}
+
+#[test]
+fn the_thought_channel_comes_back_as_reasoning_content() {
+    let ThoughtFixture { dir: d, before, want_content, want_reasoning } =
+        thought_fixture("gemma3", "channel", &[], &json!({}));
     let s = server(&d);
     let r = s.post("/v1/chat/completions", &request(json!({})));
     assert_eq!(r.status, 200, "{}", r.body);
@@ -201,4 +217,39 @@ fn the_thought_channel_comes_back_as_reasoning_content() {
     assert_eq!(stdout(&out), format!("{want_content}\n"));
     assert!(stderr(&out).contains("(thinking...)"), "{}", stderr(&out));
     std::fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn chat_think_shows_thoughts_on_request() {
+    // A Gemma 4 fixture on the built-in template, thinking on: the prompt `chat --think` builds
+    // is the one `enable_thinking` gives over the API.
+    let files = ["config.json", "model.safetensors", "tokenizer.json"];
+    let think = json!({"chat_template_kwargs": {"enable_thinking": true}});
+    let f = thought_fixture("ple_shared_dw", "show", &files, &think);
+    let s = server(&f.dir);
+    let v = s.post("/v1/chat/completions", &request(think.clone())).json();
+    assert_eq!(v["choices"][0]["token_ids"], f.before["choices"][0]["token_ids"]);
+    assert_eq!(v["choices"][0]["message"]["reasoning_content"], f.want_reasoning.as_str());
+    drop(s);
+    let chat = |extra: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+            .args(["chat", "--model", f.dir.to_str().unwrap(), "--greedy", "-n", "24", "--ignore-eos", "--think"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(b"the cat sat\n").unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        (stdout(&out), stderr(&out))
+    };
+    let (out, err) = chat(&[]);
+    assert_eq!(out, format!("{}\n", f.want_content));
+    assert!(err.contains("(thinking...)") && !err.contains("[thinking]"), "thoughts hidden: {err}");
+    let (out, err) = chat(&["--show-thoughts"]);
+    assert_eq!(out, format!("{}\n", f.want_content), "thoughts never reach stdout");
+    assert!(err.contains(&format!("[thinking] {}", f.want_reasoning)), "thoughts shown on stderr: {err}");
+    std::fs::remove_dir_all(&f.dir).unwrap();
 }
