@@ -8,6 +8,8 @@
 #     with and without speculative drafting (lookup, oracle).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
 #     8k context; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit kernel only.
+#  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
+#     32 streaming clients; requests/s, TTFT p50/p99, aggregate tok/s).
 set -uo pipefail
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -58,5 +60,7 @@ done
 for m in e4b e2b; do
   MEGAGEMMA_CUDA_Q4_MMA=0 timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_${m}_cuda_cores.log" || fail=1
 done
+timeout 300 python3 tools/bench_serve.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda \
+  --max-tokens 64 --requests-per-client 8 --json "$OUT/bench_serve_fixture.json" 2>&1 | tee "$OUT/bench_serve.log" || fail=1
 echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
 exit $fail

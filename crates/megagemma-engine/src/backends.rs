@@ -70,7 +70,10 @@ pub fn open_backend_with(
         }
         eprintln!("note: the MTP assistant runs on the CPU backend only; running on the CPU");
     } else if cuda {
-        match CudaModel::load(&model) {
+        let spinner = crate::progress::spinner("uploading the weights to the GPU");
+        let loaded = CudaModel::load(&model);
+        crate::progress::finish(spinner);
+        match loaded {
             Ok(cm) => return Ok(Box::new(CudaBackend::new(cm, opts.max_context))),
             Err(e) if opts.kind == BackendKind::Auto => eprintln!("note: CUDA is not usable ({e}); running on the CPU"),
             Err(e) => return Err(e.into()),

@@ -200,7 +200,17 @@ impl ChatTemplate {
 /// Renders the conversation with a generation prompt and encodes it, with exactly one leading
 /// BOS: special tokens are added only when the template itself did not emit the BOS text.
 pub fn encode_chat(tokenizer: &Tokenizer, template: &ChatTemplate, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-    let prompt = template.render(messages, true)?;
+    encode_chat_with(tokenizer, template, messages, ())
+}
+
+/// [`encode_chat`] with extra template variables (e.g. `{"enable_thinking": true}`).
+pub fn encode_chat_with(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[ChatMessage],
+    extra: impl Serialize,
+) -> Result<Vec<u32>> {
+    let prompt = template.render_with(messages, true, extra)?;
     let bos = template.bos_token();
     let template_has_bos = !bos.is_empty() && prompt.starts_with(bos);
     let mut ids = tokenizer.encode(&prompt, !template_has_bos)?;

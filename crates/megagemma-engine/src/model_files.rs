@@ -7,8 +7,20 @@ use crate::tokenizer::Tokenizer;
 use anyhow::Result;
 use megagemma_model::config::Family;
 use megagemma_model::gguf::GgufFile;
+use megagemma_model::quant::load::QuantMode;
 use megagemma_model::Model;
 use std::path::Path;
+
+/// [`Model::load_with`] with a spinner on a terminal (loading is quick for a memory-mapped
+/// checkpoint, longer when quantizing on load).
+pub fn load_model(path: &Path, quant: QuantMode) -> Result<Model> {
+    let what =
+        if quant == QuantMode::Stored { "loading".to_string() } else { format!("loading and quantizing to {quant}") };
+    let spinner = crate::progress::spinner(format!("{what} {}", path.display()));
+    let model = Model::load_with(path, quant);
+    crate::progress::finish(spinner);
+    Ok(model?)
+}
 
 pub fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))

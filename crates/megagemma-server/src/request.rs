@@ -14,6 +14,9 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub struct ChatRequest {
     pub model: Option<String>,
     pub messages: Vec<ChatMessageIn>,
+    /// Extra chat-template variables, as vLLM accepts, e.g. `{"enable_thinking": true}` for
+    /// Gemma 4's thinking mode.
+    pub chat_template_kwargs: Option<Value>,
     #[serde(flatten)]
     pub gen: GenFields,
 }
@@ -87,6 +90,20 @@ pub struct GenSpec {
     pub include_usage: bool,
     pub ignore_eos: bool,
     pub return_token_ids: bool,
+    /// Chat: the thought channel (`<|channel>…<channel|>`) goes to `reasoning_content`, apart
+    /// from the answer.
+    pub split_thoughts: bool,
+}
+
+impl ChatRequest {
+    /// `chat_template_kwargs` as template variables: an object, or nothing.
+    pub fn template_vars(&self) -> Result<Value, ApiError> {
+        match &self.chat_template_kwargs {
+            None | Some(Value::Null) => Ok(Value::Object(Default::default())),
+            Some(v @ Value::Object(_)) => Ok(v.clone()),
+            Some(_) => Err(ApiError::invalid_param("chat_template_kwargs", "chat_template_kwargs must be an object")),
+        }
+    }
 }
 
 impl GenFields {
@@ -135,6 +152,7 @@ impl GenFields {
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             ignore_eos: self.ignore_eos,
             return_token_ids: self.return_token_ids,
+            split_thoughts: endpoint == Endpoint::Chat,
         })
     }
 

@@ -22,6 +22,7 @@ pub struct Reply {
 #[derive(Default)]
 struct ChoiceOut {
     text: String,
+    reasoning: String,
     ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
     finish: Option<FinishReason>,
@@ -41,9 +42,10 @@ impl Collected {
     /// Adds one event; true once every choice has finished.
     pub fn add(&mut self, ev: Event) -> bool {
         match ev {
-            Event::Token { index, text, id, logprob } => {
+            Event::Token { index, text, reasoning, id, logprob } => {
                 if let Some(c) = self.choices.get_mut(index) {
                     c.text.push_str(&text);
+                    c.reasoning.push_str(&reasoning);
                     c.ids.push(id);
                     c.logprobs.extend(logprob);
                 }
@@ -109,12 +111,18 @@ impl Reply {
                 let finish = ch.finish.map(FinishReason::as_str);
                 let logprobs = self.logprobs_value(&ch.logprobs, 0);
                 let mut v = match self.endpoint {
-                    Endpoint::Chat => json!({
-                        "index": index,
-                        "message": {"role": "assistant", "content": ch.text},
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }),
+                    Endpoint::Chat => {
+                        let mut message = json!({"role": "assistant", "content": ch.text});
+                        if !ch.reasoning.is_empty() {
+                            message["reasoning_content"] = json!(ch.reasoning);
+                        }
+                        json!({
+                            "index": index,
+                            "message": message,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                        })
+                    }
                     Endpoint::Completions => json!({
                         "index": index,
                         "text": ch.text,
@@ -144,15 +152,23 @@ impl Reply {
     /// The stream chunk for one event (none for a token whose text is still held back).
     pub fn chunk(&self, ev: &Event) -> Option<Value> {
         let choice = match ev {
-            Event::Token { index, text, id, logprob } => {
-                if text.is_empty() && logprob.is_none() && !self.spec.return_token_ids {
+            Event::Token { index, text, reasoning, id, logprob } => {
+                if text.is_empty() && reasoning.is_empty() && logprob.is_none() && !self.spec.return_token_ids {
                     return None;
                 }
                 let logprobs =
                     logprob.as_ref().map_or(Value::Null, |lp| self.logprobs_value(std::slice::from_ref(lp), 0));
                 let mut c = match self.endpoint {
                     Endpoint::Chat => {
-                        json!({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": null})
+                        // A thought token's chunk carries `reasoning_content` and no `content`.
+                        let delta = if reasoning.is_empty() {
+                            json!({"content": text})
+                        } else if text.is_empty() {
+                            json!({"reasoning_content": reasoning})
+                        } else {
+                            json!({"content": text, "reasoning_content": reasoning})
+                        };
+                        json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null})
                     }
                     Endpoint::Completions => {
                         json!({"index": index, "text": text, "logprobs": logprobs, "finish_reason": null})

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use megagemma_engine::chat_template::{encode_chat, ChatMessage};
+use megagemma_engine::chat_template::{encode_chat_with, ChatMessage};
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
 use std::time::Instant;
@@ -48,7 +48,8 @@ fn chat(app: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Generatio
             ))
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let prompt = encode_chat(&app.chat.tokenizer, &app.chat.template, &messages)
+    let vars = req.template_vars()?;
+    let prompt = encode_chat_with(&app.chat.tokenizer, &app.chat.template, &messages, &vars)
         .map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
     app.submit(Endpoint::Chat, prompt, spec)
 }

@@ -11,6 +11,7 @@ use crate::request::GenSpec;
 use crate::stop_text::StopText;
 use megagemma_engine::generate::speculate::LookupDrafter;
 use megagemma_engine::sampling::{Sampler, SamplingParams};
+use megagemma_engine::thoughts::{Part, ThoughtSplitter};
 use megagemma_engine::tokenizer::{StreamDecoder, Tokenizer};
 use megagemma_model::backend::{top_logprobs, Backend, PosOut, SeqId, Want};
 use std::collections::VecDeque;
@@ -25,10 +26,12 @@ const LOOKUP_NGRAM: usize = 3;
 /// What a request's handler hears from the scheduler, per choice `index`.
 #[derive(Debug)]
 pub enum Event {
-    /// New output: text released (may be empty while held back) and the token's log-probabilities.
+    /// New output: text released (may be empty while held back), thought-channel text (chat),
+    /// and the token's log-probabilities.
     Token {
         index: usize,
         text: String,
+        reasoning: String,
         id: u32,
         logprob: Option<TokenLogprob>,
     },
@@ -183,6 +186,9 @@ struct Choice {
     logprobs: Option<usize>,
     detok: StreamDecoder,
     stop_text: StopText,
+    /// Chat: routes ids between the thought channel and the answer.
+    thoughts: Option<ThoughtSplitter>,
+    thought_detok: StreamDecoder,
     events: UnboundedSender<Event>,
     /// Set for the first choice until its first token (time to first token).
     arrived: Option<Instant>,
@@ -291,6 +297,8 @@ impl Scheduler {
                 logprobs: job.spec.logprobs,
                 detok: self.tokenizer.stream_decoder(true),
                 stop_text: StopText::new(job.spec.stop.clone()),
+                thoughts: job.spec.split_thoughts.then(|| ThoughtSplitter::new(&self.tokenizer)),
+                thought_detok: self.tokenizer.stream_decoder(true),
                 events: job.events.clone(),
                 arrived: (index == 0).then_some(job.arrived),
                 finished: false,
@@ -407,12 +415,29 @@ impl Scheduler {
         let logprob = c.logprobs.map(|n| self.token_logprob(&out.logits, tok, n));
         let eos = !c.ignore_eos && self.stop_ids.contains(&tok);
         let mut text = String::new();
+        let mut reasoning = String::new();
         let mut stopped = false;
         if !eos {
-            if let Ok(Some(piece)) = c.detok.step(tok) {
-                let r = c.stop_text.push(&piece);
-                text = r.text;
-                stopped = r.stopped;
+            match c.thoughts.as_mut().map_or(Part::Answer, |t| t.route(tok)) {
+                Part::Answer => {
+                    if let Ok(Some(piece)) = c.detok.step(tok) {
+                        let r = c.stop_text.push(&piece);
+                        text = r.text;
+                        stopped = r.stopped;
+                    }
+                }
+                Part::Thought => {
+                    if let Ok(Some(piece)) = c.thought_detok.step(tok) {
+                        reasoning = piece;
+                    }
+                }
+                Part::Marker => {
+                    // Opening or closing the channel: what the thought decoder holds is done.
+                    if let Ok(Some(rest)) = c.thought_detok.flush() {
+                        reasoning = rest;
+                    }
+                    c.thought_detok = self.tokenizer.stream_decoder(true);
+                }
             }
         }
         let reason = if eos || stopped {
@@ -429,8 +454,11 @@ impl Scheduler {
                 text.push_str(&r.text);
             }
             text.push_str(&c.stop_text.finish());
+            if let Ok(Some(rest)) = c.thought_detok.flush() {
+                reasoning.push_str(&rest);
+            }
         }
-        let _ = c.events.send(Event::Token { index: c.index, text, id: tok, logprob });
+        let _ = c.events.send(Event::Token { index: c.index, text, reasoning, id: tok, logprob });
         if reason.is_some() {
             c.reason = reason;
             c.finished = true;

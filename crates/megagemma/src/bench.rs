@@ -13,7 +13,6 @@ use clap::Args;
 use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
 use megagemma_engine::generate::{generate, DraftMode, GenerateParams};
 use megagemma_model::backend::{Backend, Want};
-use megagemma_model::Model;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -73,7 +72,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         (Some(m), None) => {
             let path = resolve_model(m)?;
             let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-            let model = Arc::new(Model::load_with(&path, quant)?);
+            let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
             (path.display().to_string(), open_backend(model, &opts)?)
         }
         (None, Some(name)) => (

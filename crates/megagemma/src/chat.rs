@@ -3,12 +3,13 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
-use megagemma_engine::chat_template::{encode_chat, ChatMessage};
+use megagemma_engine::chat_template::{encode_chat_with, ChatMessage};
 use megagemma_engine::generate::{generate, DraftParams, GenerateParams};
 use megagemma_engine::model_files::ChatModel;
 use megagemma_engine::sampling::SamplingParams;
-use megagemma_model::Model;
-use std::io::{BufRead, Write};
+use megagemma_engine::thoughts::{thinking_context, Part, ThoughtSplitter};
+use rustyline::error::ReadlineError;
+use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,11 +43,18 @@ pub struct ChatArgs {
     /// Context length: the longest conversation a sequence may hold.
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
+    /// Gemma 4 thinking mode: the model reasons in a thought channel before answering (hidden
+    /// unless --show-thoughts; never kept in the conversation).
+    #[arg(long)]
+    pub think: bool,
+    /// With --think: print the thoughts (on stderr, so stdout holds only answers).
+    #[arg(long, requires = "think")]
+    pub show_thoughts: bool,
 }
 
 const HELP: &str = "Type a message and press Enter (end a line with \\ to continue it on the next).
 Commands: /reset (forget the conversation), /system TEXT (set the system message), /quit.
-Ctrl-C stops the current answer; Ctrl-D or /quit leaves.";
+Ctrl-C stops the current answer; Ctrl-D or /quit leaves. Up/Down recall earlier messages (in a terminal).";
 
 pub fn chat(args: ChatArgs) -> Result<()> {
     if args.greedy && args.temperature.is_some() {
@@ -54,8 +62,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     }
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
-    let model = Arc::new(Model::load(&path)?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&path, Default::default())?);
     let files = ChatModel::open(&path, &model)?;
+    let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let mut backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
     let base = files.defaults.sampling_params(args.seed);
     let sampling = if args.greedy {
@@ -81,10 +90,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     eprintln!("{HELP}");
     let mut system = args.system.clone();
     let mut history: Vec<ChatMessage> = Vec::new();
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut reader = LineReader::new();
     loop {
-        let Some(input) = read_message(&mut lines)? else { break };
+        let Some(input) = reader.read_message()? else { break };
         let input = input.trim();
         if input.is_empty() {
             continue;
@@ -116,16 +124,49 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         history.push(ChatMessage::user(input));
         let mut messages: Vec<ChatMessage> = system.iter().map(|s| ChatMessage::system(s.clone())).collect();
         messages.extend(history.iter().cloned());
-        let prompt = encode_chat(&files.tokenizer, &files.template, &messages)?;
+        let prompt = encode_chat_with(&files.tokenizer, &files.template, &messages, &template_vars)?;
         interrupted.store(false, Ordering::SeqCst);
+        // Answer and thoughts decode separately: a thought's last bytes never leak into the answer.
         let mut stream = files.tokenizer.stream_decoder(true);
+        let mut thought_stream = files.tokenizer.stream_decoder(true);
+        let mut splitter = ThoughtSplitter::new(&files.tokenizer);
+        let mut answer_ids: Vec<u32> = Vec::new();
+        let mut thought_tokens = 0usize;
         let stdout = std::io::stdout();
         let result = generate(backend.as_mut(), &prompt, &params, |tok| {
-            if !files.stop_ids.contains(&tok) {
-                if let Ok(Some(piece)) = stream.step(tok) {
-                    let mut out = stdout.lock();
-                    let _ = out.write_all(piece.as_bytes());
-                    let _ = out.flush();
+            if files.stop_ids.contains(&tok) {
+                return !interrupted.load(Ordering::SeqCst);
+            }
+            match splitter.route(tok) {
+                Part::Answer => {
+                    answer_ids.push(tok);
+                    if let Ok(Some(piece)) = stream.step(tok) {
+                        let mut out = stdout.lock();
+                        let _ = out.write_all(piece.as_bytes());
+                        let _ = out.flush();
+                    }
+                }
+                Part::Thought => {
+                    thought_tokens += 1;
+                    if args.show_thoughts {
+                        if let Ok(Some(piece)) = thought_stream.step(tok) {
+                            eprint!("{piece}");
+                        }
+                    }
+                }
+                Part::Marker if splitter.in_thought() => {
+                    thought_stream = files.tokenizer.stream_decoder(true);
+                    eprint!("{}", if args.show_thoughts { "[thinking] " } else { "(thinking...)" });
+                }
+                Part::Marker => {
+                    if args.show_thoughts {
+                        if let Ok(Some(rest)) = thought_stream.flush() {
+                            eprint!("{rest}");
+                        }
+                        eprintln!("\n[/thinking]");
+                    } else {
+                        eprintln!(" ({thought_tokens} thought tokens)");
+                    }
                 }
             }
             !interrupted.load(Ordering::SeqCst)
@@ -143,12 +184,76 @@ pub fn chat(args: ChatArgs) -> Result<()> {
             print!("{rest}");
         }
         println!();
-        let answer_ids: Vec<u32> = gen.ids.iter().copied().filter(|t| !files.stop_ids.contains(t)).collect();
+        if splitter.in_thought() {
+            eprintln!("\n(the answer ended inside the thought channel: raise -n for a longer budget)");
+        }
         history.push(ChatMessage::assistant(files.tokenizer.decode(&answer_ids, true)?));
         let stopped = if interrupted.load(Ordering::SeqCst) { " (stopped)" } else { "" };
         eprintln!("[{} tokens, {:.1} tok/s{stopped}]", gen.ids.len(), gen.decode_tokens_per_second());
     }
     Ok(())
+}
+
+/// Standard input, read with line editing and history (Up/Down, kept across runs in the
+/// megagemma cache) when it, stdout and stderr are a terminal, else line by line.
+enum LineReader {
+    Editor { editor: Box<rustyline::DefaultEditor>, history: Option<PathBuf> },
+    Plain(std::io::Lines<std::io::StdinLock<'static>>),
+}
+
+impl LineReader {
+    fn new() -> LineReader {
+        // The editor draws on stdout: only when answers are not being redirected.
+        if std::io::stdin().is_terminal() && std::io::stdout().is_terminal() && std::io::stderr().is_terminal() {
+            if let Ok(mut editor) = rustyline::DefaultEditor::new() {
+                let history = megagemma_engine::pull::cache_dir().ok().map(|d| d.join("chat_history"));
+                if let Some(h) = &history {
+                    let _ = editor.load_history(h);
+                }
+                return LineReader::Editor { editor: Box::new(editor), history };
+            }
+        }
+        LineReader::Plain(std::io::stdin().lock().lines())
+    }
+
+    /// One message: a line, or several joined when each but the last ends with `\`. `None` at
+    /// end of input.
+    fn read_message(&mut self) -> Result<Option<String>> {
+        match self {
+            LineReader::Plain(lines) => read_message(lines),
+            LineReader::Editor { editor, history } => {
+                let mut message = String::new();
+                loop {
+                    let prompt = if message.is_empty() { "> " } else { ". " };
+                    match editor.readline(prompt) {
+                        Ok(line) => match line.strip_suffix('\\') {
+                            Some(part) => {
+                                message.push_str(part);
+                                message.push('\n');
+                            }
+                            None => {
+                                message.push_str(&line);
+                                if !message.trim().is_empty() {
+                                    let _ = editor.add_history_entry(message.as_str());
+                                    if let Some(h) = history {
+                                        if let Some(dir) = h.parent() {
+                                            let _ = std::fs::create_dir_all(dir);
+                                        }
+                                        let _ = editor.save_history(h);
+                                    }
+                                }
+                                return Ok(Some(message));
+                            }
+                        },
+                        // Ctrl-C at the prompt drops what was typed.
+                        Err(ReadlineError::Interrupted) => message.clear(),
+                        Err(ReadlineError::Eof) => return Ok((!message.is_empty()).then_some(message)),
+                        Err(e) => return Err(e).context("cannot read the terminal"),
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// One message: a line, or several joined when each but the last ends with `\`. `None` at

@@ -24,7 +24,7 @@ pub fn demo_model_dir() -> Result<PathBuf> {
         hasher.update(bytes);
     }
     let hash = format!("{:x}", hasher.finalize());
-    let dir = crate::pull::cache_dir()?.join(format!("demo-{}", &hash[..16]));
+    let dir = megagemma_engine::pull::cache_dir()?.join(format!("demo-{}", &hash[..16]));
     let complete = |d: &PathBuf| {
         FILES.iter().all(|(name, bytes)| std::fs::metadata(d.join(name)).is_ok_and(|m| m.len() == bytes.len() as u64))
     };

@@ -10,6 +10,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use megagemma_engine::progress;
 use megagemma_model::checkpoint::{Checkpoint, DType, TensorRef};
 use megagemma_model::config::load_config;
 use megagemma_model::dense::DenseMatrix;
@@ -66,6 +67,8 @@ pub fn quantize(args: QuantizeArgs) -> Result<()> {
         bail!("--quant none does not quantize: give --quant q4 or --quant q4_0");
     }
     let max_shard = parse_size(&args.max_shard_size)?;
+    let resolved = megagemma_engine::resolve::resolve_model(input)?;
+    let input = resolved.as_path();
     if !input.exists() {
         bail!("model directory {} does not exist", input.display());
     }
@@ -89,6 +92,8 @@ pub fn quantize(args: QuantizeArgs) -> Result<()> {
     let mut stash: HashMap<usize, (Vec<u16>, Vec<u16>)> = HashMap::new();
     let mut weight_map = serde_json::Map::new();
     let mut total = 0usize;
+    let all_bytes: usize = tensors.iter().map(OutTensor::bytes).sum();
+    let bar = progress::bytes(all_bytes as u64, format!("quantizing to {mode}"));
     for (i, shard) in shards.iter().enumerate() {
         let file = if n_shards == 1 {
             "model.safetensors".to_string()
@@ -96,12 +101,13 @@ pub fn quantize(args: QuantizeArgs) -> Result<()> {
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n_shards)
         };
         let path = out.join(&file);
-        total += write_shard(&path, shard, &jobs, mode, &mut stash)
+        total += write_shard(&path, shard, &jobs, mode, &mut stash, bar.as_ref())
             .with_context(|| format!("cannot write {}", path.display()))?;
         for t in shard.iter() {
             weight_map.insert(t.name.clone(), file.clone().into());
         }
     }
+    progress::finish(bar);
     if n_shards > 1 {
         let index =
             serde_json::json!({ "metadata": { "total_size": total, "format": "mlx" }, "weight_map": weight_map });
@@ -346,6 +352,7 @@ fn write_shard(
     jobs: &[Job],
     mode: QuantMode,
     stash: &mut HashMap<usize, (Vec<u16>, Vec<u16>)>,
+    bar: Option<&progress::ProgressBar>,
 ) -> Result<usize> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::json!({ "format": "mlx" }));
@@ -366,6 +373,9 @@ fn write_shard(
     w.write_all(&(h.len() as u64).to_le_bytes())?;
     w.write_all(&h)?;
     for t in tensors {
+        if let Some(b) = bar {
+            b.inc(t.bytes() as u64);
+        }
         match &t.data {
             Data::Raw(src) => w.write_all(src.data.bytes())?,
             Data::Weight(i) => {

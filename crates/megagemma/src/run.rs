@@ -9,9 +9,8 @@ use megagemma_engine::model_files::{chat_template, generation_defaults, is_gguf,
 use megagemma_engine::sampling::SamplingParams;
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::gguf::GgufFile;
-use megagemma_model::Model;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -154,7 +153,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let backend_kind: BackendKind = args.backend.parse()?;
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(Model::load_with(&dir, quant)?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant)?);
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;
@@ -313,13 +312,6 @@ pub fn rayon_threads(n: usize) -> Result<()> {
     rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot set the thread count")
 }
 
-/// A path as given, or a known model name resolved to its cached file (pulled if missing).
-pub fn resolve_model(arg: &Path) -> Result<PathBuf> {
-    if arg.exists() {
-        return Ok(arg.to_path_buf());
-    }
-    match arg.to_str().and_then(crate::pull::find) {
-        Some(known) => crate::pull::ensure(known),
-        None => Ok(arg.to_path_buf()), // Model::load reports the missing path
-    }
-}
+/// `--model` as a path: as given, a known name (pulled if missing) or a Hugging Face repo id
+/// found in the local HF cache.
+pub use megagemma_engine::resolve::resolve_model;

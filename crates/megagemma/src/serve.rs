@@ -4,7 +4,6 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
 use megagemma_engine::model_files::ChatModel;
-use megagemma_model::Model;
 use megagemma_server::{Server, ServerConfig};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -76,7 +75,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(Model::load_with(&path, quant)?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
     let chat = ChatModel::open(&path, &model)?;
     let backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));

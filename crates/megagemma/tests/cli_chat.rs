@@ -15,7 +15,10 @@ fn chat(input: &str, extra: &[&str]) -> (String, String, bool) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    // A run that fails at start (a refused flag) may exit before reading its input.
+    if let Err(e) = child.stdin.take().unwrap().write_all(input.as_bytes()) {
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+    }
     let out = child.wait_with_output().unwrap();
     (stdout(&out), stderr(&out), out.status.success())
 }
@@ -101,4 +104,50 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     let tokens: usize = err.split('[').nth(1).and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
     assert!(tokens < 30000, "the answer ran to its budget: {err}");
     assert!(!reader.join().unwrap().is_empty());
+}
+
+#[test]
+fn think_needs_a_template_with_a_thinking_mode() {
+    // The Gemma 3 fixture's template ignores enable_thinking: refused, not silently ignored.
+    let (_, err, ok) = chat("hi\n", &["--think"]);
+    assert!(!ok);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].starts_with("error: ") && lines[0].contains("no thinking mode"), "{err}");
+    let (_, err, ok) = chat("hi\n", &["--show-thoughts"]);
+    assert!(!ok && err.contains("--think"), "--show-thoughts alone is refused: {err}");
+}
+
+#[test]
+fn think_changes_the_prompt_of_a_gemma4_template() {
+    // A Gemma 4 fixture without a template of its own gets the built-in Gemma 4 template,
+    // whose enable_thinking adds `<|think|>` in a system turn.
+    let src = fixtures_dir().join("ple_shared_dw");
+    let d = std::env::temp_dir().join(format!("megagemma-think-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), d.join(f)).unwrap();
+    }
+    let answer = |extra: &[&str]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+            .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "16", "--ignore-eos"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(b"the cat sat\n").unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    let plain = answer(&[]);
+    let thinking = answer(&["--think"]);
+    assert!(!plain.trim().is_empty() && !thinking.trim().is_empty());
+    assert_ne!(plain, thinking, "--think should change the prompt and so the greedy answer");
+    // This tokenizer has no thought channel: with --show-thoughts the answer is the same.
+    assert_eq!(answer(&["--think", "--show-thoughts"]), thinking);
+    std::fs::remove_dir_all(&d).unwrap();
 }

@@ -2,7 +2,9 @@
 //! HTTP API): typed messages stream back the same text as the greedy chat API, turn after turn.
 //! Needs Debian's `chromium` and `chromium-driver`; fails when they are missing.
 
+mod common;
 mod http;
+mod thoughts;
 
 use http::*;
 use megagemma_server::ServerConfig;
@@ -237,4 +239,37 @@ fn chat_page_streams_the_greedy_reply_and_keeps_the_conversation() {
     assert_eq!(send_from_page(&browser, 1, second), expected_second);
     let users = browser.script("return [...document.querySelectorAll('.msg.user')].map(e => e.textContent);");
     assert_eq!(users, json!([first, second]));
+}
+
+#[test]
+fn chat_page_thinking_box_and_thoughts() {
+    // A Gemma 4 fixture on the built-in template whose tokenizer names two tokens of the
+    // thinking-mode greedy answer as the thought-channel markers (tests/thoughts).
+    let think = json!({"chat_template_kwargs": {"enable_thinking": true}, "ignore_eos": false, "max_tokens": 24});
+    let f = thoughts::thought_fixture(
+        "ple_shared_dw",
+        "page",
+        &["config.json", "model.safetensors", "tokenizer.json"],
+        &think,
+    );
+    let config = ServerConfig { model_name: "m".into(), ..Default::default() };
+    let server = TestServer::start_dir(&f.dir, config, None);
+
+    let browser = Browser::start();
+    browser.cmd("POST", "/url", json!({"url": format!("http://{}/", server.addr)}));
+    browser.wait_for("the model list", "const o = document.querySelector('#model option'); return o ? o.value : null;");
+    browser.type_into("#temperature", "0");
+    browser.type_into("#max-tokens", "24");
+    browser.click("#think");
+    // The answer is the thinking-mode one (the box reached the template), without the thoughts,
+    // which sit in their own collapsed block before it.
+    assert_eq!(send_from_page(&browser, 0, "the cat sat"), f.want_content);
+    let shown = browser.script(
+        "const t = document.querySelector('.msg.thoughts');
+         return t ? [t.open, t.querySelector('summary').textContent, t.lastChild.textContent] : null;",
+    );
+    assert_eq!(shown, json!([false, "Thoughts", f.want_reasoning]));
+    drop(browser);
+    drop(server);
+    std::fs::remove_dir_all(&f.dir).unwrap();
 }

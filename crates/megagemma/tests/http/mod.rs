@@ -25,7 +25,12 @@ pub struct TestServer {
 impl TestServer {
     /// Serves fixture `name` with `config`, on a CPU backend of context `ctx` (default if None).
     pub fn start(name: &str, config: ServerConfig, ctx: Option<usize>) -> TestServer {
-        let dir = fixture(name);
+        Self::start_dir(&fixture(name), config, ctx)
+    }
+
+    /// Serves the model in `dir` (a fixture copy a test changed) on a CPU backend.
+    pub fn start_dir(dir: &std::path::Path, config: ServerConfig, ctx: Option<usize>) -> TestServer {
+        let dir = dir.to_path_buf();
         let model = Arc::new(Model::load(&dir).unwrap());
         let chat = ChatModel::open(&dir, &model).unwrap();
         let backend = open_backend(model, &BackendOptions { kind: BackendKind::Cpu, max_context: ctx }).unwrap();
