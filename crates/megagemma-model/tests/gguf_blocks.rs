@@ -11,7 +11,8 @@
 
 use half::f16;
 use megagemma_model::gguf::{
-    dequantize_row, dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, f16_to_f32, GgmlType, MULTI,
+    dequantize_row, dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, dot_rows2_multi, f16_to_f32, GgmlType,
+    MULTI,
 };
 
 /// splitmix64: small deterministic generator (the crate has no rand dependency).
@@ -319,9 +320,16 @@ fn multi_column_dots_are_bit_identical_to_single_dots() {
             let xs: Vec<Vec<f32>> =
                 (0..MULTI).map(|_| (0..row.values.len()).map(|_| rng.unit() * 100.0).collect()).collect();
             let multi = dot_row_multi(ty, &row.bytes, std::array::from_fn(|n| xs[n].as_slice())).unwrap();
+            // Two rows at once (the two-row kernels of some CPUs): each (row, column) as well.
+            let other = ref_row(&mut rng, make, n_blocks);
+            let pair =
+                dot_rows2_multi(ty, [&row.bytes, &other.bytes], std::array::from_fn(|n| xs[n].as_slice())).unwrap();
             for (n, x) in xs.iter().enumerate() {
                 let single = dot_row(ty, &row.bytes, x).unwrap();
                 assert_eq!(multi[n].to_bits(), single.to_bits(), "{ty} column {n}: {} vs {single}", multi[n]);
+                assert_eq!(pair[0][n].to_bits(), single.to_bits(), "{ty} row 0 of a pair, column {n}");
+                let single = dot_row(ty, &other.bytes, x).unwrap();
+                assert_eq!(pair[1][n].to_bits(), single.to_bits(), "{ty} row 1 of a pair, column {n}");
             }
         }
     }
