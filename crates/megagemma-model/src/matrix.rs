@@ -68,22 +68,21 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
         });
         return;
     }
-    // Row-block-major so each block of weights is hot in cache for all T tokens.
+    // Row-block-major so each block of weights is read once for all T tokens; each task writes
+    // its block's rows of every token's output (disjoint slices, so the copies run in parallel).
     let blocks = rows.div_ceil(ROW_BLOCK);
-    let partial: Vec<(usize, Vec<f32>)> = (0..blocks)
-        .into_par_iter()
-        .map(|b| {
-            let start = b * ROW_BLOCK;
-            let n = ROW_BLOCK.min(rows - start);
-            let mut block_out = vec![0f32; t * n];
-            w.dot_rows_multi(start, xs, &mut block_out);
-            (start, block_out)
-        })
-        .collect();
-    for (start, block_out) in partial {
-        let n = block_out.len() / t;
-        for ti in 0..t {
-            ys[ti * rows + start..ti * rows + start + n].copy_from_slice(&block_out[ti * n..(ti + 1) * n]);
+    let mut per_block: Vec<Vec<&mut [f32]>> = (0..blocks).map(|_| Vec::with_capacity(t)).collect();
+    for y in ys.chunks_exact_mut(rows) {
+        for (b, part) in y.chunks_mut(ROW_BLOCK).enumerate() {
+            per_block[b].push(part);
         }
     }
+    per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| {
+        let n = parts[0].len();
+        let mut block_out = vec![0f32; t * n];
+        w.dot_rows_multi(b * ROW_BLOCK, xs, &mut block_out);
+        for (ti, part) in parts.iter_mut().enumerate() {
+            part.copy_from_slice(&block_out[ti * n..(ti + 1) * n]);
+        }
+    });
 }

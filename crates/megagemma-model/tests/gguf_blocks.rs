@@ -10,7 +10,10 @@
 #![allow(clippy::needless_range_loop)]
 
 use half::f16;
-use megagemma_model::gguf::{dequantize_row, dot_row, dot_row_multi, dot_row_portable, f16_to_f32, GgmlType, MULTI};
+use megagemma_model::gguf::{
+    dequantize_row, dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, dot_rows2_multi, f16_to_f32, GgmlType,
+    MULTI,
+};
 
 /// splitmix64: small deterministic generator (the crate has no rand dependency).
 struct Rng(u64);
@@ -317,9 +320,36 @@ fn multi_column_dots_are_bit_identical_to_single_dots() {
             let xs: Vec<Vec<f32>> =
                 (0..MULTI).map(|_| (0..row.values.len()).map(|_| rng.unit() * 100.0).collect()).collect();
             let multi = dot_row_multi(ty, &row.bytes, std::array::from_fn(|n| xs[n].as_slice())).unwrap();
+            // Two rows at once (the two-row kernels of some CPUs): each (row, column) as well.
+            let other = ref_row(&mut rng, make, n_blocks);
+            let pair =
+                dot_rows2_multi(ty, [&row.bytes, &other.bytes], std::array::from_fn(|n| xs[n].as_slice())).unwrap();
             for (n, x) in xs.iter().enumerate() {
                 let single = dot_row(ty, &row.bytes, x).unwrap();
                 assert_eq!(multi[n].to_bits(), single.to_bits(), "{ty} column {n}: {} vs {single}", multi[n]);
+                assert_eq!(pair[0][n].to_bits(), single.to_bits(), "{ty} row 0 of a pair, column {n}");
+                let single = dot_row(ty, &other.bytes, x).unwrap();
+                assert_eq!(pair[1][n].to_bits(), single.to_bits(), "{ty} row 1 of a pair, column {n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn dispatched_dots_are_bit_identical_to_the_avx2_build() {
+    // The hand-written AVX-512 kernels promise the AVX2 build's bits (same decoded weights, same
+    // fused lanes, same reduction order), so a model's output does not depend on which of the
+    // two a machine picks. Where the CPU has no AVX-512 both sides are the AVX2 build.
+    let mut rng = Rng(23);
+    for (ty, make) in all_types() {
+        for n_blocks in [1, 2, 5, 20] {
+            let n_blocks = if ty.block_size() == 1 { n_blocks * 97 } else { n_blocks };
+            let row = ref_row(&mut rng, make, n_blocks);
+            for scale in [1.0, 1e-3, 1e4] {
+                let x: Vec<f32> = (0..row.values.len()).map(|_| rng.unit() * scale).collect();
+                let Some(avx2) = dot_row_avx2(ty, &row.bytes, &x).unwrap() else { return };
+                let got = dot_row(ty, &row.bytes, &x).unwrap();
+                assert_eq!(got.to_bits(), avx2.to_bits(), "{ty} {n_blocks} blocks: {got} vs AVX2 {avx2}");
             }
         }
     }

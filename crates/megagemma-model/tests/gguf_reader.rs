@@ -330,6 +330,19 @@ fn tensors_work_as_rowdot_matrices() {
         let mut one = [0f32; 1];
         m.dot_rows(rows - 1, &xs[..cols], &mut one);
         assert_eq!(one[0], ys[rows - 1]);
+        // Verify-sized passes (whole and partial groups of vectors, row pairs and single rows):
+        // every column bit-identical to the single-vector product.
+        for t in [4, 5, 9] {
+            let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 29) as f32 - 14.0) / 3.0).collect();
+            let mut ys = vec![0f32; t * rows];
+            matmul(m, &xs, &mut ys);
+            for ti in 0..t {
+                let mut want = vec![0f32; rows];
+                m.dot_rows(0, &xs[ti * cols..(ti + 1) * cols], &mut want);
+                let got = &ys[ti * rows..(ti + 1) * rows];
+                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "t {t} token {ti}");
+            }
+        }
     }
 }
 

@@ -27,7 +27,13 @@ pub fn gelu_tanh(x: f32) -> f32 {
 /// `pos · inv_freq[i]`. Angles and cos/sin are computed in f32, like the reference.
 /// A zero frequency leaves its pair bit-identical (cos 0 = 1, sin 0 = 0).
 pub fn rope(head: &mut [f32], pos: usize, inv_freq: &[f32]) {
-    let m = head.len() / 2;
+    rope_heads(head, head.len(), pos, inv_freq);
+}
+
+/// [`rope`] on every `hd`-sized head of `row`, all at position `pos`: each angle's sine and
+/// cosine is computed once for the row (the same values `rope` computes per head).
+pub fn rope_heads(row: &mut [f32], hd: usize, pos: usize, inv_freq: &[f32]) {
+    let m = hd / 2;
     debug_assert_eq!(inv_freq.len(), m);
     let p = pos as f32;
     for i in 0..m {
@@ -36,9 +42,11 @@ pub fn rope(head: &mut [f32], pos: usize, inv_freq: &[f32]) {
             continue;
         }
         let (s, c) = (p * f).sin_cos();
-        let (a, b) = (head[i], head[i + m]);
-        head[i] = a * c - b * s;
-        head[i + m] = b * c + a * s;
+        for head in row.chunks_exact_mut(hd) {
+            let (a, b) = (head[i], head[i + m]);
+            head[i] = a * c - b * s;
+            head[i + m] = b * c + a * s;
+        }
     }
 }
 

@@ -17,8 +17,9 @@
 //! x86-64 is SSE2: no FMA, no byte→int widening) and, on x86-64, an AVX2+FMA build chosen at run
 //! time (1.5–3× faster on the dev VM). The FMA build fuses `w·x + acc` (one rounding instead of
 //! two), so the builds differ in the last bits of the sum; a process always uses one of them.
-//! (An AVX-512 build of the same source was measured slower than AVX2; hand-written AVX2
-//! intrinsics for Q4_K only ~10% faster — neither is worth its code.)
+//! On CPUs with AVX-512 the block types use hand-written kernels instead (`dot512.rs`), which
+//! give exactly the AVX2 build's bits with the accumulators of 4 vectors held in registers.
+//! (An AVX-512 build of this generic source was measured slower than AVX2.)
 
 use super::blocks::{check_row, f16_at, k4_scales_mins, q6k_half, supported_list, GgmlType};
 use crate::bail;
@@ -395,12 +396,81 @@ kernels! {
     Q4_K => dot_q4_k, Q5_K => dot_q5_k, Q6_K => dot_q6_k,
 }
 
-/// The fastest dot kernel for `ty` on this CPU (AVX2+FMA unless `MEGAGEMMA_SIMD=portable` or the
-/// CPU lacks it, see [`crate::simd::level`]), or `None` when the type is unsupported.
+/// The hand-written AVX-512 kernels (`dot512.rs`): the same bits as the AVX2 build.
+/// Only called after `is_x86_feature_detected!` confirmed AVX-512 F/BW/VL, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+fn avx512_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
+    use super::dot512 as k;
+    macro_rules! pair {
+        ($f:ident) => {
+            // SAFETY: the CPU supports the kernels' features (checked by the only caller).
+            Some((|w, x| unsafe { k::$f::<1>(w, [x])[0] }, |w, xs| unsafe { k::$f::<MULTI>(w, xs) }))
+        };
+    }
+    macro_rules! rows {
+        ($f:ident) => {
+            // SAFETY: as above.
+            Some((|w, x| unsafe { k::$f::<1, 1>([w], [x])[0][0] }, |w, xs| unsafe { k::$f::<1, MULTI>([w], xs)[0] }))
+        };
+    }
+    match ty {
+        GgmlType::Q8_0 => rows!(dot_q8_0),
+        GgmlType::Q4_0 => rows!(dot_q4_0),
+        GgmlType::Q4_1 => rows!(dot_q4_1),
+        GgmlType::Q5_0 => rows!(dot_q5_0),
+        GgmlType::Q5_1 => rows!(dot_q5_1),
+        GgmlType::Q4_K => pair!(dot_q4_k),
+        GgmlType::Q5_K => pair!(dot_q5_k),
+        GgmlType::Q6_K => pair!(dot_q6_k),
+        _ => None,
+    }
+}
+
+/// Two rows against [`MULTI`] vectors at once (each vector loaded once for both rows); row `r`,
+/// column `n` equals the [`DotFn`] result for `rows[r]` and `xs[n]`.
+pub(super) type DotMulti2Fn = fn([&[u8]; 2], [&[f32]; MULTI]) -> [[f32; MULTI]; 2];
+
+/// The two-row kernel for `ty` on this CPU, where there is one (AVX-512 block types: 2 rows ×
+/// 4 vectors × 2 registers of accumulators; the super-block types make one pass per set).
+pub(super) fn dot_kernel_2rows(ty: GgmlType) -> Option<DotMulti2Fn> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::level() == crate::simd::Level::Avx512 && avx512_supported() {
+        use super::dot512 as k;
+        // SAFETY: the CPU supports the kernels' features (checked just above).
+        return match ty {
+            GgmlType::Q8_0 => Some(|w, xs| unsafe { k::dot_q8_0::<2, MULTI>(w, xs) }),
+            GgmlType::Q4_0 => Some(|w, xs| unsafe { k::dot_q4_0::<2, MULTI>(w, xs) }),
+            GgmlType::Q4_1 => Some(|w, xs| unsafe { k::dot_q4_1::<2, MULTI>(w, xs) }),
+            GgmlType::Q5_0 => Some(|w, xs| unsafe { k::dot_q5_0::<2, MULTI>(w, xs) }),
+            GgmlType::Q5_1 => Some(|w, xs| unsafe { k::dot_q5_1::<2, MULTI>(w, xs) }),
+            GgmlType::Q4_K => Some(|w, xs| unsafe { k::dot_q4_k_rows::<2, MULTI>(w, xs) }),
+            GgmlType::Q5_K => Some(|w, xs| unsafe { k::dot_q5_k_rows::<2, MULTI>(w, xs) }),
+            GgmlType::Q6_K => Some(|w, xs| unsafe { k::dot_q6_k_rows::<2, MULTI>(w, xs) }),
+            _ => None,
+        };
+    }
+    let _ = ty;
+    None
+}
+
+/// AVX-512 with the byte/word and 256-bit forms (and F16C) `dot512.rs` is compiled for.
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// The fastest dot kernel for `ty` on this CPU (hand-written AVX-512 for the block types, else
+/// AVX2+FMA, unless `MEGAGEMMA_SIMD=portable|avx2` caps it or the CPU lacks it, see
+/// [`crate::simd::level`]), or `None` when the type is unsupported.
 pub(super) fn dot_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::level() != crate::simd::Level::Portable {
-        return avx2_kernel(ty);
+    match crate::simd::level() {
+        crate::simd::Level::Avx512 if avx512_supported() => return avx512_kernel(ty).or_else(|| avx2_kernel(ty)),
+        crate::simd::Level::Avx512 | crate::simd::Level::Avx2 => return avx2_kernel(ty),
+        crate::simd::Level::Portable => {}
     }
     portable_kernel(ty)
 }
@@ -426,6 +496,17 @@ pub fn dot_row_portable(ty: GgmlType, bytes: &[u8], x: &[f32]) -> Result<f32> {
     checked(ty, bytes, x, portable_kernel(ty))
 }
 
+/// [`dot_row`] forced onto the AVX2+FMA build of the kernel, or `None` where the CPU lacks it;
+/// tests check that the hand-written AVX-512 kernels give exactly its bits.
+pub fn dot_row_avx2(ty: GgmlType, bytes: &[u8], x: &[f32]) -> Result<Option<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        return checked(ty, bytes, x, avx2_kernel(ty)).map(Some);
+    }
+    let _ = (ty, bytes, x);
+    Ok(None)
+}
+
 /// [`dot_row`] for [`MULTI`] vectors at once (the row is decoded once); each result is
 /// bit-identical to `dot_row(ty, bytes, xs[n])`.
 pub fn dot_row_multi(ty: GgmlType, bytes: &[u8], xs: [&[f32]; MULTI]) -> Result<[f32; MULTI]> {
@@ -436,4 +517,22 @@ pub fn dot_row_multi(ty: GgmlType, bytes: &[u8], xs: [&[f32]; MULTI]) -> Result<
         check_row(ty, bytes, x.len())?;
     }
     Ok(k(bytes, xs))
+}
+
+/// Two rows of `ty` (the same length) against [`MULTI`] vectors, through the two-row kernel
+/// where this CPU has one (else one row at a time); each result is bit-identical to
+/// `dot_row(ty, rows[r], xs[n])`.
+pub fn dot_rows2_multi(ty: GgmlType, rows: [&[u8]; 2], xs: [&[f32]; MULTI]) -> Result<[[f32; MULTI]; 2]> {
+    if rows[0].len() != rows[1].len() {
+        bail!("dot_rows2_multi: rows of {} and {} bytes", rows[0].len(), rows[1].len());
+    }
+    match dot_kernel_2rows(ty) {
+        Some(k) => {
+            for x in xs {
+                check_row(ty, rows[0], x.len())?;
+            }
+            Ok(k(rows, xs))
+        }
+        None => Ok([dot_row_multi(ty, rows[0], xs)?, dot_row_multi(ty, rows[1], xs)?]),
+    }
 }

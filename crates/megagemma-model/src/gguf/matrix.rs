@@ -6,7 +6,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
-use super::dot::{dot_kernel, DotFn, DotMultiFn, MULTI};
+use super::dot::{dot_kernel, dot_kernel_2rows, DotFn, DotMulti2Fn, DotMultiFn, MULTI};
 use super::reader::{GgufFile, GgufTensorInfo};
 use crate::bail;
 use crate::error::Result;
@@ -24,6 +24,8 @@ pub struct GgufMatrix {
     ggml_type: GgmlType,
     dot: DotFn,
     dot_multi: DotMultiFn,
+    /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
+    dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
 }
 
@@ -53,6 +55,7 @@ impl GgufMatrix {
             ggml_type: ty,
             dot,
             dot_multi,
+            dot_multi2: dot_kernel_2rows(ty),
             dequant,
         })
     }
@@ -102,7 +105,30 @@ impl RowDot for GgufMatrix {
         assert_eq!(xs.len(), t * cols, "dot_rows_multi: xs is not [T, {cols}]");
         assert!(start + n <= self.rows, "dot_rows_multi: rows {start}..{} out of range", start + n);
         let x = |ti: usize| &xs[ti * cols..(ti + 1) * cols];
-        for r in 0..n {
+        let mut r0 = 0;
+        if let (Some(k2), true) = (self.dot_multi2, t >= MULTI) {
+            // Row pairs through the two-row kernel for the first whole groups of MULTI vectors.
+            while r0 + 2 <= n {
+                let rows = [self.row_bytes(start + r0), self.row_bytes(start + r0 + 1)];
+                let mut ti = 0;
+                while ti + MULTI <= t {
+                    let ys = k2(rows, std::array::from_fn(|j| x(ti + j)));
+                    for (dr, yr) in ys.into_iter().enumerate() {
+                        for (j, y) in yr.into_iter().enumerate() {
+                            outs[(ti + j) * n + r0 + dr] = y;
+                        }
+                    }
+                    ti += MULTI;
+                }
+                for ti in ti..t {
+                    for (dr, bytes) in rows.into_iter().enumerate() {
+                        outs[ti * n + r0 + dr] = (self.dot)(bytes, x(ti));
+                    }
+                }
+                r0 += 2;
+            }
+        }
+        for r in r0..n {
             let bytes = self.row_bytes(start + r);
             let mut ti = 0;
             while ti + MULTI <= t {
