@@ -24,6 +24,9 @@
 #include "common.cuh"
 
 #define MMA_WARPS 8
+// Blocks per SM the register budget is set for (src/seq.rs `MMA_BLOCKS_PER_SM`): 2 leaves 128
+// registers a thread, room for two batches of chunks in flight per warp.
+#define MMA_BLOCKS_PER_SM 2
 // Dynamic shared memory for the inputs: 1024·H bytes of fragments and 32·UPC of sums per 64-column
 // chunk (a slice is as many chunks as fit: 46 chunks for H = 1, which a part never exceeds).
 #define MMA_SLICE_BYTES (48 * 1024)
@@ -152,72 +155,102 @@ __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts,
   }
 }
 
-// One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r]
-// (token 4h + tig; rows gid and gid + 8).
+// A batch of one warp's chunks: chunk cc = c + u·ks for u < U (those below `end`), their codes and
+// the (scale or bias) value this lane holds for each of their UPC scale units.
+template <int U, int UPC>
+struct Batch {
+  uint4 q[U];
+  float sb[U][UPC];
+};
+
+template <int U, int UPC>
+__device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __restrict__ codes,
+                                           const float* __restrict__ sbt, int c, int ks, int end, int gsh) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int cc = c + u * ks;
+    if (cc < end) {
+      bt.q[u] = __ldcs(codes + (u64)cc * 32);
+#pragma unroll
+      for (int p = 0; p < UPC; p++) bt.sb[u][p] = sbt[(u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32];
+    }
+  }
+}
+
+// Multiplies a loaded batch into y[h][r] (token 4h + tig; rows gid and gid + 8), chunk by chunk in
+// increasing order.
+template <int H, int U, int UPC>
+__device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, int ks, int c0, int end,
+                                              const uint2* xf, const float* xs, const bool live[H], float y[H][2]) {
+  const int lane = threadIdx.x & 31, tig = lane & 3;
+  constexpr int unit = 64 / UPC;
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int cc = c + u * ks;
+    if (cc >= end) break;
+    const unsigned words[4] = {bt.q[u].x, bt.q[u].y, bt.q[u].z, bt.q[u].w};
+    const uint2* xb = xf + (cc - c0) * 4 * H * 32 + lane;
+    float acc[H][4];
+#pragma unroll
+    for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < 4; kt++) {
+      unsigned a[4];
+      q4_fragment(words[kt], a);
+#pragma unroll
+      for (int h = 0; h < H; h++) {
+        // Columns past the launch's tokens multiply zeros (their fragments are never written).
+        const uint2 b = live[h] ? xb[(kt * H + h) * 32] : make_uint2(0u, 0u);
+        mma_f16(acc[h], a, b.x, b.y);
+      }
+      if (((kt + 1) * 16) % unit == 0) {
+        const int p = (kt * 16) / unit;
+        const int quad = lane & ~3;
+        const float v = bt.sb[u][p];
+        const float s0 = __shfl_sync(0xffffffffu, v, quad), b0 = __shfl_sync(0xffffffffu, v, quad + 1);
+        const float s1 = __shfl_sync(0xffffffffu, v, quad + 2), b1 = __shfl_sync(0xffffffffu, v, quad + 3);
+        const float* xsu = xs + ((cc - c0) * UPC + p) * 8 + tig;
+#pragma unroll
+        for (int h = 0; h < H; h++) {
+          // Lanes whose token is past m accumulate values nobody writes out.
+          const float sx = xsu[4 * h];
+          y[h][0] = fmaf(s0, __fadd_rn(acc[h][0], acc[h][1]), fmaf(fmaf(8.f, s0, b0), sx, y[h][0]));
+          y[h][1] = fmaf(s1, __fadd_rn(acc[h][2], acc[h][3]), fmaf(fmaf(8.f, s1, b1), sx, y[h][1]));
+          acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+// One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
+// Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
+// one is multiplied, so a warp keeps up to 2U chunks of weights on their way.
 template <int H, int UPC>
 __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
                                            const float* xs, float y[H][2], int m) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh, unit = 64 / UPC;
+  const int lane = threadIdx.x & 31, gid = lane >> 2;
+  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
   // Lane (gid, tig) loads one of the four values (s, b of row gid, s, b of row gid + 8) its quad
   // needs; the quad shares them by shuffles.
   const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + lane;
-  constexpr int U = (H == 1 ? 5 : 4) / UPC;  // chunks loaded before any is used (registers allow)
+  constexpr int U = (H == 1 ? 4 : 2) / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
   // the sums do not depend on how many tokens (and so how large a slice) a launch has.
   const int first = c0 + ((ws - c0) & (ks - 1));  // ks is a power of two
+  const int end = c0 + n, step = U * ks;
   bool live[H];
 #pragma unroll
   for (int h = 0; h < H; h++) live[h] = gid < 2 * (m - 4 * h);
-  for (int c = first; c < c0 + n; c += U * ks) {
-    uint4 q[U];
-    float sb[U][UPC];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int cc = c + u * ks;
-      if (cc < c0 + n) {
-        q[u] = __ldcs(codes + (u64)cc * 32);
-#pragma unroll
-        for (int p = 0; p < UPC; p++) sb[u][p] = sbt[(u64)((cc * 64 + p * unit) >> gsh) * 32];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int cc = c + u * ks;
-      if (cc >= c0 + n) break;
-      const unsigned words[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-      const uint2* xb = xf + (cc - c0) * 4 * H * 32 + lane;
-      float acc[H][4];
-#pragma unroll
-      for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-#pragma unroll
-      for (int kt = 0; kt < 4; kt++) {
-        unsigned a[4];
-        q4_fragment(words[kt], a);
-#pragma unroll
-        for (int h = 0; h < H; h++) {
-          // Columns past the launch's tokens multiply zeros (their fragments are never written).
-          const uint2 b = live[h] ? xb[(kt * H + h) * 32] : make_uint2(0u, 0u);
-          mma_f16(acc[h], a, b.x, b.y);
-        }
-        if (((kt + 1) * 16) % unit == 0) {
-          const int p = (kt * 16) / unit;
-          const int quad = lane & ~3;
-          const float s0 = __shfl_sync(0xffffffffu, sb[u][p], quad), b0 = __shfl_sync(0xffffffffu, sb[u][p], quad + 1);
-          const float s1 = __shfl_sync(0xffffffffu, sb[u][p], quad + 2), b1 = __shfl_sync(0xffffffffu, sb[u][p], quad + 3);
-          const float* xsu = xs + ((cc - c0) * UPC + p) * 8 + tig;
-#pragma unroll
-          for (int h = 0; h < H; h++) {
-            // Lanes whose token is past m accumulate values nobody writes out.
-            const float sx = xsu[4 * h];
-            y[h][0] = fmaf(s0, __fadd_rn(acc[h][0], acc[h][1]), fmaf(fmaf(8.f, s0, b0), sx, y[h][0]));
-            y[h][1] = fmaf(s1, __fadd_rn(acc[h][2], acc[h][3]), fmaf(fmaf(8.f, s1, b1), sx, y[h][1]));
-            acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-          }
-        }
-      }
-    }
+  Batch<U, UPC> ba, bb;
+  load_batch<U, UPC>(ba, codes, sbt, first, ks, end, gsh);
+  for (int c = first; c < end; c += 2 * step) {
+    load_batch<U, UPC>(bb, codes, sbt, c + step, ks, end, gsh);
+    compute_batch<H, U, UPC>(ba, c, ks, c0, end, xf, xs, live, y);
+    if (c + step >= end) break;
+    load_batch<U, UPC>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
+    compute_batch<H, U, UPC>(bb, c + step, ks, c0, end, xf, xs, live, y);
   }
 }
 
@@ -315,39 +348,53 @@ __device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* 
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / (1024 * H + 32 * UPC));
   uint2* xf = (uint2*)mma_smem;
   float* xs = (float*)(mma_smem + slice_chunks * 1024 * H);
-#define MMA_MAT(b, BODY)                         \
-  if ((b) < nb0) BODY(W0, y0, (b));               \
-  else if ((b) < nb0 + nb1) BODY(W1, y1, (b) - nb0); \
-  else BODY(W2, y2, (b) - nb0 - nb1);
-#define MMA_PREFETCH(W, Y, b) prefetch_block(W, tpb, parts, b)
+  // Which matrix a virtual block belongs to, and its index within that matrix's blocks (one
+  // inlined body for all three, selected by value).
+  auto pick = [&](int b, Mat& W, float*& y) {
+    if (b < nb0) {
+      W = W0, y = y0;
+      return b;
+    }
+    if (b < nb0 + nb1) {
+      W = W1, y = y1;
+      return b - nb0;
+    }
+    W = W2, y = y2;
+    return b - nb0 - nb1;
+  };
+  Mat W;
+  float* y;
   for (int i = 0; i < ahead; i++) {
     const int vb = blockIdx.x + i * gridDim.x;
-    if (vb < nblocks) { MMA_MAT(vb, MMA_PREFETCH) }
+    if (vb < nblocks) {
+      const int local = pick(vb, W, y);
+      prefetch_block(W, tpb, parts, local);
+    }
   }
   pdl_start();
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
-#define MMA_RUN(W, Y, b) \
-  mma_block<H, UPC, GATED>(W, Y, b, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built, partial, counters)
   for (int vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
     const int next = vb + ahead * gridDim.x;
-    if (ahead > 0 && next < nblocks) { MMA_MAT(next, MMA_PREFETCH) }
-    MMA_MAT(vb, MMA_RUN)
+    if (ahead > 0 && next < nblocks) {
+      const int local = pick(next, W, y);
+      prefetch_block(W, tpb, parts, local);
+    }
+    const int local = pick(vb, W, y);
+    mma_block<H, UPC, GATED>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built, partial,
+                             counters);
   }
-#undef MMA_RUN
-#undef MMA_PREFETCH
-#undef MMA_MAT
 }
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
 // (1 for groups of ≥ 64 columns, 2 for groups of 32).
 #define MMA_ENTRY(NAME, H, UPC)                                                                               \
-  extern "C" __global__ void __launch_bounds__(256, 3)                                                        \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
            int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters) {                    \
     mma_kernel<H, UPC, false>(W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, ks, parts, nblocks, ahead, partial,    \
                               counters, nullptr, 0);                                                          \
   }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, 3)                                                        \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
     mma_kernel<H, UPC, true>(W, W, W, x, y, y, y, nblocks, 0, m, ks, parts, nblocks, ahead, partial, counters, \

@@ -92,6 +92,9 @@ pub struct Q4Stream {
     /// The tensor-core matvec splits tiles over more warps until a launch has this many blocks
     /// per SM slot (`MEGAGEMMA_CUDA_MMA_WAVES`).
     pub mma_waves: usize,
+    /// Blocks per SM the tensor-core matvec's grid assumes (its `__launch_bounds__`;
+    /// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`, for kernels read from `MEGAGEMMA_KERNELS`).
+    pub mma_blocks_per_sm: usize,
 }
 
 impl Q4Stream {
@@ -105,6 +108,7 @@ impl Q4Stream {
             blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
             ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 2).max(1),
+            mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
         }
     }
 }

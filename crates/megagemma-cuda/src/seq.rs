@@ -21,9 +21,8 @@ const MATVEC_ROWS_PER_BLOCK: usize = 8;
 const ATTENTION_WARPS: usize = 8;
 /// Row elements each thread of `add_norm` keeps in registers (`ADD_NORM_EPT` in `kernels/ops.cu`).
 const ADD_NORM_EPT: usize = 6;
-/// Blocks per SM of the tensor-core matvec (its `__launch_bounds__`), and the shared memory its
-/// input fragments may take per block (`MMA_SLICE_BYTES` in `kernels/matvec_mma.cu`).
-const MMA_BLOCKS_PER_SM: usize = 3;
+/// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
+/// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
 const MMA_SLICE_BYTES: usize = 48 * 1024;
 /// Columns (64-wide chunks) one part of a split tensor-core matvec covers at most: wider matrices
 /// are split along their columns into parts summed at the end (down projections, wide O).
@@ -463,7 +462,7 @@ impl CudaSeq {
         {
             parts = 1; // split launches take one matrix (the caller launches each alone when it can)
         }
-        let slots = MMA_BLOCKS_PER_SM * self.gpu().sms as usize;
+        let slots = self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize;
         let per_part = chunks.div_ceil(parts);
         let mut ks = 1;
         let waves = self.gpu().q4_stream.mma_waves;
@@ -482,7 +481,7 @@ impl CudaSeq {
         let (ks, parts) = self.mma_split(&tiles, cols);
         let nb: Vec<usize> = tiles.iter().map(|t| t.div_ceil(8 / ks) * parts).collect();
         let nblocks: usize = nb.iter().sum();
-        let grid = nblocks.min(MMA_BLOCKS_PER_SM * self.gpu().sms as usize) as u32;
+        let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
         let ahead = self.gpu().q4_stream.ahead as i32;
         let chunks = cols.div_ceil(64);
         let upc = if w0.gs == 32 { 2 } else { 1 };
