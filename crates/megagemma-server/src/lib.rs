@@ -45,6 +45,8 @@ pub struct ServerConfig {
     pub prefix_cache: usize,
     /// Tokens drafted per round by prompt lookup while one greedy request runs alone (0 = off).
     pub draft_k: usize,
+    /// Prompt tokens prefilled per scheduler tick, between decode steps (0 = whole prompts).
+    pub prefill_chunk: usize,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +59,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             prefix_cache: 4,
             draft_k: 0,
+            prefill_chunk: 256,
         }
     }
 }
@@ -96,6 +99,7 @@ impl Server {
             max_batch: config.max_batch,
             prefix_cache: config.prefix_cache,
             draft_k: config.draft_k,
+            prefill_chunk: config.prefill_chunk,
         };
         let (scheduler, scheduler_thread) =
             scheduler::spawn(backend, chat.tokenizer.clone(), chat.stop_ids.clone(), sched_config, metrics.clone())

@@ -24,6 +24,8 @@ pub struct Metrics {
     pub accepted_tokens: AtomicU64,
     /// Requests whose client went away before the end.
     pub cancelled: AtomicU64,
+    /// Prefill calls (a prompt longer than the chunk size takes several, between decode steps).
+    pub prefill_chunks: AtomicU64,
     timings: Mutex<Timings>,
 }
 
@@ -88,6 +90,8 @@ impl Metrics {
             "Requests whose client left early.",
             load(&self.cancelled),
         );
+        let chunks = load(&self.prefill_chunks);
+        metric(&mut s, "prefill_chunks_total", "counter", "Prefill passes (prompts are prefilled in chunks).", chunks);
         let hits = load(&self.prefix_cache_hit_tokens);
         metric(&mut s, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens reused from cached sequences.", hits);
         metric(&mut s, "draft_tokens_total", "counter", "Tokens drafted by prompt lookup.", load(&self.drafted_tokens));

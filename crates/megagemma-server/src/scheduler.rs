@@ -1,8 +1,10 @@
 //! The scheduler thread: it owns the backend (which is `Send`, not `Sync`) and runs every
-//! request on it. Each tick admits waiting requests (prefill, and `fork` for `n > 1`), drops
-//! sequences whose client went away, then advances all active sequences by one token in a
-//! single `Backend::step` — whose columns are computed exactly as lone sequences would be,
-//! so a request's output does not depend on what else runs beside it.
+//! request on it. Each tick admits waiting requests (a sequence each, its prompt queued for
+//! prefill), prefills one chunk of the oldest admitted prompt (when it is complete: `fork` for
+//! `n > 1` and the first tokens), drops sequences whose client went away, then advances all
+//! active sequences by one token in a single `Backend::step` — whose columns are computed exactly
+//! as lone sequences would be, so a request's output does not depend on what else runs beside it.
+//! Prefilling in chunks keeps a long prompt from pausing the running streams for its whole length.
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -121,6 +123,8 @@ pub struct SchedulerConfig {
     pub prefix_cache: usize,
     /// Tokens drafted per round by prompt lookup while a single greedy sequence runs (0 = off).
     pub draft_k: usize,
+    /// Prompt tokens prefilled per tick, between decode steps (0 = a whole prompt at once).
+    pub prefill_chunk: usize,
 }
 
 /// Starts the scheduler thread. It ends when every handle is dropped and its work is done.
@@ -146,11 +150,13 @@ pub fn spawn(
         stop_ids,
         max_batch: config.max_batch.max(1),
         draft_k: config.draft_k,
+        prefill_chunk: config.prefill_chunk,
         rx,
         queued: handle.queued.clone(),
         draining: handle.draining.clone(),
         metrics,
         waiting: VecDeque::new(),
+        prefilling: VecDeque::new(),
         active: Vec::new(),
         cache: PrefixCache::new(config.prefix_cache),
     };
@@ -164,13 +170,24 @@ struct Scheduler {
     stop_ids: Vec<u32>,
     max_batch: usize,
     draft_k: usize,
+    prefill_chunk: usize,
     rx: mpsc::Receiver<Job>,
     queued: Arc<AtomicUsize>,
     draining: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
     waiting: VecDeque<Job>,
+    /// Admitted requests whose prompt is being prefilled, oldest first.
+    prefilling: VecDeque<Prefill>,
     active: Vec<Choice>,
     cache: PrefixCache,
+}
+
+/// An admitted request on its sequence, `done` prompt tokens of it in the cache so far.
+struct Prefill {
+    job: Job,
+    seq: SeqId,
+    done: usize,
+    samplers: Vec<Sampler>,
 }
 
 /// One choice of one request, on its own backend sequence.
@@ -202,7 +219,7 @@ struct Choice {
 impl Scheduler {
     fn run(mut self) {
         loop {
-            if self.active.is_empty() && self.waiting.is_empty() {
+            if self.active.is_empty() && self.waiting.is_empty() && self.prefilling.is_empty() {
                 match self.rx.recv() {
                     Ok(job) => self.waiting.push_back(job),
                     Err(_) => break, // every handle dropped and nothing left to do
@@ -216,16 +233,24 @@ impl Scheduler {
             if self.draining.load(Ordering::Relaxed) {
                 self.finish_all();
             }
+            if !self.prefilling.is_empty() {
+                self.prefill_chunk();
+            }
             if !self.active.is_empty() {
                 self.step();
             }
         }
     }
 
+    /// Sequences running or being prefilled (a prefilling request will take `n`).
+    fn busy(&self) -> usize {
+        self.active.len() + self.prefilling.iter().map(|p| p.job.spec.n).sum::<usize>()
+    }
+
     fn admit(&mut self) {
         while let Some(job) = self.waiting.front() {
-            let fits = self.active.len() + job.spec.n <= self.max_batch;
-            if !fits && !self.active.is_empty() {
+            let fits = self.busy() + job.spec.n <= self.max_batch;
+            if !fits && self.busy() > 0 {
                 break;
             }
             let job = self.waiting.pop_front().expect("front exists");
@@ -242,8 +267,8 @@ impl Scheduler {
         }
     }
 
-    /// Prefills a job's prompt once, forks it for each further choice, and emits every
-    /// choice's first token.
+    /// Takes a job's sequence (from the prefix cache when a finished one shares the prompt's
+    /// start) and queues its prompt for prefill.
     fn start(&mut self, job: Job) -> Result<(), ApiError> {
         let fail = |e: ApiError, events: &UnboundedSender<Event>| {
             let _ = events.send(Event::Failed(e.clone()));
@@ -257,20 +282,50 @@ impl Scheduler {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| fail(ApiError::bad_request(e.to_string()), &job.events))?;
-        let want = want_for(&job.spec);
         let (seq, reused) = match self.cache.lookup(self.backend.as_mut(), &job.prompt) {
             Some(hit) => hit,
             None => (self.new_sequence().map_err(|e| fail(no_room(&e), &job.events))?, 0),
         };
         self.metrics.prefix_cache_hit_tokens.fetch_add(reused as u64, Ordering::Relaxed);
-        let out = match self.backend.prefill(seq, &job.prompt[reused..], want) {
-            Ok(out) => out,
-            Err(e) => {
-                let _ = self.backend.free(seq);
-                return Err(fail(ApiError::from_model(&e), &job.events));
-            }
-        };
         self.metrics.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.prefilling.push_back(Prefill { job, seq, done: reused, samplers });
+        Ok(())
+    }
+
+    /// Prefills the next chunk of the oldest admitted prompt; after its last chunk the request's
+    /// choices start.
+    fn prefill_chunk(&mut self) {
+        let Some(mut p) = self.prefilling.pop_front() else { return };
+        let rest = p.job.prompt.len() - p.done;
+        let n = if self.prefill_chunk == 0 { rest } else { rest.min(self.prefill_chunk) };
+        let last = n == rest;
+        // Only the last chunk's output is used: earlier ones ask for no logits.
+        let want = if last { want_for(&p.job.spec) } else { Want::Argmax };
+        self.metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+        match self.backend.prefill(p.seq, &p.job.prompt[p.done..p.done + n], want) {
+            Ok(out) if last => {
+                if let Err(e) = self.launch(p, &out) {
+                    log_server_error(&e);
+                }
+            }
+            Ok(_) => {
+                p.done += n;
+                self.prefilling.push_front(p);
+            }
+            Err(e) => {
+                let _ = self.backend.free(p.seq);
+                let err = ApiError::from_model(&e);
+                let _ = p.job.events.send(Event::Failed(err.clone()));
+                log_server_error(&err);
+            }
+        }
+        self.publish_active();
+    }
+
+    /// A prefilled request: forks its sequence for each further choice and emits every choice's
+    /// first token.
+    fn launch(&mut self, p: Prefill, out: &PosOut) -> Result<(), ApiError> {
+        let Prefill { job, seq, samplers, .. } = p;
         let mut seqs = vec![seq];
         for _ in 1..job.spec.n {
             match self.backend.fork(seq) {
@@ -279,7 +334,9 @@ impl Scheduler {
                     for s in seqs {
                         let _ = self.backend.free(s);
                     }
-                    return Err(fail(no_room(&e), &job.events));
+                    let err = no_room(&e);
+                    let _ = job.events.send(Event::Failed(err.clone()));
+                    return Err(err);
                 }
             }
         }
@@ -305,7 +362,7 @@ impl Scheduler {
                 reason: None,
                 tokens: job.prompt.clone(),
             };
-            self.accept(&mut choice, &out);
+            self.accept(&mut choice, out);
             self.active.push(choice);
         }
         self.release_finished();
@@ -476,6 +533,13 @@ impl Scheduler {
 
     /// Frees the sequences of clients that went away.
     fn drop_abandoned(&mut self) {
+        let (gone, keep): (Vec<Prefill>, Vec<Prefill>) =
+            std::mem::take(&mut self.prefilling).into_iter().partition(|p| p.job.events.is_closed());
+        self.prefilling = keep.into();
+        for p in gone {
+            let _ = self.backend.free(p.seq);
+            self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
         let mut any = false;
         for c in &mut self.active {
             if c.events.is_closed() && !c.finished {
@@ -501,6 +565,10 @@ impl Scheduler {
             self.queued.fetch_sub(1, Ordering::AcqRel);
             self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
             let _ = job.events.send(Event::Failed(ApiError::unavailable("the server is shutting down")));
+        }
+        for p in std::mem::take(&mut self.prefilling) {
+            let _ = self.backend.free(p.seq);
+            let _ = p.job.events.send(Event::Failed(ApiError::unavailable("the server is shutting down")));
         }
         self.release_finished();
     }
@@ -528,7 +596,7 @@ impl Scheduler {
     }
 
     fn publish_active(&self) {
-        self.metrics.active_sequences.store(self.active.len(), Ordering::Relaxed);
+        self.metrics.active_sequences.store(self.active.len() + self.prefilling.len(), Ordering::Relaxed);
         self.metrics.cached_sequences.store(self.cache.len(), Ordering::Relaxed);
     }
 

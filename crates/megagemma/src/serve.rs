@@ -51,6 +51,10 @@ pub struct ServeArgs {
     /// Tokens drafted per round.
     #[arg(long = "k", default_value_t = 4, value_name = "N")]
     pub k: usize,
+    /// Prompt tokens prefilled per step, between the running sequences' decode steps, so a long
+    /// prompt does not pause them for its whole length (0 = whole prompts at once).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub prefill_chunk: usize,
     /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
@@ -87,6 +91,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body,
         prefix_cache: args.prefix_cache,
         draft_k,
+        prefill_chunk: args.prefill_chunk,
     };
     let addr = SocketAddr::new(args.host, args.port);
     let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;

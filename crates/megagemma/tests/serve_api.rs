@@ -430,3 +430,33 @@ fn lookup_drafting_changes_no_output() {
         assert_eq!(drafting.metric("megagemma_active_sequences"), 0.0);
     }
 }
+
+/// Prompts prefilled in chunks between decode steps (here 3 tokens at a time, while another
+/// request streams) give the same outputs as whole-prompt prefill.
+#[test]
+fn chunked_prefill_changes_no_output() {
+    let config =
+        |prefill_chunk| ServerConfig { model_name: MODEL.into(), prefill_chunk, prefix_cache: 0, ..Default::default() };
+    let chunked = TestServer::start(MODEL, config(3), None);
+    let whole = TestServer::start(MODEL, config(0), None);
+    let long = json!({"prompt": "one two three four five six seven eight nine ten eleven twelve thirteen", "temperature": 0,
+                      "max_tokens": 24, "ignore_eos": true, "return_token_ids": true});
+    let short = json!({"prompt": "the cat", "temperature": 0, "max_tokens": 200, "ignore_eos": true, "stream": true});
+    let want_long = whole.post("/v1/completions", &long).json();
+    let want_short = stream_text(&whole.stream("/v1/completions", &short).read_all(), 1, "text").remove(0);
+
+    let chunks_before = chunked.metric("megagemma_prefill_chunks_total");
+    // The short request is streaming when the long prompt arrives: its prefill is interleaved.
+    let mut running = chunked.stream("/v1/completions", &short);
+    assert!(running.next_event().is_some());
+    let got_long = chunked.post("/v1/completions", &long).json();
+    let got_short = stream_text(&running.read_all(), 1, "text").remove(0);
+    assert_eq!(got_long["choices"], want_long["choices"]);
+    assert_eq!(got_long["usage"], want_long["usage"]);
+    assert_eq!(got_short, want_short);
+    let prompt_tokens = want_long["usage"]["prompt_tokens"].as_f64().unwrap();
+    let chunks = chunked.metric("megagemma_prefill_chunks_total") - chunks_before;
+    assert!(chunks >= 1.0 + (prompt_tokens / 3.0).ceil(), "{chunks} prefill chunks for a {prompt_tokens}-token prompt");
+    assert_eq!(whole.metric("megagemma_prefill_chunks_total"), 2.0, "one prefill per request without chunking");
+    assert_eq!(chunked.metric("megagemma_active_sequences"), 0.0);
+}
