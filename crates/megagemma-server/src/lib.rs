@@ -43,8 +43,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
     pub prefix_cache: usize,
-    /// Tokens drafted per round by prompt lookup while one greedy request runs alone (0 = off).
+    /// Tokens drafted per round while one greedy request runs alone (0 = off).
     pub draft_k: usize,
+    /// Draft with the backend's MTP assistant (loaded beside the target) instead of prompt lookup.
+    pub draft_mtp: bool,
     /// Prompt tokens prefilled per scheduler tick, between decode steps (0 = whole prompts).
     pub prefill_chunk: usize,
 }
@@ -59,6 +61,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             prefix_cache: 4,
             draft_k: 0,
+            draft_mtp: false,
             prefill_chunk: 256,
         }
     }
@@ -99,6 +102,7 @@ impl Server {
             max_batch: config.max_batch,
             prefix_cache: config.prefix_cache,
             draft_k: config.draft_k,
+            draft_mtp: config.draft_mtp,
             prefill_chunk: config.prefill_chunk,
         };
         let (scheduler, scheduler_thread) =

@@ -121,8 +121,10 @@ pub struct SchedulerConfig {
     pub max_batch: usize,
     /// Finished sequences kept for prompt-prefix reuse (0 = off).
     pub prefix_cache: usize,
-    /// Tokens drafted per round by prompt lookup while a single greedy sequence runs (0 = off).
+    /// Tokens drafted per round while a single greedy sequence runs (0 = off).
     pub draft_k: usize,
+    /// Who drafts: the backend's MTP assistant (`Backend::draft`), else prompt lookup.
+    pub draft_mtp: bool,
     /// Prompt tokens prefilled per tick, between decode steps (0 = a whole prompt at once).
     pub prefill_chunk: usize,
 }
@@ -150,6 +152,7 @@ pub fn spawn(
         stop_ids,
         max_batch: config.max_batch.max(1),
         draft_k: config.draft_k,
+        draft_mtp: config.draft_mtp,
         prefill_chunk: config.prefill_chunk,
         rx,
         queued: handle.queued.clone(),
@@ -170,6 +173,7 @@ struct Scheduler {
     stop_ids: Vec<u32>,
     max_batch: usize,
     draft_k: usize,
+    draft_mtp: bool,
     prefill_chunk: usize,
     rx: mpsc::Receiver<Job>,
     queued: Arc<AtomicUsize>,
@@ -401,16 +405,26 @@ impl Scheduler {
         self.release_finished();
     }
 
-    /// Lossless prompt-lookup speculation for the only running sequence: draft from its own
-    /// tokens, verify [next, drafts] in one pass, keep the longest prefix the target agrees
-    /// with. Each verify column equals a decode step's, so the output is plain greedy's.
-    /// False when there is nothing to draft (the caller steps normally).
+    /// Lossless speculation for the only running sequence: draft (the MTP assistant from the
+    /// sequence's cache and hidden state, or prompt lookup in its own tokens), verify [next,
+    /// drafts] in one pass, keep the longest prefix the target agrees with. Each verify column
+    /// equals a decode step's, so the output is plain greedy's. False when there is nothing to
+    /// draft (the caller steps normally).
     fn speculate(&mut self) -> bool {
         let c = &self.active[0];
         let k = self.draft_k.min((c.max_tokens - c.generated).saturating_sub(1));
-        let mut history = c.tokens.clone();
-        history.push(c.next);
-        let drafts = LookupDrafter { max_ngram: LOOKUP_NGRAM }.lookup(&history, k);
+        let drafts = if k == 0 {
+            vec![]
+        } else if self.draft_mtp {
+            match self.backend.draft(c.seq, c.next, k, false) {
+                Ok(d) => d.ids,
+                Err(_) => return false, // e.g. the context is full: decode plainly
+            }
+        } else {
+            let mut history = c.tokens.clone();
+            history.push(c.next);
+            LookupDrafter { max_ngram: LOOKUP_NGRAM }.lookup(&history, k)
+        };
         if drafts.is_empty() {
             return false;
         }

@@ -2,8 +2,9 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
 use megagemma_engine::model_files::ChatModel;
+use megagemma_model::assistant::AssistantModel;
 use megagemma_server::{Server, ServerConfig};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -44,10 +45,14 @@ pub struct ServeArgs {
     /// Finished sequences kept so that prompts sharing their prefix skip its prefill (0 = off).
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub prefix_cache: usize,
-    /// Speculative decoding while one greedy request runs alone: none, or lookup (n-gram
-    /// match in prompt + output; the output stays exactly greedy's).
-    #[arg(long, default_value = "none", value_name = "none|lookup")]
+    /// Speculative decoding while one greedy request runs alone: none, lookup (n-gram match
+    /// in prompt + output) or mtp (the MTP assistant, --assistant DIR); the output stays
+    /// exactly greedy's.
+    #[arg(long, default_value = "none", value_name = "none|lookup|mtp")]
     pub draft: String,
+    /// The MTP assistant checkpoint (Gemma4AssistantForCausalLM) for --draft mtp.
+    #[arg(long, value_name = "DIR")]
+    pub assistant: Option<PathBuf>,
     /// Tokens drafted per round.
     #[arg(long = "k", default_value_t = 4, value_name = "N")]
     pub k: usize,
@@ -72,16 +77,24 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let draft_k = match args.draft.as_str() {
         "none" => 0,
-        "lookup" if args.k > 0 => args.k,
-        "lookup" => bail!("--k must be at least 1 with --draft lookup"),
-        other => bail!("unknown --draft `{other}` for serve (expected none or lookup)"),
+        "lookup" | "mtp" if args.k > 0 => args.k,
+        "lookup" | "mtp" => bail!("--k must be at least 1 with --draft {}", args.draft),
+        other => bail!("unknown --draft `{other}` for serve (expected none, lookup or mtp)"),
     };
+    let draft_mtp = args.draft == "mtp";
+    if draft_mtp != args.assistant.is_some() {
+        bail!("--draft mtp and --assistant DIR go together (the assistant is the MTP drafter)");
+    }
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
     let chat = ChatModel::open(&path, &model)?;
-    let backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let assistant = match &args.assistant {
+        Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
+        None => None,
+    };
+    let backend = open_backend_with(model, assistant, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
     let config = ServerConfig {
         model_name: model_name.clone(),
@@ -91,6 +104,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body,
         prefix_cache: args.prefix_cache,
         draft_k,
+        draft_mtp,
         prefill_chunk: args.prefill_chunk,
     };
     let addr = SocketAddr::new(args.host, args.port);

@@ -460,3 +460,32 @@ fn chunked_prefill_changes_no_output() {
     assert_eq!(whole.metric("megagemma_prefill_chunks_total"), 2.0, "one prefill per request without chunking");
     assert_eq!(chunked.metric("megagemma_active_sequences"), 0.0);
 }
+
+/// MTP drafting (the committed assistants, dense and centroid heads) while one greedy request
+/// runs alone: the same ids as plain decoding.
+#[test]
+fn mtp_drafting_changes_no_output() {
+    let model = "ple_shared_dw";
+    let config = |draft_k, draft_mtp| ServerConfig {
+        model_name: model.into(),
+        draft_k,
+        draft_mtp,
+        prefix_cache: 0,
+        ..Default::default()
+    };
+    let plain = TestServer::start(model, config(0, false), None);
+    for head in ["dense", "centroid"] {
+        let assistant = http::fixture("assistants").join(head);
+        let drafting = TestServer::start_with_assistant(model, config(3, true), &assistant);
+        for (prompt, max_tokens) in [(json!([2, 7, 8, 9]), 30), (json!("once upon a time"), 25), (json!([2, 5]), 40)] {
+            let body = json!({"prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": true,
+                              "return_token_ids": true});
+            let a = drafting.post("/v1/completions", &body).json();
+            let b = plain.post("/v1/completions", &body).json();
+            assert_eq!(a["choices"], b["choices"], "{head}: {prompt}");
+            assert_eq!(a["usage"], b["usage"], "{head}: {prompt}");
+        }
+        assert!(drafting.metric("megagemma_draft_tokens_total") > 0.0, "{head}: nothing was drafted");
+        assert_eq!(drafting.metric("megagemma_active_sequences"), 0.0);
+    }
+}

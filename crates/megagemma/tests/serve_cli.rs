@@ -38,6 +38,28 @@ fn serve_process_answers_and_stops_on_sigterm() {
     assert!(status.success(), "serve should exit 0 on SIGTERM, got {status}");
 }
 
+/// Drafting flags that do not go together are refused with one line, before anything loads.
+#[test]
+fn serve_draft_flags_that_do_not_fit_are_one_error_line() {
+    let d = fixtures_dir().join("ple_shared_dw");
+    let a = fixtures_dir().join("assistants/dense");
+    let (d, a) = (d.to_str().unwrap(), a.to_str().unwrap());
+    for (extra, needle) in [
+        (vec!["--draft", "mtp"], "--assistant"),
+        (vec!["--assistant", a], "--draft mtp"),
+        (vec!["--draft", "mtp", "--assistant", a, "--k", "0"], "--k"),
+        (vec!["--draft", "oracle"], "unknown --draft"),
+    ] {
+        let mut args = vec!["serve", "--model", d, "--port", "0", "--backend", "cpu"];
+        args.extend(&extra);
+        let out = megagemma(&args);
+        assert!(!out.status.success(), "{extra:?} should fail");
+        let err = stderr(&out);
+        assert!(err.starts_with("error: ") && err.trim_end().lines().count() == 1, "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: {err}");
+    }
+}
+
 #[test]
 fn serve_with_a_missing_model_is_one_error_line() {
     let out = megagemma(&["serve", "--model", "/nonexistent/model", "--port", "0"]);

@@ -2,8 +2,10 @@
 //! plain sockets (whole responses, and server-sent events read one at a time).
 #![allow(dead_code)]
 
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
 use megagemma_engine::model_files::ChatModel;
+use megagemma_model::assistant::AssistantModel;
+use megagemma_model::quant::load::QuantMode;
 use megagemma_model::Model;
 use megagemma_server::{Server, ServerConfig, ShutdownHandle};
 use serde_json::Value;
@@ -30,10 +32,26 @@ impl TestServer {
 
     /// Serves the model in `dir` (a fixture copy a test changed) on a CPU backend.
     pub fn start_dir(dir: &std::path::Path, config: ServerConfig, ctx: Option<usize>) -> TestServer {
+        Self::start_full(dir, config, ctx, None)
+    }
+
+    /// Serves fixture `name` with the MTP assistant in `assistant` loaded beside it.
+    pub fn start_with_assistant(name: &str, config: ServerConfig, assistant: &std::path::Path) -> TestServer {
+        Self::start_full(&fixture(name), config, None, Some(assistant))
+    }
+
+    fn start_full(
+        dir: &std::path::Path,
+        config: ServerConfig,
+        ctx: Option<usize>,
+        assistant: Option<&std::path::Path>,
+    ) -> TestServer {
         let dir = dir.to_path_buf();
         let model = Arc::new(Model::load(&dir).unwrap());
         let chat = ChatModel::open(&dir, &model).unwrap();
-        let backend = open_backend(model, &BackendOptions { kind: BackendKind::Cpu, max_context: ctx }).unwrap();
+        let assistant = assistant.map(|a| Arc::new(AssistantModel::load(a, &model, QuantMode::Stored).unwrap()));
+        let opts = BackendOptions { kind: BackendKind::Cpu, max_context: ctx };
+        let backend = open_backend_with(model, assistant, &opts).unwrap();
         let server = Server::new(config, backend, chat).unwrap();
         let handle = server.shutdown_handle();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
