@@ -36,7 +36,7 @@ LCP_VERSION=0.3.36
 LCP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LCP_URL=https://files.pythonhosted.org/packages/ec/e9/e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-$LCP_VERSION.tar.gz
 # The flag set BENCHMARKS.md records; a flag whose instructions this CPU lacks (per /proc/cpuinfo) is
-# turned OFF, since its code would die with SIGILL (AVX-VNNI is absent on AVX-512 AMD EPYC hosts).
+# turned OFF, since its code would die with SIGILL (e.g. AVX-VNNI on the AVX-512 AMD EPYC host of the dev VM).
 # GGML option -> /proc/cpuinfo flags it needs.
 FLAG_NEEDS=("AVX:avx" "AVX2:avx2" "FMA:fma" "F16C:f16c" "BMI2:bmi2"
   "AVX512:avx512f avx512cd avx512vl avx512dq avx512bw" "AVX512_VNNI:avx512_vnni" "AVX512_VBMI:avx512vbmi"
@@ -157,15 +157,34 @@ mg_all() { # RUN
 }
 
 echo "model $model, $threads threads, $runs alternating runs; megagemma $mg; llama-bench $lb"
+# CPU the rest of the machine used during a run, in cores: busy time from /proc/stat minus the CPU
+# time of this script's finished children (both engines run as direct children).
+cpu_mark() { python3 -c '
+import sys
+cpu = open("/proc/stat").readline().split()[1:]
+busy = sum(map(int, cpu)) - int(cpu[3]) - int(cpu[4])   # all but idle and iowait
+f = open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")", 1)[1].split()
+print(busy, int(f[13]) + int(f[14]))                     # cutime + cstime of this shell
+' "$$" 2>/dev/null || echo "0 0"; }
+hz=$(getconf CLK_TCK 2>/dev/null || echo 100)
+
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 for r in $(seq "$runs"); do
+  read -r busy0 own0 < <(cpu_mark); t0=$(date +%s.%N)
   if [ $((r % 2)) = 1 ]; then mg_all "$r"; lb_tests "$r"; else lb_tests "$r"; mg_all "$r"; fi
-  python3 - "$res" "$r" <<'PY'
+  read -r busy1 own1 < <(cpu_mark); t1=$(date +%s.%N)
+  python3 - "$res" "$r" "$busy0" "$own0" "$busy1" "$own1" "$t0" "$t1" "$hz" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if json.loads(l)["run"] == int(sys.argv[2])]
+res, run = sys.argv[1], int(sys.argv[2])
+b0, o0, b1, o1 = map(int, sys.argv[3:7]); t0, t1, hz = map(float, sys.argv[7:10])
+others = max(0.0, ((b1 - b0) - (o1 - o0)) / hz / (t1 - t0)) if b1 else None
+rows = [json.loads(l) for l in open(res)]
 fmt = lambda e: "  ".join(f"{x['test']} {x['tok_s']:.1f}" if "tok_s" in x else f"{x['test']} n/a"
-                          for x in rows if x["engine"] == e)
-print(f"run {sys.argv[2]} (tok/s): megagemma {fmt('megagemma')} | llama.cpp {fmt('llama.cpp')}")
+                          for x in rows if x["engine"] == e and x["run"] == run)
+busy = "" if others is None else f"; other processes used {others:.2f} cores"
+print(f"run {run} (tok/s): megagemma {fmt('megagemma')} | llama.cpp {fmt('llama.cpp')}{busy}")
+with open(res, "a") as f:
+    f.write(json.dumps({"engine": "machine", "run": run, "others_cores": others}) + "\n")
 PY
 done
 echo "load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -174,8 +193,19 @@ python3 - "$res" "$tg" "$prompts" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 tests = [f"tg{sys.argv[2]}"] + [f"pp{p}" for p in sys.argv[3].split()]
+# Medians over the quiet runs (the rest of the machine used < QUIET cores) when there are 3 or more.
+QUIET = 0.25
+load = {r["run"]: r["others_cores"] for r in rows if r["engine"] == "machine"}
+quiet = {run for run, c in load.items() if c is not None and c < QUIET}
+use = quiet if len(quiet) >= 3 else set(load)
+if use == quiet:
+    print(f"medians over the {len(quiet)} quiet runs (other processes < {QUIET} cores): {sorted(quiet)}")
+else:
+    print(f"medians over all {len(load)} runs: the machine was busy, only {len(quiet)} quiet runs "
+          f"(other processes < {QUIET} cores)")
 def med(engine, test):
-    v = [r["tok_s"] for r in rows if r["engine"] == engine and r["test"] == test and "tok_s" in r]
+    v = [r["tok_s"] for r in rows if r["engine"] == engine and r.get("test") == test and "tok_s" in r
+         and r["run"] in use]
     return (statistics.median(v), len(v)) if v else (None, 0)
 print(f"{'median tok/s':<14}{'megagemma':>11}{'llama.cpp':>11}{'ratio':>8}")
 summary = {}
@@ -188,5 +218,5 @@ for t in tests:
 for msg in dict.fromkeys(f"megagemma {r['test']} not measured: {r['error']}" for r in rows if "error" in r):
     print(msg)
 cpu = next((r.get("cpu") for r in rows if r["engine"] == "llama.cpp"), None)
-print(json.dumps({"tests": summary, "llama_cpp_cpu": cpu}))
+print(json.dumps({"tests": summary, "runs_used": sorted(use), "others_cores": load, "llama_cpp_cpu": cpu}))
 PY
