@@ -62,6 +62,9 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
     let t = xs.len() / cols;
     assert_eq!(xs.len(), t * cols, "matmul: input is not [T, {cols}]");
     assert_eq!(ys.len(), t * rows, "matmul: output is not [T, {rows}]");
+    if t == 0 {
+        return; // e.g. the LM head on a prefill chunk that keeps no position
+    }
     if t == 1 {
         ys.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(b, out)| {
             w.dot_rows(b * ROW_BLOCK, xs, out);

@@ -211,3 +211,25 @@ fn outputs_are_what_was_asked_for() {
     assert!(arg.logits.is_empty() && arg.top_logprobs.is_empty());
     assert_eq!(b.stats().logits_copies, 1, "argmax-only calls copy no logits");
 }
+
+/// A prompt longer than one prefill chunk (512 tokens) prefills in chunks whose earlier parts
+/// keep no outputs, and gives what feeding it in two arbitrary parts gives. (A chunk with no kept
+/// position once sent an empty batch to the LM head, which divided by zero.)
+#[test]
+fn prompts_longer_than_one_prefill_chunk_prefill() {
+    for name in ["gemma3", "ple_shared_dw"] {
+        let m = fixture(name);
+        let vocab = m.plan.vocab_size as u32;
+        let prompt: Vec<u32> = (0..1100u32).map(|i| 2 + (i * 7 + i / 3) % (vocab - 2)).collect();
+        let mut b = CpuBackend::new(m.clone());
+        let whole = b.new_sequence().unwrap();
+        let a = b.prefill(whole, &prompt, Want::Logits).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(b.seq_len(whole).unwrap(), prompt.len());
+        let parts = b.new_sequence().unwrap();
+        b.prefill(parts, &prompt[..300], Want::Argmax).unwrap();
+        let c = b.prefill(parts, &prompt[300..], Want::Logits).unwrap();
+        assert_eq!(a.argmax, c.argmax, "{name}");
+        let diff = a.logits.iter().zip(&c.logits).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(diff < 1e-4, "{name}: logits differ by {diff}");
+    }
+}
