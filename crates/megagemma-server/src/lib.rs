@@ -47,7 +47,8 @@ pub struct ServerConfig {
     pub draft_k: usize,
     /// Draft with the backend's MTP assistant (loaded beside the target) instead of prompt lookup.
     pub draft_mtp: bool,
-    /// Prompt tokens prefilled per scheduler tick, between decode steps (0 = whole prompts).
+    /// Prompt tokens prefilled per scheduler tick (over as many prompts as that covers), between
+    /// decode steps (0 = every waiting prompt whole).
     pub prefill_chunk: usize,
 }
 

@@ -1,7 +1,7 @@
 //! The scheduler thread: it owns the backend (which is `Send`, not `Sync`) and runs every
 //! request on it. Each tick admits waiting requests (a sequence each, its prompt queued for
-//! prefill), prefills one chunk of the oldest admitted prompt (when it is complete: `fork` for
-//! `n > 1` and the first tokens), drops sequences whose client went away, then advances all
+//! prefill), prefills up to a budget of prompt tokens, oldest prompt first (a completed prompt:
+//! `fork` for `n > 1` and the first tokens), drops sequences whose client went away, then advances all
 //! active sequences by one token in a single `Backend::step` — whose columns are computed exactly
 //! as lone sequences would be, so a request's output does not depend on what else runs beside it.
 //! Prefilling in chunks keeps a long prompt from pausing the running streams for its whole length.
@@ -125,7 +125,8 @@ pub struct SchedulerConfig {
     pub draft_k: usize,
     /// Who drafts: the backend's MTP assistant (`Backend::draft`), else prompt lookup.
     pub draft_mtp: bool,
-    /// Prompt tokens prefilled per tick, between decode steps (0 = a whole prompt at once).
+    /// Prompt tokens prefilled per tick, between decode steps, over as many admitted prompts as
+    /// that covers (0 = every admitted prompt whole).
     pub prefill_chunk: usize,
 }
 
@@ -237,8 +238,11 @@ impl Scheduler {
             if self.draining.load(Ordering::Relaxed) {
                 self.finish_all();
             }
-            if !self.prefilling.is_empty() {
-                self.prefill_chunk();
+            // Up to `prefill_chunk` prompt tokens per tick, over as many admitted prompts as that
+            // covers (short prompts start together; a long one takes several ticks).
+            let mut budget = if self.prefill_chunk == 0 { usize::MAX } else { self.prefill_chunk };
+            while budget > 0 && !self.prefilling.is_empty() {
+                budget -= self.prefill_chunk(budget);
             }
             if !self.active.is_empty() {
                 self.step();
@@ -296,12 +300,12 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Prefills the next chunk of the oldest admitted prompt; after its last chunk the request's
-    /// choices start.
-    fn prefill_chunk(&mut self) {
-        let Some(mut p) = self.prefilling.pop_front() else { return };
+    /// Prefills up to `budget` more tokens of the oldest admitted prompt; after its last chunk the
+    /// request's choices start. Returns the tokens prefilled (at least one).
+    fn prefill_chunk(&mut self, budget: usize) -> usize {
+        let Some(mut p) = self.prefilling.pop_front() else { return budget };
         let rest = p.job.prompt.len() - p.done;
-        let n = if self.prefill_chunk == 0 { rest } else { rest.min(self.prefill_chunk) };
+        let n = rest.min(budget).max(1);
         let last = n == rest;
         // Only the last chunk's output is used: earlier ones ask for no logits.
         let want = if last { want_for(&p.job.spec) } else { Want::Argmax };
@@ -324,6 +328,7 @@ impl Scheduler {
             }
         }
         self.publish_active();
+        n
     }
 
     /// A prefilled request: forks its sequence for each further choice and emits every choice's

@@ -56,8 +56,9 @@ pub struct ServeArgs {
     /// Tokens drafted per round.
     #[arg(long = "k", default_value_t = 4, value_name = "N")]
     pub k: usize,
-    /// Prompt tokens prefilled per step, between the running sequences' decode steps, so a long
-    /// prompt does not pause them for its whole length (0 = whole prompts at once).
+    /// Prompt tokens prefilled per step (over as many waiting prompts as that covers), between
+    /// the running sequences' decode steps, so a long prompt does not pause them for its whole
+    /// length (0 = every waiting prompt whole).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
     /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
