@@ -4,6 +4,8 @@
 # BIN_DIR holds the release `megagemma` binary built on the CPU machine (and, when present,
 # the `gpu_check` example and the `gpu_forward` test binary). Logs go to $OUT (default /tmp/out).
 #  1. GPU tests and gpu_check: stages and fixtures against the CPU reference, verify columns.
+#     Also a random model of E4B's widths (tools/make_bench_model.py), whose matrices reach the
+#     tensor-core matvec's split paths, against the CPU backend.
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
 #     with and without speculative drafting (lookup, oracle).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
@@ -30,6 +32,21 @@ if [ -x "$BIN/gpu_check" ]; then
     MEGAGEMMA_CUDA_Q4_MMA_MIN=0 timeout 300 "$BIN/gpu_check" $what > "$OUT/gpu_check_$what.log" 2>&1 || fail=1
     grep -v " ok$" "$OUT/gpu_check_$what.log"
     echo "gpu_check $what (tensor-core kernel everywhere): $(grep -c ' ok$' "$OUT/gpu_check_$what.log") checks ok"
+  done
+fi
+
+# Shapes the fixtures are too small to reach: a random 2-layer model of E4B's widths (gate/up
+# 10240 × 2560, down 2560 × 10240), so the tensor-core matvec splits tiles over warps and the down
+# projection along its columns; CUDA against the CPU backend, stored / q4 (groups of 64) / q4_0
+# (groups of 32), and verify columns.
+if [ -x "$BIN/gpu_check" ]; then
+  wide=${TMPDIR:-/tmp}/megagemma-wide
+  python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 \
+    --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || fail=1
+  for what in fixtures verify; do
+    MEGAGEMMA_CUDA_Q4_MMA_MIN=0 timeout 300 "$BIN/gpu_check" $what "$wide" > "$OUT/gpu_check_wide_$what.log" 2>&1 || fail=1
+    grep -v " ok$" "$OUT/gpu_check_wide_$what.log"
+    echo "gpu_check $what on E4B-wide shapes: $(grep -c ' ok$' "$OUT/gpu_check_wide_$what.log") checks ok"
   done
 fi
 

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Write a random ~128M-parameter Gemma 4 text checkpoint (bf16) for CPU speed checks.
+"""Write a random Gemma 4 text checkpoint (bf16): by default ~128M parameters, for CPU speed checks.
 
-Not an oracle fixture (nothing is compared against it): it only gives `megagemma run` a model
-of realistic size. Needs numpy and safetensors. Usage: make_bench_model.py OUT_DIR
+Not an oracle fixture (nothing is compared with transformers on it): it gives `megagemma run` a
+model of realistic size, and with other shapes (`--hidden 2560 --intermediate 10240 ...`) a model
+whose matrices are large enough for the GPU kernels' wide-matrix paths, compared against the CPU
+backend by `gpu_check fixtures DIR` (`--cases N` writes an expected.json holding N prompts, no ids).
+Needs numpy and safetensors. Usage: make_bench_model.py [OUT_DIR] [--layers L --hidden H ...]
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-H, L, NQ, NKV, HD, I, V = 768, 12, 8, 2, 96, 3072, 32768
+H, L, NQ, NKV, HD, I, V = 768, 12, 8, 2, 96, 3072, 32768  # the defaults below
 
 
 def bf16(a):
@@ -20,7 +23,7 @@ def bf16(a):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def main(out):
+def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, cases=0):
     rng = np.random.default_rng(0)
     t = {}
 
@@ -67,9 +70,20 @@ def main(out):
         "tie_word_embeddings": True, "eos_token_id": [1], "bos_token_id": 2, "pad_token_id": 0,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if cases:
+        prompts = [[2] + [int(x) for x in rng.integers(3, V, size=5 + 7 * c)] for c in range(cases)]
+        expected = {"cases": [{"name": f"random{c}", "prompt_ids": p} for c, p in enumerate(prompts)]}
+        (out / "expected.json").write_text(json.dumps(expected))
     params = sum(v.size for v in t.values())
     print(f"wrote {out} ({params / 1e6:.1f}M parameters)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".cache/bench-128m")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default=".cache/bench-128m")
+    for flag, default in [("hidden", H), ("layers", L), ("heads", NQ), ("kv-heads", NKV), ("head-dim", HD),
+                          ("intermediate", I), ("vocab", V), ("cases", 0)]:
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    a = ap.parse_args()
+    main(a.out, H=a.hidden, L=a.layers, NQ=a.heads, NKV=a.kv_heads, HD=a.head_dim, I=a.intermediate, V=a.vocab,
+         cases=a.cases)
