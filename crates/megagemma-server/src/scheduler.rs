@@ -11,7 +11,7 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::PrefixCache;
 use crate::request::GenSpec;
 use crate::stop_text::StopText;
-use megagemma_engine::generate::speculate::LookupDrafter;
+use megagemma_engine::generate::speculate::{Drafter, LookupDrafter, MtpDrafter};
 use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_engine::thoughts::{Part, ThoughtSplitter};
 use megagemma_engine::tokenizer::{StreamDecoder, Tokenizer};
@@ -153,7 +153,11 @@ pub fn spawn(
         stop_ids,
         max_batch: config.max_batch.max(1),
         draft_k: config.draft_k,
-        draft_mtp: config.draft_mtp,
+        drafter: match (config.draft_k, config.draft_mtp) {
+            (0, _) => None,
+            (_, true) => Some(Box::new(MtpDrafter)),
+            (_, false) => Some(Box::new(LookupDrafter { max_ngram: LOOKUP_NGRAM })),
+        },
         prefill_chunk: config.prefill_chunk,
         rx,
         queued: handle.queued.clone(),
@@ -174,7 +178,8 @@ struct Scheduler {
     stop_ids: Vec<u32>,
     max_batch: usize,
     draft_k: usize,
-    draft_mtp: bool,
+    /// Who drafts while one greedy sequence runs alone (`None`: nobody).
+    drafter: Option<Box<dyn Drafter>>,
     prefill_chunk: usize,
     rx: mpsc::Receiver<Job>,
     queued: Arc<AtomicUsize>,
@@ -381,7 +386,7 @@ impl Scheduler {
     /// One token for every active sequence, in one weight pass (several for a lone greedy
     /// sequence whose drafts are accepted).
     fn step(&mut self) {
-        if self.draft_k > 0 && self.active.len() == 1 && !self.active[0].needs_logits() && self.speculate() {
+        if self.drafter.is_some() && self.active.len() == 1 && !self.active[0].needs_logits() && self.speculate() {
             return;
         }
         let want = if self.active.iter().any(Choice::needs_logits) { Want::Logits } else { Want::Argmax };
@@ -418,17 +423,15 @@ impl Scheduler {
     fn speculate(&mut self) -> bool {
         let c = &self.active[0];
         let k = self.draft_k.min((c.max_tokens - c.generated).saturating_sub(1));
-        let drafts = if k == 0 {
-            vec![]
-        } else if self.draft_mtp {
-            match self.backend.draft(c.seq, c.next, k, false) {
-                Ok(d) => d.ids,
-                Err(_) => return false, // e.g. the context is full: decode plainly
-            }
-        } else {
-            let mut history = c.tokens.clone();
-            history.push(c.next);
-            LookupDrafter { max_ngram: LOOKUP_NGRAM }.lookup(&history, k)
+        let Some(drafter) = self.drafter.as_mut() else { return false };
+        if k == 0 {
+            return false;
+        }
+        let mut history = c.tokens.clone();
+        history.push(c.next);
+        let drafts = match drafter.propose(self.backend.as_mut(), c.seq, &history, k) {
+            Ok(d) => d,
+            Err(_) => return false, // e.g. the context is full: decode plainly
         };
         if drafts.is_empty() {
             return false;

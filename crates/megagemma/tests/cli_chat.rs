@@ -7,19 +7,9 @@ use std::process::{Command, Stdio};
 
 fn chat(input: &str, extra: &[&str]) -> (String, String, bool) {
     let d = fixtures_dir().join("gemma3");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "12"])
-        .args(extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // A run that fails at start (a refused flag) may exit before reading its input.
-    if let Err(e) = child.stdin.take().unwrap().write_all(input.as_bytes()) {
-        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
-    }
-    let out = child.wait_with_output().unwrap();
+    let mut args = vec!["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "12"];
+    args.extend(extra);
+    let out = megagemma_with_input(&args, input.as_bytes());
     (stdout(&out), stderr(&out), out.status.success())
 }
 
@@ -130,16 +120,9 @@ fn think_changes_the_prompt_of_a_gemma4_template() {
         std::fs::copy(src.join(f), d.join(f)).unwrap();
     }
     let answer = |extra: &[&str]| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-            .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "16", "--ignore-eos"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(b"the cat sat\n").unwrap();
-        let out = child.wait_with_output().unwrap();
+        let mut args = vec!["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "16", "--ignore-eos"];
+        args.extend(extra);
+        let out = megagemma_with_input(&args, b"the cat sat\n");
         assert!(out.status.success(), "{}", stderr(&out));
         stdout(&out)
     };

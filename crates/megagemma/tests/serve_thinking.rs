@@ -12,8 +12,6 @@ mod thoughts;
 use common::*;
 use http::*;
 use serde_json::json;
-use std::io::Write;
-use std::process::{Command, Stdio};
 use thoughts::*;
 
 #[test]
@@ -80,15 +78,8 @@ fn the_thought_channel_comes_back_as_reasoning_content() {
     drop(s);
 
     // `megagemma chat` prints only the answer on stdout and notes the hidden thinking.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "24", "--ignore-eos"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(b"the cat sat\n").unwrap();
-    let out = child.wait_with_output().unwrap();
+    let args = ["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "24", "--ignore-eos"];
+    let out = megagemma_with_input(&args, b"the cat sat\n");
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(stdout(&out), format!("{want_content}\n"));
     assert!(stderr(&out).contains("(thinking...)"), "{}", stderr(&out));
@@ -108,16 +99,10 @@ fn chat_think_shows_thoughts_on_request() {
     assert_eq!(v["choices"][0]["message"]["reasoning_content"], f.want_reasoning.as_str());
     drop(s);
     let chat = |extra: &[&str]| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-            .args(["chat", "--model", f.dir.to_str().unwrap(), "--greedy", "-n", "24", "--ignore-eos", "--think"])
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(b"the cat sat\n").unwrap();
-        let out = child.wait_with_output().unwrap();
+        let mut args =
+            vec!["chat", "--model", f.dir.to_str().unwrap(), "--greedy", "-n", "24", "--ignore-eos", "--think"];
+        args.extend(extra);
+        let out = megagemma_with_input(&args, b"the cat sat\n");
         assert!(out.status.success(), "{}", stderr(&out));
         (stdout(&out), stderr(&out))
     };

@@ -104,11 +104,12 @@ impl SpecStats {
 
 /// Proposes up to `k` tokens to follow `history` (prompt + emitted; its last token is the one
 /// the target predicted last and that is not yet fed).
-trait Drafter {
+pub trait Drafter: Send {
     fn propose(&mut self, backend: &mut dyn Backend, seq: SeqId, history: &[u32], k: usize) -> Result<Vec<u32>>;
 }
 
-struct MtpDrafter;
+/// The backend's MTP assistant (`Backend::draft`), reading `seq`'s cache and hidden state.
+pub struct MtpDrafter;
 
 impl Drafter for MtpDrafter {
     fn propose(&mut self, backend: &mut dyn Backend, seq: SeqId, history: &[u32], k: usize) -> Result<Vec<u32>> {

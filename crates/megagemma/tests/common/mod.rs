@@ -1,8 +1,9 @@
 //! Helpers shared by the CLI integration tests.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
@@ -32,6 +33,23 @@ pub fn megagemma(args: &[&str]) -> Output {
         .env("MEGAGEMMA_CACHE", repo_root().join(".cache/megagemma"))
         .output()
         .expect("failed to start megagemma")
+}
+
+/// The CLI with `input` on its standard input (e.g. a `chat` session). A run that fails at start
+/// (a refused flag) may exit before it reads the input.
+pub fn megagemma_with_input(args: &[&str], input: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
+        .args(args)
+        .env("MEGAGEMMA_CACHE", repo_root().join(".cache/megagemma"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("failed to start megagemma");
+    if let Err(e) = child.stdin.take().unwrap().write_all(input) {
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+    }
+    child.wait_with_output().unwrap()
 }
 
 pub fn stderr(o: &Output) -> String {
