@@ -41,24 +41,9 @@ fn random_matrix(ty: GgmlType, seed: u64) -> Vec<u8> {
     bytes
 }
 
-#[repr(C)]
-struct Timespec {
-    sec: i64,
-    nsec: i64,
-}
-
-extern "C" {
-    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-}
-
-/// Seconds of CPU time consumed by this thread (Linux `CLOCK_THREAD_CPUTIME_ID`).
-fn thread_cpu_seconds() -> f64 {
-    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    // SAFETY: clock_gettime writes one Timespec through a valid pointer.
-    assert_eq!(unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) }, 0);
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
-}
+#[path = "support/cpu_time.rs"]
+mod cpu_time;
+use cpu_time::thread_cpu_seconds;
 
 type Dot = fn(GgmlType, &[u8], &[f32]) -> megagemma_model::Result<f32>;
 

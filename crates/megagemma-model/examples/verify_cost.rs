@@ -64,20 +64,9 @@ fn main() {
     );
 }
 
-#[repr(C)]
-struct Timespec {
-    sec: i64,
-    nsec: i64,
-}
-extern "C" {
-    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
-}
-fn cpu_s() -> f64 {
-    let mut ts = Timespec { sec: 0, nsec: 0 };
-    // SAFETY: clock_gettime writes one Timespec through a valid pointer (3 = CLOCK_THREAD_CPUTIME_ID).
-    assert_eq!(unsafe { clock_gettime(3, &mut ts) }, 0);
-    ts.sec as f64 + ts.nsec as f64 * 1e-9
-}
+#[path = "../benches/support/cpu_time.rs"]
+mod cpu_time;
+use cpu_time::thread_cpu_seconds as cpu_s;
 
 /// Single-thread CPU time (or with `wall`, the wall time of the threaded `matmul`, best of 5) of
 /// one full pass over each distinct matrix shape, 1 vs `cols` columns.
