@@ -111,6 +111,60 @@ dispatch!(dot_f32, dot_f32_generic, dot_f32_avx2, dot_f32, &[f32]);
 dispatch!(dot_bf16, dot_bf16_generic, dot_bf16_avx2, dot_bf16, &[u16]);
 dispatch!(dot_f16, dot_f16_generic, dot_f16_avx2, dot_f16, &[u16]);
 
+/// `y += a · x` (attention's weighted sum of value rows): fused on AVX-512, multiply-then-add
+/// otherwise (as the dot kernels, the bits depend only on the machine).
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    assert_eq!(x.len(), y.len(), "axpy: {} values into {}", x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    match level() {
+        // SAFETY: the CPU supports the features of the chosen level (checked at run time).
+        Level::Avx512 => return unsafe { avx512::axpy(a, x, y) },
+        Level::Avx2 => return unsafe { axpy_avx2(a, x, y) },
+        Level::Portable => {}
+    }
+    axpy_generic(a, x, y)
+}
+
+#[inline(always)]
+fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn axpy_avx2(a: f32, x: &[f32], y: &mut [f32]) {
+    axpy_generic(a, x, y)
+}
+
+/// `out[j] = dot_f32(a, bs[j])` for every row, bit for bit: on AVX-512 four rows at a time
+/// share the loads of `a` (attention's query against its keys).
+pub fn dot_f32_rows(a: &[f32], bs: &[&[f32]], out: &mut [f32]) {
+    assert_eq!(bs.len(), out.len(), "dot_f32_rows: {} rows, {} outputs", bs.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512 {
+        // SAFETY: the CPU supports AVX-512F and FMA (checked at run time).
+        return unsafe { avx512::dot_f32_rows(a, bs, out) };
+    }
+    for (o, b) in out.iter_mut().zip(bs) {
+        *o = dot_f32(a, b);
+    }
+}
+
+/// `out = Σ_j ps[j] · rows[j]`, accumulated in `j` order exactly as `out.fill(0)` followed by
+/// [`axpy`] per row (attention's weighted sum of values); on AVX-512 `out` stays in registers.
+pub fn weighted_sum(ps: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    assert_eq!(ps.len(), rows.len(), "weighted_sum: {} weights, {} rows", ps.len(), rows.len());
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512 {
+        // SAFETY: the CPU supports AVX-512F and FMA (checked at run time).
+        return unsafe { avx512::weighted_sum(ps, rows, out) };
+    }
+    out.fill(0.0);
+    for (&p, r) in ps.iter().zip(rows) {
+        axpy(p, r, out);
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Level {
     Portable,
@@ -163,6 +217,77 @@ mod avx512 {
         }
         let tail: f32 = (32 * steps..n).map(|i| a[i] * b[i]).sum();
         finish(acc0, acc1, tail)
+    }
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        let n = x.len().min(y.len());
+        let av = _mm512_set1_ps(a);
+        let steps = n / 16;
+        for i in 0..steps {
+            let (px, py) = (x.as_ptr().add(16 * i), y.as_mut_ptr().add(16 * i));
+            _mm512_storeu_ps(py, _mm512_fmadd_ps(av, _mm512_loadu_ps(px), _mm512_loadu_ps(py)));
+        }
+        for i in 16 * steps..n {
+            y[i] = a.mul_add(x[i], y[i]);
+        }
+    }
+
+    /// [`dot_f32`] of `a` with each row, four rows per pass over `a` (each row's accumulators
+    /// and reduction exactly as `dot_f32`'s).
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn dot_f32_rows(a: &[f32], bs: &[&[f32]], out: &mut [f32]) {
+        let mut j = 0;
+        while j + 4 <= bs.len() {
+            let n = bs[j..j + 4].iter().fold(a.len(), |n, b| n.min(b.len()));
+            let z = _mm512_setzero_ps();
+            let (mut acc0, mut acc1) = ([z; 4], [z; 4]);
+            let steps = n / 32;
+            for i in 0..steps {
+                let pa = a.as_ptr().add(32 * i);
+                let (a0, a1) = (_mm512_loadu_ps(pa), _mm512_loadu_ps(pa.add(16)));
+                for r in 0..4 {
+                    let pb = bs[j + r].as_ptr().add(32 * i);
+                    acc0[r] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(pb), acc0[r]);
+                    acc1[r] = _mm512_fmadd_ps(a1, _mm512_loadu_ps(pb.add(16)), acc1[r]);
+                }
+            }
+            for r in 0..4 {
+                let b = bs[j + r];
+                let tail: f32 = (32 * steps..n).map(|i| a[i] * b[i]).sum();
+                out[j + r] = finish(acc0[r], acc1[r], tail);
+            }
+            j += 4;
+        }
+        for j in j..bs.len() {
+            out[j] = dot_f32(a, bs[j]);
+        }
+    }
+
+    /// [`super::weighted_sum`]: 256 outputs at a time held in 16 registers across all rows.
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn weighted_sum(ps: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+        const W: usize = 256;
+        let mut c0 = 0;
+        while c0 + W <= out.len() {
+            let mut acc = [_mm512_setzero_ps(); W / 16];
+            for (&p, r) in ps.iter().zip(rows) {
+                assert!(r.len() >= c0 + W, "weighted_sum: row shorter than the output");
+                let (pv, pr) = (_mm512_set1_ps(p), r.as_ptr().add(c0));
+                for (l, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(pv, _mm512_loadu_ps(pr.add(16 * l)), *a);
+                }
+            }
+            for (l, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * l), *a);
+            }
+            c0 += W;
+        }
+        let rest = &mut out[c0..];
+        rest.fill(0.0);
+        for (&p, r) in ps.iter().zip(rows) {
+            axpy(p, &r[c0..c0 + rest.len()], rest);
+        }
     }
 
     /// 16 bf16 bit patterns → 16 f32 (exact: bf16 is the top half of an f32).
@@ -221,5 +346,43 @@ mod tests {
         let exact16: f64 = a16.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot_bf16(&bf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));
         assert!((dot_f16(&hf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));
+    }
+
+    #[test]
+    fn row_kernels_equal_their_one_row_forms_bit_for_bit() {
+        // 7 rows (a group of four and a tail), 300 values (whole 256-wide blocks, 32-wide steps
+        // and tails): `dot_f32_rows` equals `dot_f32` per row and `weighted_sum` equals the
+        // zero-fill + `axpy` sequence.
+        let a: Vec<f32> = (0..300).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let rows: Vec<Vec<f32>> =
+            (0..7).map(|r| (0..300).map(|i| ((i * 53 + r * 11) % 97) as f32 / 13.0 - 3.7).collect()).collect();
+        let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        let mut dots = vec![0f32; 7];
+        dot_f32_rows(&a, &refs, &mut dots);
+        for r in 0..7 {
+            assert_eq!(dots[r].to_bits(), dot_f32(&a, &rows[r]).to_bits(), "row {r}");
+        }
+        let ps: Vec<f32> = (0..7).map(|r| 0.1 + r as f32 * 0.07).collect();
+        let mut sum = vec![f32::NAN; 300];
+        weighted_sum(&ps, &refs, &mut sum);
+        let mut want = vec![0f32; 300];
+        for r in 0..7 {
+            axpy(ps[r], &rows[r], &mut want);
+        }
+        for i in 0..300 {
+            assert_eq!(sum[i].to_bits(), want[i].to_bits(), "value {i}");
+        }
+    }
+
+    #[test]
+    fn axpy_adds_a_scaled_vector() {
+        // 37 values: whole 16-lane steps and a tail.
+        let x: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut y: Vec<f32> = (0..37).map(|i| 100.0 - i as f32).collect();
+        axpy(0.25, &x, &mut y);
+        for i in 0..37 {
+            // Every product and sum here is exact in f32, so fused or not the result is the same.
+            assert_eq!(y[i], 100.0 - i as f32 + 0.25 * (i as f32 * 0.5 - 3.0), "element {i}");
+        }
     }
 }

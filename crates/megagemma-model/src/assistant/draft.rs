@@ -12,7 +12,7 @@
 use super::weights::CentroidHead;
 use super::{AssistantModel, AssistantPlan, DraftQuery};
 use crate::cpu::kv::KvCache;
-use crate::cpu::ops::{argmax, gelu_tanh, rms_norm, rms_norm_chunks, rope, softmax};
+use crate::cpu::ops::{argmax, gelu_mul, rms_norm, rms_norm_chunks, rope, softmax};
 use crate::matrix::{matmul, RowDot};
 use crate::model::Model;
 use crate::plan::LayerPlan;
@@ -257,7 +257,7 @@ fn attention(plan: &AssistantPlan, lp: &LayerPlan, kv: &impl TargetKv, q: &[f32]
 fn mlp(m: &MlpWeights, x: &[f32]) -> Vec<f32> {
     let mut g = linear(m.gate.as_ref(), x);
     let u = linear(m.up.as_ref(), x);
-    g.iter_mut().zip(&u).for_each(|(g, u)| *g = gelu_tanh(*g) * u);
+    gelu_mul(&mut g, &u);
     linear(m.down.as_ref(), &g)
 }
 

@@ -16,11 +16,65 @@ pub fn rms_norm_chunks(x: &mut [f32], dim: usize, w: Option<&[f32]>, eps: f32) {
     x.chunks_exact_mut(dim).for_each(|c| rms_norm(c, w, eps));
 }
 
-/// GELU, tanh approximation (`gelu_pytorch_tanh`).
-#[inline]
+/// GELU, tanh approximation (`gelu_pytorch_tanh`): `0.5·x·(1 + tanh(u))` with
+/// `u = √(2/π)·(x + 0.044715·x³)`, computed as the equal `x / (1 + e^(−2u))` with [`exp_f32`],
+/// so it is plain f32 arithmetic that LLVM vectorises (a libm `tanh` per element was 8% of a
+/// 512-token prefill). Within 2e-7 relative of the exact function (tested).
+#[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+    let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+    x / (1.0 + exp_f32(-2.0 * u))
+}
+
+/// `e^z` in f32 from multiplies and adds only: `z = n·ln 2 + r` (Cody–Waite, `|r| ≤ ln 2 / 2`),
+/// `e^r` by its Taylor polynomial to `r⁷` (truncation < 1e-8 relative), times `2^n` built in the
+/// exponent bits. `z` is clamped to [−87, 88] (`e^z` stays a normal f32); NaN stays NaN.
+#[inline(always)]
+pub fn exp_f32(z: f32) -> f32 {
+    // Adding 1.5·2^23 rounds to the nearest integer (|z·log2 e| < 2^22).
+    const SHIFTER: f32 = 12_582_912.0;
+    // ln 2 split so that n·LN2_HI is exact for |n| < 2^15.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let z = z.clamp(-87.0, 88.0);
+    let nf = (z * std::f32::consts::LOG2_E + SHIFTER) - SHIFTER;
+    let r = (z - nf * LN2_HI) - nf * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r / 5040.0))))));
+    p * f32::from_bits(((nf as i32 + 127) as u32) << 23)
+}
+
+/// `g[i] = gelu_tanh(g[i]) · u[i]` (the gated GELU of an MLP), vectorised for the widest
+/// instruction set the CPU has; the same bits at every width (no fused multiply-add).
+pub fn gelu_mul(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len(), "gelu_mul: {} gate values, {} up values", g.len(), u.len());
+    #[cfg(target_arch = "x86_64")]
+    match crate::simd::level() {
+        // SAFETY: the CPU supports the features of the chosen level (checked at run time).
+        crate::simd::Level::Avx512 => return unsafe { gelu_mul_avx512(g, u) },
+        crate::simd::Level::Avx2 => return unsafe { gelu_mul_avx2(g, u) },
+        crate::simd::Level::Portable => {}
+    }
+    gelu_mul_generic(g, u)
+}
+
+#[inline(always)]
+fn gelu_mul_generic(g: &mut [f32], u: &[f32]) {
+    g.iter_mut().zip(u).for_each(|(g, u)| *g = gelu_tanh(*g) * u);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_mul_avx512(g: &mut [f32], u: &[f32]) {
+    gelu_mul_generic(g, u)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn gelu_mul_avx2(g: &mut [f32], u: &[f32]) {
+    gelu_mul_generic(g, u)
 }
 
 /// Rotate one head vector in the "rotate half" layout: pair (i, i + d/2) turns by
@@ -106,6 +160,51 @@ mod tests {
         assert_eq!(gelu_tanh(0.0), 0.0);
         assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
         assert!((gelu_tanh(-3.0) + 0.003_637_8).abs() < 1e-5);
+    }
+
+    /// The exact GELU (tanh form) in f64.
+    fn gelu_f64(x: f64) -> f64 {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+    }
+
+    #[test]
+    fn gelu_matches_the_exact_function() {
+        // Error measured against max(|gelu(x)|, 1): relative for large outputs, absolute near
+        // zero, where the f32 argument of the exponential already carries ~1e-7·|u|.
+        let (mut worst, mut worst_libm) = (0f64, 0f64);
+        for i in -200_000..=200_000 {
+            let x = i as f32 * 1e-4; // −20 .. 20
+            let want = gelu_f64(x as f64);
+            let libm = 0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044715 * x * x * x)).tanh());
+            worst = worst.max((gelu_tanh(x) as f64 - want).abs() / want.abs().max(1.0));
+            worst_libm = worst_libm.max((libm as f64 - want).abs() / want.abs().max(1.0));
+        }
+        eprintln!("gelu: largest error {worst:e} (libm tanh form: {worst_libm:e})");
+        assert!(worst < 3e-7, "largest error {worst:e}");
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert_eq!(gelu_tanh(1e6), 1e6);
+        assert!(gelu_tanh(-1e6).abs() < 1e-30);
+        assert!(gelu_tanh(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn exp_matches_f64() {
+        for i in -870..=879 {
+            let z = i as f32 * 0.1 + 0.0123;
+            let (got, want) = (exp_f32(z) as f64, (z as f64).exp());
+            assert!(((got - want) / want).abs() < 3e-7, "exp({z}) = {got}, want {want}");
+        }
+    }
+
+    #[test]
+    fn gelu_mul_equals_the_scalar_function_bit_for_bit() {
+        let g: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 0.013).collect();
+        let u: Vec<f32> = (0..1000).map(|i| 1.0 + i as f32 * 0.001).collect();
+        let mut v = g.clone();
+        gelu_mul(&mut v, &u);
+        for i in 0..g.len() {
+            assert_eq!(v[i].to_bits(), (gelu_tanh(g[i]) * u[i]).to_bits(), "element {i}");
+        }
     }
 
     #[test]
