@@ -380,9 +380,9 @@ mod tests {
         let x: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
         let mut y: Vec<f32> = (0..37).map(|i| 100.0 - i as f32).collect();
         axpy(0.25, &x, &mut y);
-        for i in 0..37 {
+        for (i, y) in y.iter().enumerate() {
             // Every product and sum here is exact in f32, so fused or not the result is the same.
-            assert_eq!(y[i], 100.0 - i as f32 + 0.25 * (i as f32 * 0.5 - 3.0), "element {i}");
+            assert_eq!(*y, 100.0 - i as f32 + 0.25 * (i as f32 * 0.5 - 3.0), "element {i}");
         }
     }
 }
