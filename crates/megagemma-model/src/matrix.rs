@@ -25,6 +25,17 @@ pub trait RowDot: Send + Sync {
             self.dot_rows(start, &xs[ti * self.cols()..(ti + 1) * self.cols()], out);
         }
     }
+    /// The vectors `xs` (`[T, cols]`) prepared once per product for
+    /// [`RowDot::dot_rows_prepared`], when this matrix's kernel reads its input in another form
+    /// (GGUF Q5_0 on AVX-512 VNNI: 16-bit integers); `None` when it reads f32 directly.
+    fn prepare_inputs(&self, _xs: &[f32]) -> Option<crate::gguf::IntInputs> {
+        None
+    }
+    /// [`RowDot::dot_rows_multi`] on inputs from [`RowDot::prepare_inputs`]; the same bits as
+    /// `dot_rows_multi` on the vectors they were prepared from.
+    fn dot_rows_prepared(&self, _start: usize, _xs: &crate::gguf::IntInputs, _outs: &mut [f32]) {
+        unreachable!("dot_rows_prepared on a matrix that prepares no inputs")
+    }
     /// Dequantize / convert one row into `out` (`out.len() == cols()`), exactly.
     fn row_to_f32(&self, row: usize, out: &mut [f32]);
     /// Bytes of weight data streamed by one full matvec (for bandwidth figures).
@@ -65,9 +76,11 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
     if t == 0 {
         return; // e.g. the LM head on a prefill chunk that keeps no position
     }
+    let prepared = w.prepare_inputs(xs);
     if t == 1 {
-        ys.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(b, out)| {
-            w.dot_rows(b * ROW_BLOCK, xs, out);
+        ys.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(b, out)| match &prepared {
+            Some(p) => w.dot_rows_prepared(b * ROW_BLOCK, p, out),
+            None => w.dot_rows(b * ROW_BLOCK, xs, out),
         });
         return;
     }
@@ -83,7 +96,10 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
     per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| {
         let n = parts[0].len();
         let mut block_out = vec![0f32; t * n];
-        w.dot_rows_multi(b * ROW_BLOCK, xs, &mut block_out);
+        match &prepared {
+            Some(p) => w.dot_rows_prepared(b * ROW_BLOCK, p, &mut block_out),
+            None => w.dot_rows_multi(b * ROW_BLOCK, xs, &mut block_out),
+        }
         for (ti, part) in parts.iter_mut().enumerate() {
             part.copy_from_slice(&block_out[ti * n..(ti + 1) * n]);
         }

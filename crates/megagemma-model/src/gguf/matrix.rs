@@ -7,6 +7,7 @@ use memmap2::Mmap;
 
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
 use super::dot::{dot_kernel, dot_kernel_2rows, DotFn, DotMulti2Fn, DotMultiFn, MULTI};
+use super::idot::IntInputs;
 use super::reader::{GgufFile, GgufTensorInfo};
 use crate::bail;
 use crate::error::Result;
@@ -27,6 +28,8 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
+    /// Q5_0 rows go through the integer kernel ([`super::idot`]) on this CPU.
+    int_dot: bool,
 }
 
 impl GgufMatrix {
@@ -57,6 +60,7 @@ impl GgufMatrix {
             dot_multi,
             dot_multi2: dot_kernel_2rows(ty),
             dequant,
+            int_dot: ty == GgmlType::Q5_0 && super::idot::enabled(),
         })
     }
 
@@ -94,6 +98,9 @@ impl RowDot for GgufMatrix {
     fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
         assert_eq!(x.len(), self.cols, "dot_rows: x has {} values, matrix has {} cols", x.len(), self.cols);
         assert!(start + out.len() <= self.rows, "dot_rows: rows {start}..{} out of range", start + out.len());
+        if let Some(p) = self.prepare_inputs(x) {
+            return self.dot_rows_prepared(start, &p, out);
+        }
         for (i, o) in out.iter_mut().enumerate() {
             *o = (self.dot)(self.row_bytes(start + i), x);
         }
@@ -104,6 +111,9 @@ impl RowDot for GgufMatrix {
         let n = outs.len() / t;
         assert_eq!(xs.len(), t * cols, "dot_rows_multi: xs is not [T, {cols}]");
         assert!(start + n <= self.rows, "dot_rows_multi: rows {start}..{} out of range", start + n);
+        if let Some(p) = self.prepare_inputs(xs) {
+            return self.dot_rows_prepared(start, &p, outs);
+        }
         let x = |ti: usize| &xs[ti * cols..(ti + 1) * cols];
         let mut r0 = 0;
         if let (Some(k2), true) = (self.dot_multi2, t >= MULTI) {
@@ -142,6 +152,18 @@ impl RowDot for GgufMatrix {
                 outs[ti * n + r] = (self.dot)(bytes, x(ti));
             }
         }
+    }
+
+    fn prepare_inputs(&self, xs: &[f32]) -> Option<IntInputs> {
+        self.int_dot.then(|| IntInputs::quantize(xs, self.cols))
+    }
+
+    fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [f32]) {
+        assert!(self.int_dot, "dot_rows_prepared on a matrix without an integer kernel");
+        let n = outs.len() / xs.len().max(1);
+        assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
+        let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
+        super::idot::dot_rows_q5_0(data, self.row_bytes, start, xs, outs);
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {

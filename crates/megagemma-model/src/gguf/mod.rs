@@ -9,10 +9,12 @@ mod blocks;
 mod dot;
 #[cfg(target_arch = "x86_64")]
 mod dot512;
+pub mod idot;
 mod matrix;
 mod reader;
 
 pub use blocks::{dequantize_row, f16_to_f32, GgmlType, SUPPORTED_TYPES};
 pub use dot::{dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, dot_rows2_multi, MULTI};
+pub use idot::IntInputs;
 pub use matrix::GgufMatrix;
 pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC};
