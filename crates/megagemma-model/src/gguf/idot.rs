@@ -1,19 +1,22 @@
-//! Integer dot products for GGUF Q5_0 rows on CPUs with AVX-512 VNNI.
+//! Integer dot products for GGUF Q5_0, Q4_K and Q6_K rows on CPUs with AVX-512 VNNI.
 //!
-//! A Q5_0 weight is `d·(u − 16)` with a 5-bit `u` and an f16 `d` per 32 values. The f32 kernels
-//! spend one fused multiply-add per weight and vector, which keeps a multi-token pass (prefill,
-//! verify) at the FMA units' limit. Here each activation vector is quantized once per matmul to
+//! These weights are small integers `q` times a float per 16 or 32 values (`d·(u − 16)` for
+//! Q5_0, `d·sc·q − dmin·m` for Q4_K, `d·sc·(u − 32)` for Q6_K). The f32 kernels spend one fused
+//! multiply-add per weight and vector, which keeps a multi-token pass (prefill, verify) at the
+//! FMA units' limit. Here each activation vector is quantized once per matmul to
 //! 22-bit integers per 16 values (`x ≈ s·x_q`, `s = amax / (2^21 − 1)`, so the error is at most
 //! `s/2`, ≈2.4e-7 of the 16 values' largest), split into three bytes; `vpdpbusd` (64 byte
 //! products per instruction) computes `Σ q·x_q` exactly in integers, and one f32 multiply-add
-//! per 16 values applies `d·s`. (16-bit activations were measured first: logits of the real
+//! per 16 values applies `d·s` (Q4_K adds `−dmin·m·s·Σx_q`, with `Σx_q` kept per 16 values
+//! when the vector is quantized). (16-bit activations were measured first: logits of the real
 //! Gemma 3 270M moved by up to 8e-5 relative L2 from transformers', too close to the 1e-4
 //! contract; with 22 bits they stay within a few 1e-7, as the f32 kernels'.)
 //!
-//! Layout. A group of 8 blocks (256 values) fills 16 lanes, each lane half a block (16 values in
-//! 4 steps of 4 bytes): lane `j` holds block `j / 2`, values `16·(j % 2) + 4·i .. + 4` in step
-//! `i`, and one activation scale. The activations are stored in that order when quantized; the weights
-//! are permuted into it per row (`vpermt2b`), once per row for every vector of the call.
+//! Layout. A group of 256 values (8 Q5_0 blocks, one K-quant super-block) fills 16 lanes of 16
+//! values, 4 steps of 4 bytes: lane `j` holds values `16·j + 4·i .. + 4` in step `i`, one
+//! activation scale and one weight scale. The activations are stored in that order when
+//! quantized; each format's decoder permutes a row's bytes into it (`vpermt2b`), once per row for
+//! every vector of the call.
 //! Per lane and group: `acc += f32(Σ q·x_q) · (d·s)` (fused), then the 16 lanes are summed
 //! pairwise (8, 4, 2, 1). Every step is per vector, so a column of a multi-vector call is
 //! bit-identical to a one-vector call; [`tests`] check the kernel against a scalar transcription
@@ -23,6 +26,7 @@
 // Indexed loops over fixed-size register arrays unroll into straight-line code (as dot512.rs).
 #![allow(clippy::needless_range_loop)]
 
+use super::blocks::{k4_scales_mins, GgmlType};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
@@ -72,14 +76,19 @@ pub struct IntInputs {
     mid: Vec<u8>,
     /// Same layout: `x_q & 255`.
     lo: Vec<u8>,
-    /// `[t][group][lane]`: the lane's block scale `s` (0 on padding lanes).
+    /// `[t][group][lane]`: the lane's scale `s` (0 on padding lanes).
     scale: Vec<f32>,
+    /// `[t][group][lane]`: `Σ x_q` over the lane, as f32 (for the Q4_K minimums).
+    sums: Vec<f32>,
 }
 
 impl IntInputs {
     /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32).
     pub fn quantize(xs: &[f32], cols: usize) -> IntInputs {
-        assert!(cols > 0 && cols.is_multiple_of(BLOCK), "integer dot: {cols} values per vector is not whole 32-value blocks");
+        assert!(
+            cols > 0 && cols.is_multiple_of(BLOCK),
+            "integer dot: {cols} values per vector is not whole 32-value blocks"
+        );
         assert_eq!(xs.len() % cols, 0, "integer dot: input is not [T, {cols}]");
         let t = xs.len() / cols;
         let groups = cols.div_ceil(BLOCK * GROUP_BLOCKS);
@@ -88,20 +97,22 @@ impl IntInputs {
         let mut mid = vec![0u8; t * groups * GROUP_BYTES];
         let mut lo = vec![0u8; t * groups * GROUP_BYTES];
         let mut scale = vec![0f32; t * groups * 16];
+        let mut sums = vec![0f32; t * groups * 16];
         let (vb, sb) = (groups * GROUP_BYTES, groups * 16);
         hi.par_chunks_mut(vb * QUANT_TASK)
             .zip(mid.par_chunks_mut(vb * QUANT_TASK))
             .zip(lo.par_chunks_mut(vb * QUANT_TASK))
-            .zip(scale.par_chunks_mut(sb * QUANT_TASK))
+            .zip(scale.par_chunks_mut(sb * QUANT_TASK).zip(sums.par_chunks_mut(sb * QUANT_TASK)))
             .zip(xs.par_chunks(cols * QUANT_TASK))
-            .for_each(|((((hi, mid), lo), scale), xs)| {
+            .for_each(|((((hi, mid), lo), (scale, sums)), xs)| {
                 for (k, x) in xs.chunks_exact(cols).enumerate() {
                     let bytes = k * vb..(k + 1) * vb;
                     let parts = [&mut hi[bytes.clone()], &mut mid[bytes.clone()], &mut lo[bytes]];
-                    quantize_one(x, parts, &mut scale[k * sb..(k + 1) * sb]);
+                    let lanes = k * sb..(k + 1) * sb;
+                    quantize_one(x, parts, &mut scale[lanes.clone()], &mut sums[lanes]);
                 }
             });
-        IntInputs { t, groups, hi, mid, lo, scale }
+        IntInputs { t, groups, hi, mid, lo, scale, sums }
     }
 
     /// Number of vectors.
@@ -116,11 +127,11 @@ impl IntInputs {
 
 const ROUNDER: f32 = 12_582_912.0;
 /// The largest quantized magnitude: 22-bit integers, so a lane's `Σ q·x_q` (16 values,
-/// `|q| ≤ 16`) stays within `i32`.
+/// `|q| ≤ 32`) stays within `i32`.
 const Q_MAX: f32 = 2_097_151.0;
 
-fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32]) {
-    // One scale per lane: 16 values, half a block.
+fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32], sums: &mut [f32]) {
+    // One scale per lane of 16 values.
     for (h, part) in x.chunks_exact(LANE_VALUES).enumerate() {
         let (g, lane) = (h / 16, h % 16);
         let amax = part.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -129,6 +140,7 @@ fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32]) {
         let finite = part.iter().all(|v| v.is_finite());
         let s = if finite { amax / Q_MAX } else { f32::NAN };
         let inv = if finite && amax > 0.0 { Q_MAX / amax } else { 0.0 };
+        let mut sum = 0i32;
         for (v, &xv) in part.iter().enumerate() {
             // Round half to even by adding and subtracting 1.5·2^23 (exact for |v| < 2^22;
             // `round_ties_even` is a libm call on baseline x86-64).
@@ -137,23 +149,36 @@ fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32]) {
             hi[at] = ((q >> 16) + 128) as u8;
             mid[at] = ((q >> 8) & 0xff) as u8;
             lo[at] = (q & 0xff) as u8;
+            sum += q;
         }
         scale[g * 16 + lane] = s;
+        sums[g * 16 + lane] = sum as f32;
     }
 }
 
+/// Whether rows of `ty` have an integer kernel (and [`enabled`] says it runs here).
+pub fn supports(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K) && enabled()
+}
+
 /// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows of a
-/// Q5_0 matrix whose rows are `row_bytes` bytes from `data`. Requires [`enabled`].
-pub fn dot_rows_q5_0(data: &[u8], row_bytes: usize, start: usize, x: &IntInputs, outs: &mut [f32]) {
-    assert!(enabled(), "integer dot kernel used on a CPU without AVX-512 VNNI");
+/// `ty` matrix whose rows are `row_bytes` bytes from `data`. Requires [`supports`]`(ty)`.
+pub fn dot_rows(ty: GgmlType, data: &[u8], row_bytes: usize, start: usize, x: &IntInputs, outs: &mut [f32]) {
+    assert!(supports(ty), "no integer dot kernel for {ty} on this CPU");
     assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "integer dot: {} outputs for {} vectors", outs.len(), x.t);
     let n = outs.len() / x.t;
-    assert!(row_bytes.is_multiple_of(Q5_0_BYTES) && (start + n) * row_bytes <= data.len(), "integer dot: rows out of range");
-    assert_eq!((row_bytes / Q5_0_BYTES).div_ceil(GROUP_BLOCKS), x.groups, "integer dot: row and vector sizes differ");
+    assert!((start + n) * row_bytes <= data.len(), "integer dot: rows out of range");
+    let values = row_bytes / ty.type_size() * ty.block_size();
+    assert_eq!(values.div_ceil(256), x.groups, "integer dot: row and vector sizes differ");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `enabled()` checked the CPU features; the shapes were checked just above.
+    // SAFETY: `supports()` checked the CPU features; the shapes were checked just above.
     unsafe {
-        avx512::dot_rows(data, row_bytes, start, x, outs, n)
+        use avx512::*;
+        match ty {
+            GgmlType::Q5_0 => rows::<Q50>(data, row_bytes, start, x, outs, n),
+            GgmlType::Q4_K => rows::<Q4K>(data, row_bytes, start, x, outs, n),
+            _ => rows::<Q6K>(data, row_bytes, start, x, outs, n),
+        }
     }
 }
 
@@ -162,13 +187,46 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// One row's group, decoded: the signed weights `u − 16` in the lane layout (4 steps), the
-    /// lanes' `d`, and `−128·Σq` per lane (the high bytes carry a +128 offset).
+    /// One row's group, decoded: the signed weights in the lane layout (4 steps), each lane's
+    /// weight scale `d` and minimum `m` (`w = d·q + m`; 0 but for Q4_K), and `−128·Σq` per lane
+    /// (the high activation bytes carry a +128 offset).
     #[derive(Clone, Copy)]
     pub(super) struct DecGroup {
         q: [__m512i; 4],
         d: __m512,
+        m: __m512,
         init: __m512i,
+    }
+
+    /// A weight format's decoder into [`DecGroup`]s.
+    pub(super) trait Format {
+        /// Whether weights have a per-lane minimum (`w = d·q + m`).
+        const MIN: bool;
+        /// Decode 256-value group `g` of a row of `len` bytes.
+        unsafe fn decode(row: *const u8, len: usize, g: usize) -> DecGroup;
+    }
+
+    /// `vpermt2b` over two 64-byte registers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn permute2(idx: &[u8; 64], a: __m512i, b: __m512i) -> __m512i {
+        _mm512_permutex2var_epi8(a, _mm512_loadu_si512(idx.as_ptr() as *const _), b)
+    }
+
+    /// 64 bytes of the row at `off`, bytes at or past `len` read as zero (masked, so never
+    /// touching memory past the row).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn load_row(row: *const u8, len: usize, off: usize) -> __m512i {
+        let avail = len.saturating_sub(off).min(64);
+        let mask = if avail == 64 { u64::MAX } else { (1u64 << avail) - 1 };
+        _mm512_maskz_loadu_epi8(mask, row.wrapping_add(off) as *const i8)
+    }
+
+    /// `−128·Σq` per lane over the four steps.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn init_of(q: &[__m512i; 4]) -> __m512i {
+        let c128 = _mm512_set1_epi8(-128);
+        let s = q.iter().fold(_mm512_setzero_si512(), |s, qi| _mm512_dpbusd_epi32(s, c128, *qi));
+        _mm512_sub_epi32(_mm512_setzero_si512(), s)
     }
 
     /// Byte `e` of entry `m` is 0x10 when bit `e` of `m` is set: four `qh` bits → the fifth bit
@@ -191,7 +249,7 @@ mod avx512 {
 
     /// Byte-permute indices that gather, for every lane `j` (block `(j / 2) % 4` of a 4-block,
     /// 88-byte window), bytes `at, at + 1, at + 2, at + 3` of that block.
-    const fn lane_bytes(at: usize) -> [u8; 64] {
+    const fn q5_0_bytes(at: usize) -> [u8; 64] {
         let mut t = [0u8; 64];
         let mut p = 0;
         while p < 64 {
@@ -200,52 +258,149 @@ mod avx512 {
         }
         t
     }
-    /// Per step `i`: the nibble bytes `qs[4i .. 4i + 4]` (at offset 6 in a block).
-    const QS_IDX: [[u8; 64]; 4] = [lane_bytes(6), lane_bytes(10), lane_bytes(14), lane_bytes(18)];
-    /// `qh` (offset 2) and `d` (offset 0; the low 16 bits of each lane).
-    const QH_IDX: [u8; 64] = lane_bytes(2);
-    const D_IDX: [u8; 64] = lane_bytes(0);
 
-    /// Decode group `g` of a row of `nb` blocks. The group's 8 blocks (176 bytes) are loaded as
-    /// two 128-byte windows (blocks 0–3 and 4–7; bytes past the row masked off, so they read
-    /// as zero and give `d = 0`) and each lane's bytes are picked with `vpermt2b`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
-    unsafe fn decode_group(row: *const u8, g: usize, nb: usize) -> DecGroup {
-        let row_len = nb * Q5_0_BYTES;
-        let load = |off: usize| {
-            let avail = row_len.saturating_sub(off).min(64);
-            let mask = if avail == 64 { u64::MAX } else { (1u64 << avail) - 1 };
-            _mm512_maskz_loadu_epi8(mask, row.wrapping_add(off) as *const i8)
-        };
-        let g0 = g * GROUP_BLOCKS * Q5_0_BYTES;
-        let (a0, a1) = (load(g0), load(g0 + 64));
-        let (b0, b1) = (load(g0 + 88), load(g0 + 152));
-        // Lanes 8–15 (bytes 32–63) come from the second window.
-        const SECOND: u64 = 0xffff_ffff_0000_0000;
-        let pick = |idx: &[u8; 64]| {
-            let i = _mm512_loadu_si512(idx.as_ptr() as *const _);
-            _mm512_mask_blend_epi8(SECOND, _mm512_permutex2var_epi8(a0, i, a1), _mm512_permutex2var_epi8(b0, i, b1))
-        };
-        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let half = _mm512_and_si512(lane, _mm512_set1_epi32(1));
-        let nib_shift = _mm512_slli_epi32::<2>(half); // 0 or 4
-        let qh_shift = _mm512_slli_epi32::<4>(half); // 0 or 16
-        let qh = pick(&QH_IDX);
-        let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pick(&D_IDX)));
-        let lut = _mm512_loadu_si512(HIGH_BIT_LUT.as_ptr() as *const _);
-        let (low4, sixteen, c128) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16), _mm512_set1_epi8(-128));
-        let z = _mm512_setzero_si512();
-        let mut q = [z; 4];
-        let mut sum128 = z;
-        for (i, qi) in q.iter_mut().enumerate() {
-            let raw = pick(&QS_IDX[i]);
-            let nib = _mm512_and_si512(_mm512_srlv_epi32(raw, nib_shift), low4);
-            let bits = _mm512_srlv_epi32(qh, _mm512_add_epi32(qh_shift, _mm512_set1_epi32(4 * i as i32)));
-            let hb = _mm512_permutexvar_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xf)), lut);
-            *qi = _mm512_sub_epi8(_mm512_or_si512(nib, hb), sixteen);
-            sum128 = _mm512_dpbusd_epi32(sum128, c128, *qi);
+    pub(super) struct Q50;
+    impl Q50 {
+        /// Per step `i`: the nibble bytes `qs[4i .. 4i + 4]` (at offset 6 in a block).
+        const QS_IDX: [[u8; 64]; 4] = [q5_0_bytes(6), q5_0_bytes(10), q5_0_bytes(14), q5_0_bytes(18)];
+        /// `qh` (offset 2) and `d` (offset 0; the low 16 bits of each lane).
+        const QH_IDX: [u8; 64] = q5_0_bytes(2);
+        const D_IDX: [u8; 64] = q5_0_bytes(0);
+    }
+
+    /// Q5_0: lane `j` is half `j % 2` of block `j / 2`. The group's 8 blocks (176 bytes) are
+    /// loaded as two 128-byte windows (blocks 0–3 and 4–7; bytes past the row read as zero, so
+    /// missing blocks give `d = 0`), each lane's bytes picked from its window.
+    impl Format for Q50 {
+        const MIN: bool = false;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        unsafe fn decode(row: *const u8, len: usize, g: usize) -> DecGroup {
+            let g0 = g * GROUP_BLOCKS * Q5_0_BYTES;
+            let (a0, a1) = (load_row(row, len, g0), load_row(row, len, g0 + 64));
+            let (b0, b1) = (load_row(row, len, g0 + 88), load_row(row, len, g0 + 152));
+            // Lanes 8–15 (bytes 32–63) come from the second window.
+            const SECOND: u64 = 0xffff_ffff_0000_0000;
+            let pick = |idx: &[u8; 64]| _mm512_mask_blend_epi8(SECOND, permute2(idx, a0, a1), permute2(idx, b0, b1));
+            let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let half = _mm512_and_si512(lane, _mm512_set1_epi32(1));
+            let nib_shift = _mm512_slli_epi32::<2>(half); // 0 or 4
+            let qh_shift = _mm512_slli_epi32::<4>(half); // 0 or 16
+            let qh = pick(&Self::QH_IDX);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pick(&Self::D_IDX)));
+            let lut = _mm512_loadu_si512(HIGH_BIT_LUT.as_ptr() as *const _);
+            let (low4, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
+            let mut q = [_mm512_setzero_si512(); 4];
+            for (i, qi) in q.iter_mut().enumerate() {
+                let raw = pick(&Self::QS_IDX[i]);
+                let nib = _mm512_and_si512(_mm512_srlv_epi32(raw, nib_shift), low4);
+                let bits = _mm512_srlv_epi32(qh, _mm512_add_epi32(qh_shift, _mm512_set1_epi32(4 * i as i32)));
+                let hb = _mm512_permutexvar_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xf)), lut);
+                *qi = _mm512_sub_epi8(_mm512_or_si512(nib, hb), sixteen);
+            }
+            DecGroup { q, d, m: _mm512_setzero_ps(), init: init_of(&q) }
         }
-        DecGroup { q, d, init: _mm512_sub_epi32(z, sum128) }
+    }
+
+    /// Byte indices for lane `j`, step `i` of a K-quant super-block: `base(j) + 4·i + e`, with
+    /// `base` [`q4k_base`] (`Q4K_QS`), [`q6k_ql_base`] (`Q6K_QL`) or [`q6k_qh_base`].
+    const fn k_bytes(i: usize, base: usize) -> [u8; 64] {
+        let mut t = [0u8; 64];
+        let mut p = 0;
+        while p < 64 {
+            let j = p / 4;
+            let b = match base {
+                Q4K_QS => q4k_base(j),
+                Q6K_QL => q6k_ql_base(j),
+                _ => q6k_qh_base(j),
+            };
+            t[p] = (b + 4 * i + p % 4) as u8;
+            p += 1;
+        }
+        t
+    }
+    const Q4K_QS: usize = 0;
+    const Q6K_QL: usize = 1;
+    const Q6K_QH: usize = 2;
+    /// Q4_K: lane `j` (values `16j ..`) is in 64-value chunk `j / 4`: low nibbles of
+    /// `qs[32·(j/4) + 16·(j % 2) ..]` for `j % 4 < 2`, high nibbles otherwise.
+    const fn q4k_base(j: usize) -> usize {
+        32 * (j / 4) + 16 * (j % 2)
+    }
+    /// Q6_K: lane `j` is in half `h = j / 8`, part `p = (j % 8) / 2` (32 values each), values
+    /// `l = 16·(j % 2) ..` of the part: low bits from `ql[64h + 32·(p % 2) + l]` (low nibble for
+    /// p < 2), high bits `2p, 2p + 1` of `qh[32h + l]`.
+    const fn q6k_ql_base(j: usize) -> usize {
+        64 * (j / 8) + 32 * ((j % 8) / 2 % 2) + 16 * (j % 2)
+    }
+    const fn q6k_qh_base(j: usize) -> usize {
+        32 * (j / 8) + 16 * (j % 2)
+    }
+
+    pub(super) struct Q4K;
+    impl Q4K {
+        const QS_IDX: [[u8; 64]; 4] = [k_bytes(0, Q4K_QS), k_bytes(1, Q4K_QS), k_bytes(2, Q4K_QS), k_bytes(3, Q4K_QS)];
+    }
+
+    /// Q4_K (144 bytes: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 bytes of
+    /// nibbles): `w = (d·sc)·q − dmin·mn` per 32 values (lanes `2s`, `2s + 1`), as the f32
+    /// kernels compute the factors.
+    impl Format for Q4K {
+        const MIN: bool = true;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
+            let p = row.add(g * 144);
+            let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
+            let (sc, mn) = k4_scales_mins(&*(p.add(4) as *const [u8; 12]));
+            let ds: [f32; 16] = std::array::from_fn(|j| d * sc[j / 2] as f32);
+            let ms: [f32; 16] = std::array::from_fn(|j| -(dmin * mn[j / 2] as f32));
+            let (a0, a1) = (_mm512_loadu_si512(p.add(16) as *const _), _mm512_loadu_si512(p.add(80) as *const _));
+            let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            // 0 for lanes j % 4 < 2 (low nibbles), 4 otherwise.
+            let shift = _mm512_slli_epi32::<1>(_mm512_and_si512(lane, _mm512_set1_epi32(2)));
+            let low4 = _mm512_set1_epi8(0x0f);
+            let q: [__m512i; 4] = std::array::from_fn(|i| {
+                _mm512_and_si512(_mm512_srlv_epi32(permute2(&Self::QS_IDX[i], a0, a1), shift), low4)
+            });
+            DecGroup { q, d: _mm512_loadu_ps(ds.as_ptr()), m: _mm512_loadu_ps(ms.as_ptr()), init: init_of(&q) }
+        }
+    }
+
+    pub(super) struct Q6K;
+    impl Q6K {
+        const QL_IDX: [[u8; 64]; 4] = [k_bytes(0, Q6K_QL), k_bytes(1, Q6K_QL), k_bytes(2, Q6K_QL), k_bytes(3, Q6K_QL)];
+        const QH_IDX: [[u8; 64]; 4] = [k_bytes(0, Q6K_QH), k_bytes(1, Q6K_QH), k_bytes(2, Q6K_QH), k_bytes(3, Q6K_QH)];
+    }
+
+    /// Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 signed scales, f16
+    /// `d`): `w = (d·sc)·(u − 32)`, one scale per lane.
+    impl Format for Q6K {
+        const MIN: bool = false;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
+            let p = row.add(g * 210);
+            let d = f16_at(p.add(208));
+            let ds: [f32; 16] = std::array::from_fn(|j| d * (*p.add(192 + j) as i8) as f32);
+            let (l0, l1) = (_mm512_loadu_si512(p as *const _), _mm512_loadu_si512(p.add(64) as *const _));
+            let qh = _mm512_loadu_si512(p.add(128) as *const _);
+            let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let part = _mm512_srli_epi32::<1>(_mm512_and_si512(lane, _mm512_set1_epi32(7)));
+            // Nibble: low for parts 0, 1, high for 2, 3; high bits 2p, 2p + 1.
+            let nib_shift = _mm512_slli_epi32::<1>(_mm512_and_si512(part, _mm512_set1_epi32(2)));
+            let qh_shift = _mm512_slli_epi32::<1>(part);
+            let (low4, two, bias) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(3), _mm512_set1_epi8(32));
+            let q: [__m512i; 4] = std::array::from_fn(|i| {
+                let lo = _mm512_and_si512(_mm512_srlv_epi32(permute2(&Self::QL_IDX[i], l0, l1), nib_shift), low4);
+                let hb = _mm512_permutexvar_epi8(_mm512_loadu_si512(Self::QH_IDX[i].as_ptr() as *const _), qh);
+                let hi = _mm512_and_si512(_mm512_srlv_epi32(hb, qh_shift), two);
+                _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi32::<4>(hi)), bias)
+            });
+            DecGroup { q, d: _mm512_loadu_ps(ds.as_ptr()), m: _mm512_setzero_ps(), init: init_of(&q) }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        crate::gguf::f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]))
     }
 
     /// The 16 lanes summed pairwise: `s[i] += s[i + n]` for n = 8, 4, 2, 1.
@@ -263,7 +418,11 @@ mod avx512 {
 
     /// `R` decoded rows × vectors `t0 .. t0 + N`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
-    unsafe fn tile<const R: usize, const N: usize>(rows: [&[DecGroup]; R], x: &IntInputs, t0: usize) -> [[f32; N]; R] {
+    unsafe fn tile<F: Format, const R: usize, const N: usize>(
+        rows: [&[DecGroup]; R],
+        x: &IntInputs,
+        t0: usize,
+    ) -> [[f32; N]; R] {
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         for g in 0..x.groups {
             for n in 0..N {
@@ -274,6 +433,7 @@ mod avx512 {
                 };
                 let (hs, ms, ls) = (load4(&x.hi), load4(&x.mid), load4(&x.lo));
                 let s = _mm512_loadu_ps(x.scale.as_ptr().add(v * 16));
+                let sums = if F::MIN { _mm512_loadu_ps(x.sums.as_ptr().add(v * 16)) } else { _mm512_setzero_ps() };
                 for r in 0..R {
                     let dg = &rows[r][g];
                     let (mut ah, mut am, mut al) = (dg.init, _mm512_setzero_si512(), _mm512_setzero_si512());
@@ -286,6 +446,9 @@ mod avx512 {
                     let sum = _mm512_add_epi32(_mm512_slli_epi32::<8>(upper), al);
                     let ds = _mm512_mul_ps(dg.d, s);
                     acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, acc[r][n]);
+                    if F::MIN {
+                        acc[r][n] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dg.m, s), acc[r][n]);
+                    }
                 }
             }
         }
@@ -300,7 +463,7 @@ mod avx512 {
 
     /// Rows `start .. start + n`, each decoded once (two at a time), times every vector.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
-    pub(super) unsafe fn dot_rows(
+    pub(super) unsafe fn rows<F: Format>(
         data: &[u8],
         row_bytes: usize,
         start: usize,
@@ -308,14 +471,13 @@ mod avx512 {
         outs: &mut [f32],
         n: usize,
     ) {
-        let (groups, nb, t) = (x.groups, row_bytes / Q5_0_BYTES, x.t);
-        let z = _mm512_setzero_si512();
-        let empty = DecGroup { q: [z; 4], d: _mm512_setzero_ps(), init: z };
-        let mut dec = vec![empty; 2 * groups];
+        let (groups, t) = (x.groups, x.t);
+        let (z, zf) = (_mm512_setzero_si512(), _mm512_setzero_ps());
+        let mut dec = vec![DecGroup { q: [z; 4], d: zf, m: zf, init: z }; 2 * groups];
         let decode_row = |r: usize, into: &mut [DecGroup]| {
             let p = data.as_ptr().add((start + r) * row_bytes);
             for (g, slot) in into.iter_mut().enumerate() {
-                *slot = decode_group(p, g, nb);
+                *slot = F::decode(p, row_bytes, g);
             }
         };
         let mut r = 0;
@@ -326,7 +488,7 @@ mod avx512 {
             let rows = [&a[..], &b[..]];
             let mut ti = 0;
             while ti + 4 <= t {
-                let ys = tile::<2, 4>(rows, x, ti);
+                let ys = tile::<F, 2, 4>(rows, x, ti);
                 for (dr, yr) in ys.iter().enumerate() {
                     for (j, y) in yr.iter().enumerate() {
                         outs[(ti + j) * n + r + dr] = *y;
@@ -335,7 +497,7 @@ mod avx512 {
                 ti += 4;
             }
             for ti in ti..t {
-                let ys = tile::<2, 1>(rows, x, ti);
+                let ys = tile::<F, 2, 1>(rows, x, ti);
                 outs[ti * n + r] = ys[0][0];
                 outs[ti * n + r + 1] = ys[1][0];
             }
@@ -347,14 +509,14 @@ mod avx512 {
             let rows = [&a[..]];
             let mut ti = 0;
             while ti + 4 <= t {
-                let ys = tile::<1, 4>(rows, x, ti);
+                let ys = tile::<F, 1, 4>(rows, x, ti);
                 for (j, y) in ys[0].iter().enumerate() {
                     outs[(ti + j) * n + r] = *y;
                 }
                 ti += 4;
             }
             for ti in ti..t {
-                outs[ti * n + r] = tile::<1, 1>(rows, x, ti)[0][0];
+                outs[ti * n + r] = tile::<F, 1, 1>(rows, x, ti)[0][0];
             }
         }
     }
@@ -364,31 +526,69 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// One lane of one group, decoded from the format's description: the 16 integer weights,
+    /// the weight scale and the minimum (`w = d·q + m`).
+    fn lane_weights(ty: GgmlType, row: &[u8], g: usize, j: usize) -> ([i32; 16], f32, f32) {
+        let f16 = |p: &[u8]| half::f16::from_le_bytes([p[0], p[1]]).to_f32();
+        let mut q = [0i32; 16];
+        match ty {
+            GgmlType::Q5_0 => {
+                let b = g * GROUP_BLOCKS + j / 2;
+                if b >= row.len() / Q5_0_BYTES {
+                    return ([0; 16], 0.0, 0.0);
+                }
+                let blk = &row[b * Q5_0_BYTES..(b + 1) * Q5_0_BYTES];
+                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                for (k, q) in q.iter_mut().enumerate() {
+                    let v = 16 * (j % 2) + k;
+                    let nib = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
+                    *q = (nib as i32 | (((qh >> v) & 1) << 4) as i32) - 16;
+                }
+                (q, f16(blk), 0.0)
+            }
+            GgmlType::Q4_K => {
+                let sb = &row[g * 144..(g + 1) * 144];
+                let (sc, mn) = k4_scales_mins(sb[4..16].try_into().unwrap());
+                for (k, q) in q.iter_mut().enumerate() {
+                    let v = 16 * j + k;
+                    let (c, w) = (v / 64, v % 64);
+                    *q = if w < 32 { sb[16 + 32 * c + w] & 0xf } else { sb[16 + 32 * c + w - 32] >> 4 } as i32;
+                }
+                (q, f16(sb) * sc[j / 2] as f32, -(f16(&sb[2..]) * mn[j / 2] as f32))
+            }
+            _ => {
+                let sb = &row[g * 210..(g + 1) * 210];
+                for (k, q) in q.iter_mut().enumerate() {
+                    let v = 16 * j + k;
+                    let (h, part, l) = (v / 128, (v % 128) / 32, v % 32);
+                    let ql = sb[64 * h + 32 * (part % 2) + l];
+                    let nib = if part < 2 { ql & 0xf } else { ql >> 4 };
+                    let hb = (sb[128 + 32 * h + l] >> (2 * part)) & 3;
+                    *q = (nib | (hb << 4)) as i32 - 32;
+                }
+                (q, f16(&sb[208..]) * (sb[192 + j] as i8) as f32, 0.0)
+            }
+        }
+    }
+
     /// The kernel's arithmetic transcribed for one row and vector `ti`, lane by lane.
-    fn reference(row: &[u8], x: &IntInputs, ti: usize) -> f32 {
-        let nb = row.len() / Q5_0_BYTES;
+    fn reference(ty: GgmlType, row: &[u8], x: &IntInputs, ti: usize) -> f32 {
         let mut acc = [0f32; 16];
         for g in 0..x.groups {
             for (j, a) in acc.iter_mut().enumerate() {
-                let b = g * GROUP_BLOCKS + j / 2;
+                let (q, d, m) = lane_weights(ty, row, g, j);
                 let v0 = (ti * x.groups + g) * 16;
-                let (mut sum, mut d) = (0i32, 0f32);
-                if b < nb {
-                    let blk = &row[b * Q5_0_BYTES..(b + 1) * Q5_0_BYTES];
-                    d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    for step in 0..4 {
-                        for byte in 0..4 {
-                            let v = 16 * (j % 2) + 4 * step + byte;
-                            let nib = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
-                            let q = (nib as i32 | (((qh >> v) & 1) << 4) as i32) - 16;
-                            let at = ((ti * x.groups + g) * 4 + step) * 64 + j * 4 + byte;
-                            let xq = 65536 * (x.hi[at] as i32 - 128) + 256 * x.mid[at] as i32 + x.lo[at] as i32;
-                            sum += q * xq;
-                        }
-                    }
+                let mut sum = 0i32;
+                for (k, q) in q.iter().enumerate() {
+                    let at = ((ti * x.groups + g) * 4 + k / 4) * 64 + j * 4 + k % 4;
+                    let xq = 65536 * (x.hi[at] as i32 - 128) + 256 * x.mid[at] as i32 + x.lo[at] as i32;
+                    sum += q * xq;
                 }
-                *a = (sum as f32).mul_add(d * x.scale[v0 + j], *a);
+                let s = x.scale[v0 + j];
+                *a = (sum as f32).mul_add(d * s, *a);
+                if ty == GgmlType::Q4_K {
+                    *a = x.sums[v0 + j].mul_add(m * s, *a);
+                }
             }
         }
         let mut s = acc;
@@ -400,7 +600,8 @@ mod tests {
         s[0]
     }
 
-    fn random_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    /// Random rows of `ty` with sane f16 scales.
+    fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = move || {
             s ^= s << 13;
@@ -408,60 +609,73 @@ mod tests {
             s ^= s << 17;
             s
         };
-        let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * Q5_0_BYTES).map(|_| next() as u8).collect();
-        for blk in bytes.chunks_exact_mut(Q5_0_BYTES) {
-            let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
-            blk[..2].copy_from_slice(&d.to_le_bytes());
+        let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q5_0 => &[0],
+            GgmlType::Q4_K => &[0, 2],
+            _ => &[208],
+        };
+        for blk in bytes.chunks_exact_mut(ty.type_size()) {
+            for &at in scale_at {
+                let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+                blk[at..at + 2].copy_from_slice(&d.to_le_bytes());
+            }
         }
         bytes
     }
 
-    fn dequant(row: &[u8]) -> Vec<f64> {
-        let mut out = vec![0f32; row.len() / Q5_0_BYTES * BLOCK];
-        crate::gguf::dequantize_row(crate::gguf::GgmlType::Q5_0, row, &mut out).unwrap();
-        out.into_iter().map(f64::from).collect()
-    }
-
     #[test]
-    fn kernel_equals_its_scalar_transcription_and_the_exact_dot() {
+    fn kernels_equal_their_scalar_transcription_and_the_exact_dot() {
         if !enabled() {
             eprintln!("skipping: this CPU has no AVX-512 VNNI");
             return;
         }
-        // 640 values (two whole groups and a half one), 7 rows (pairs and a single), 6 vectors
-        // (a tile of 4 and single columns); one vector has an outlier and a zero block.
-        let (rows, cols, t) = (7, 640, 6);
-        let data = random_rows(rows, cols, 7);
-        let rb = cols / BLOCK * Q5_0_BYTES;
-        let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        xs[cols + 5] = 900.0;
-        xs[2 * cols..2 * cols + 32].fill(0.0);
-        let x = IntInputs::quantize(&xs, cols);
-        let mut outs = vec![0f32; t * rows];
-        dot_rows_q5_0(&data, rb, 0, &x, &mut outs);
-        for ti in 0..t {
-            // One vector alone gives the same bits as in the group.
-            let one = IntInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
-            let mut single = vec![0f32; rows];
-            dot_rows_q5_0(&data, rb, 0, &one, &mut single);
-            let xv = &xs[ti * cols..(ti + 1) * cols];
-            for r in 0..rows {
-                let row = &data[r * rb..(r + 1) * rb];
-                let got = outs[ti * rows + r];
-                assert_eq!(got.to_bits(), reference(row, &x, ti).to_bits(), "row {r} vector {ti}: kernel vs reference");
-                assert_eq!(got.to_bits(), single[r].to_bits(), "row {r} vector {ti}: in a group vs alone");
-                let w = dequant(row);
-                let exact: f64 = w.iter().zip(xv).map(|(w, x)| w * *x as f64).sum();
-                let scale: f64 = w.iter().zip(xv).map(|(w, x)| (w * *x as f64).abs()).sum();
-                assert!((got as f64 - exact).abs() <= 1e-4 * scale, "row {r} vector {ti}: {got} vs exact {exact}");
+        // Q5_0 at 640 values (two whole groups and a half one), the K-quants at 512; 7 rows
+        // (pairs and a single), 6 vectors (a tile of 4 and single columns); one vector has an
+        // outlier and one a zero lane.
+        for (ty, cols) in [(GgmlType::Q5_0, 640), (GgmlType::Q4_K, 512), (GgmlType::Q6_K, 512)] {
+            let (rows, t) = (7, 6);
+            let data = random_rows(ty, rows, cols, 7);
+            let rb = ty.row_bytes(cols).unwrap();
+            let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            xs[cols + 5] = 900.0;
+            xs[2 * cols..2 * cols + 16].fill(0.0);
+            let x = IntInputs::quantize(&xs, cols);
+            let mut outs = vec![0f32; t * rows];
+            dot_rows(ty, &data, rb, 0, &x, &mut outs);
+            for ti in 0..t {
+                // One vector alone gives the same bits as in the group.
+                let one = IntInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+                let mut single = vec![0f32; rows];
+                dot_rows(ty, &data, rb, 0, &one, &mut single);
+                let xv = &xs[ti * cols..(ti + 1) * cols];
+                for r in 0..rows {
+                    let row = &data[r * rb..(r + 1) * rb];
+                    let got = outs[ti * rows + r];
+                    let want = reference(ty, row, &x, ti);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty} row {r} vector {ti}: kernel {got} vs reference {want}"
+                    );
+                    assert_eq!(got.to_bits(), single[r].to_bits(), "{ty} row {r} vector {ti}: in a group vs alone");
+                    let mut w = vec![0f32; cols];
+                    crate::gguf::dequantize_row(ty, row, &mut w).unwrap();
+                    let exact: f64 = w.iter().zip(xv).map(|(w, x)| *w as f64 * *x as f64).sum();
+                    let scale: f64 = w.iter().zip(xv).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum();
+                    assert!(
+                        (got as f64 - exact).abs() <= 1e-5 * scale,
+                        "{ty} row {r} vector {ti}: {got} vs exact {exact}"
+                    );
+                }
             }
-        }
-        // Rows taken from the middle of the matrix.
-        let mut part = vec![0f32; t * 3];
-        dot_rows_q5_0(&data, rb, 3, &x, &mut part);
-        for ti in 0..t {
-            for r in 0..3 {
-                assert_eq!(part[ti * 3 + r].to_bits(), outs[ti * rows + 3 + r].to_bits());
+            // Rows taken from the middle of the matrix.
+            let mut part = vec![0f32; t * 3];
+            dot_rows(ty, &data, rb, 3, &x, &mut part);
+            for ti in 0..t {
+                for r in 0..3 {
+                    assert_eq!(part[ti * 3 + r].to_bits(), outs[ti * rows + 3 + r].to_bits(), "{ty}");
+                }
             }
         }
     }
@@ -471,12 +685,12 @@ mod tests {
         if !enabled() {
             return;
         }
-        let data = random_rows(1, 64, 3);
+        let data = random_rows(GgmlType::Q5_0, 1, 64, 3);
         let mut xs = vec![0.5f32; 64];
         xs[40] = f32::NAN;
         let x = IntInputs::quantize(&xs, 64);
         let mut out = [0f32; 1];
-        dot_rows_q5_0(&data, 2 * Q5_0_BYTES, 0, &x, &mut out);
+        dot_rows(GgmlType::Q5_0, &data, 2 * Q5_0_BYTES, 0, &x, &mut out);
         assert!(out[0].is_nan());
     }
 }

@@ -28,7 +28,7 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
-    /// Q5_0 rows go through the integer kernel ([`super::idot`]) on this CPU.
+    /// Rows go through the integer kernel ([`super::idot`]) on this CPU.
     int_dot: bool,
 }
 
@@ -60,7 +60,7 @@ impl GgufMatrix {
             dot_multi,
             dot_multi2: dot_kernel_2rows(ty),
             dequant,
-            int_dot: ty == GgmlType::Q5_0 && super::idot::enabled(),
+            int_dot: super::idot::supports(ty),
         })
     }
 
@@ -163,7 +163,7 @@ impl RowDot for GgufMatrix {
         let n = outs.len() / xs.len().max(1);
         assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
         let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
-        super::idot::dot_rows_q5_0(data, self.row_bytes, start, xs, outs);
+        super::idot::dot_rows(self.ggml_type, data, self.row_bytes, start, xs, outs);
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {
