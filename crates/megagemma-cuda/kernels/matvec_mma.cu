@@ -179,8 +179,7 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
 
 // Multiplies a loaded batch into y[h][r] (token 4h + tig; rows gid and gid + 8), chunk by chunk in
 // increasing order.
-// CHECK = false: every chunk of the batch is below `end` (no branch between chunks).
-template <int H, int U, int UPC, bool CHECK = true>
+template <int H, int U, int UPC>
 __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, int ks, int c0, int end,
                                               const uint2* xf, const float* xs, const bool live[H], float y[H][2]) {
   const int lane = threadIdx.x & 31, tig = lane & 3;
@@ -188,7 +187,7 @@ __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, in
 #pragma unroll
   for (int u = 0; u < U; u++) {
     const int cc = c + u * ks;
-    if (CHECK && cc >= end) break;
+    if (cc >= end) break;
     const unsigned words[4] = {bt.q[u].x, bt.q[u].y, bt.q[u].z, bt.q[u].w};
     const uint2* xb = xf + (cc - c0) * 4 * H * 32 + lane;
     float acc[H][4];
@@ -334,287 +333,6 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   __syncthreads();  // `last` is reused next
 }
 
-// Streaming split, taken where a launch fits it (`stream_fits`): the launch's items (tile, chunk)
-// are cut into the same column parts (part p: chunks [p·cp, min(chunks, (p+1)·cp))); blocks
-// [p·bpp, (p+1)·bpp) (bpp = grid / parts) take part p, and its T·(chunks of the part) items,
-// tile-major over the launch's T tiles, are split over the part's wp = 8·bpp warps in contiguous
-// spans (warp i: [⌊i·np/wp⌋, ⌊(i+1)·np/wp⌋)). A warp streams its span with STREAM_D chunks in
-// flight in registers (a slot is refilled as soon as its chunk is multiplied) and asks L2 for the
-// chunks 2·ahead·STREAM_D items further on; its first loads are issued before the block builds
-// the inputs (and before `pdl_start()`). Four tokens per pass: a launch of 5–8 tokens makes a
-// second pass over the weights for tokens 4–7 (a token's arithmetic is the same in either pass).
-//
-// A tile's rows are summed over its chunks in increasing order within each warp's segment; a tile
-// that one warp covers alone (one part) is written directly, else each segment goes to the slot
-// (warp, first or last tile of its span) of `partial` and the last segment to arrive (a counter
-// per tile, reset by it) adds all segments in (part, warp) order. The split depends only on the
-// shapes and the grid, never on m, so columns stay bit-identical across batch sizes. With several
-// parts a launch takes this path only with at least one warp per tile, so no span is longer than a
-// part and every segment is the first or last tile of its warp's span.
-#define STREAM_D 8
-// Partial-sum slots and counters of the second pass start here (`partial` holds 1 << 21 floats,
-// `counters` 1 << 16 words: src/seq.rs).
-#define STREAM_PASS_FLOATS (1 << 20)
-#define STREAM_PASS_COUNTERS (1 << 15)
-
-// Start of warp i's span, and the warp whose span holds item a, for np items over wp warps (32-bit
-// divisions where the products fit, which is every launch of the Gemma shapes).
-__device__ __forceinline__ int span_start(int i, int np, int wp) {
-  if ((u64)np * wp < (1ull << 32)) return (int)(((unsigned)i * (unsigned)np) / (unsigned)wp);
-  return (int)(((u64)i * (u64)np) / (u64)wp);
-}
-__device__ __forceinline__ int span_warp(int a, int np, int wp) {
-  if ((u64)np * wp < (1ull << 32)) return (int)(((unsigned)(a + 1) * (unsigned)wp - 1) / (unsigned)np);
-  return (int)(((u64)(a + 1) * (u64)wp - 1) / (u64)np);
-}
-
-// The matrices of a launch as tiles [0, t0), [t0, t0 + t1), [t0 + t1, ntiles), outputs offset to
-// the pass's first token.
-struct StreamMats {
-  Mat W0, W1, W2;
-  float *y0, *y1, *y2;
-  int t0, t1;
-};
-
-// Tile t of the launch: its matrix's codes and scales at this lane, index in the matrix, rows,
-// output and group-size shift.
-struct TileRef {
-  const uint4* codes;
-  const float* sbt;
-  float* y;
-  int local, rows, gsh;
-};
-
-__device__ __forceinline__ TileRef tile_ref(const StreamMats& S, int t, int chunks) {
-  // Field by field (selecting a whole Mat by reference would put the matrices in local memory).
-  const int k = t < S.t0 ? 0 : (t < S.t0 + S.t1 ? 1 : 2);
-  const u64 w = k == 0 ? S.W0.w : (k == 1 ? S.W1.w : S.W2.w), sb = k == 0 ? S.W0.sb : (k == 1 ? S.W1.sb : S.W2.sb);
-  const int gs = k == 0 ? S.W0.gs : (k == 1 ? S.W1.gs : S.W2.gs);
-  TileRef r;
-  r.local = t - (k == 0 ? 0 : (k == 1 ? S.t0 : S.t0 + S.t1));
-  r.y = k == 0 ? S.y0 : (k == 1 ? S.y1 : S.y2);
-  r.rows = k == 0 ? S.W0.rows : (k == 1 ? S.W1.rows : S.W2.rows);
-  r.gsh = 31 - __clz(gs);
-  const int lane = threadIdx.x & 31, groups = (chunks * 64) >> r.gsh;
-  r.codes = (const uint4*)w + (u64)r.local * chunks * 32 + lane;
-  r.sbt = (const float*)sb + (u64)r.local * groups * 32 + lane;
-  return r;
-}
-
-// Chunk c of a tile: its codes and this lane's scale or bias value per scale unit.
-template <int UPC>
-__device__ __forceinline__ void load_chunk(uint4& q, float sb[UPC], const TileRef& r, int c) {
-  q = __ldcs(r.codes + (u64)c * 32);
-#pragma unroll
-  for (int p = 0; p < UPC; p++) sb[p] = r.sbt[(u64)((c * 64 + p * (64 / UPC)) >> r.gsh) * 32];
-}
-
-// Ends a warp's segment of tile t (its sums y: token tig, rows gid and gid + 8; span [s, e) of a
-// part of cpp chunks): written to the output when the span holds the whole tile (one part), else
-// to the warp's slot for it; returns whether it went to a slot (then `stream_settle` follows).
-__device__ __forceinline__ bool stream_store(const StreamMats& S, int t, const float y[2], int m, int p, int i, int s,
-                                             int e, int cpp, int parts, int chunks, int wp, float* __restrict__ partial) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  if (parts == 1 && s <= t * cpp && t * cpp + cpp <= e) {
-    const TileRef r = tile_ref(S, t, chunks);
-    const int row = r.local * 16 + gid;
-    if (tig < m && row < r.rows) r.y[(u64)tig * r.rows + row] = y[0];
-    if (tig < m && row + 8 < r.rows) r.y[(u64)tig * r.rows + row + 8] = y[1];
-    return false;
-  }
-  // Slot 0 holds the segment of the span's first tile, slot 1 that of its last.
-  float* slot = partial + ((u64)(p * wp + i) * 2 + (t == s / cpp ? 0 : 1)) * 64;
-  if (tig < m) {
-    slot[tig * 16 + gid] = y[0];
-    slot[tig * 16 + gid + 8] = y[1];
-  }
-  return true;
-}
-
-// After `stream_store` put a segment of tile t in a slot: counts it, and the last of the tile's
-// segments to arrive adds them all in (part, warp) order and writes the tile.
-__device__ __forceinline__ void stream_settle(const StreamMats& S, int t, int m, int parts, int chunks, int wp,
-                                              int ntiles, float* __restrict__ partial,
-                                              unsigned* __restrict__ counters) {
-  const int lane = threadIdx.x & 31;
-  __threadfence();
-  __syncwarp();
-  // Segments of tile t: in each part q, the warps from the one holding its first item to the one
-  // holding its last, less those with empty spans. Lane q < parts counts part q's.
-  int n = 0;
-  if (lane < parts) {
-    const int2 rq = part_range(chunks, parts, lane);
-    const int cq = rq.y - rq.x, nq = ntiles * cq;
-    const int w1 = span_warp(t * cq + cq - 1, nq, wp);
-    for (int w = span_warp(t * cq, nq, wp); w <= w1; w++) n += span_start(w, nq, wp) < span_start(w + 1, nq, wp);
-  }
-  const int expected = __reduce_add_sync(0xffffffffu, n);
-  unsigned old = 0;
-  if (lane == 0) old = atomicAdd(&counters[t], 1u);
-  old = __shfl_sync(0xffffffffu, old, 0);
-  if (old != (unsigned)(expected - 1)) return;
-  __threadfence();
-  // Each lane adds elements lane and lane + 32 (token e / 16, row e % 16) over the segments.
-  float sum[2] = {0.f, 0.f};
-  for (int q = 0; q < parts; q++) {
-    const int2 rq = part_range(chunks, parts, q);
-    const int cq = rq.y - rq.x, nq = ntiles * cq;
-    const int w1 = span_warp(t * cq + cq - 1, nq, wp);
-    for (int w = span_warp(t * cq, nq, wp); w <= w1; w++) {
-      const int st = span_start(w, nq, wp);
-      if (st == span_start(w + 1, nq, wp)) continue;
-      const float* src = partial + ((u64)(q * wp + w) * 2 + (t == st / cq ? 0 : 1)) * 64;
-#pragma unroll
-      for (int k = 0; k < 2; k++)
-        if (lane + 32 * k < 16 * m) sum[k] += __ldcg(src + lane + 32 * k);
-    }
-  }
-  const TileRef r = tile_ref(S, t, chunks);
-#pragma unroll
-  for (int k = 0; k < 2; k++) {
-    const int el = lane + 32 * k, row = r.local * 16 + (el & 15);
-    if (el < 16 * m && row < r.rows) r.y[(u64)(el >> 4) * r.rows + row] = sum[k];
-  }
-  if (lane == 0) counters[t] = 0u;
-}
-
-// Whether a launch takes the streaming split (shapes and grid only, never m).
-template <int UPC>
-__device__ __forceinline__ bool stream_fits(int ntiles, int parts, int chunks) {
-  unsigned smem;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem));
-  const int bpp = gridDim.x / parts, per = (chunks + parts - 1) / parts;
-  return bpp >= 1 && parts <= 32 && (parts == 1 || bpp * MMA_WARPS >= ntiles) && ntiles <= STREAM_PASS_COUNTERS &&
-         parts * bpp * MMA_WARPS * 2 * 64 <= STREAM_PASS_FLOATS && per * (1024 + 32 * UPC) <= (int)smem;
-}
-
-template <int H, int UPC, bool GATED>
-__device__ __forceinline__ void mma_stream(const StreamMats& S0, const float* x, const float* gate, int gstride,
-                                           int ntiles, int m, int parts, int ahead, float* partial,
-                                           unsigned* counters) {
-  extern __shared__ __align__(16) unsigned char mma_smem[];
-  constexpr int D = H == 1 ? STREAM_D : STREAM_D / 2;  // the two-pass loop needs registers for itself
-  const int lane = threadIdx.x & 31, gid = lane >> 2;
-  const int cols = S0.W0.cols, chunks = (cols + 63) / 64;
-  const int bpp = gridDim.x / parts, wp = bpp * MMA_WARPS, p = blockIdx.x / bpp;
-  if (p >= parts) return;  // blocks past parts·bpp have no share
-  const int i = (blockIdx.x - p * bpp) * MMA_WARPS + (threadIdx.x >> 5);
-  const int2 pr = part_range(chunks, parts, p);
-  const int c_lo = pr.x, cpp = pr.y - pr.x, np = ntiles * cpp;
-  const int s = span_start(i, np, wp), e = span_start(i + 1, np, wp);
-  uint2* xf = (uint2*)mma_smem;
-  float* xs = (float*)(mma_smem + ((chunks + parts - 1) / parts) * 1024);
-  const int P = 2 * ahead * D;
-#pragma unroll 1
-  for (int pass = 0; pass < H; pass++) {
-    const int mp = min(4, m - 4 * pass);
-    if (mp <= 0) break;
-    StreamMats S = S0;
-    S.y0 += (u64)4 * pass * S0.W0.rows, S.y1 += (u64)4 * pass * S0.W1.rows, S.y2 += (u64)4 * pass * S0.W2.rows;
-    float* part_p = partial + pass * STREAM_PASS_FLOATS;
-    unsigned* count_p = counters + pass * STREAM_PASS_COUNTERS;
-    // Load cursor: the next item to load (tile lt, chunk lc of the part).
-    int lt = s / cpp, lc = s - lt * cpp;
-    TileRef lr = tile_ref(S, min(lt, ntiles - 1), chunks);
-    // Asks L2 for items [f, f + D) of the span: lane → item f + lane/4, line lane%4 of its codes
-    // (and, for lane%4 < UPC, the line of that scale unit).
-    auto prefetch = [&](int f) {
-      const int it = f + (lane >> 2);
-      if (it < e) {
-        const int t = it / cpp, c = c_lo + it - t * cpp;
-        const TileRef r = tile_ref(S, t, chunks);
-        prefetch_l2((const char*)(r.codes - lane + (u64)c * 32) + (lane & 3) * 128);
-        if ((lane & 3) < UPC) prefetch_l2(r.sbt - lane + (u64)((c * 64 + (lane & 3) * (64 / UPC)) >> r.gsh) * 32);
-      }
-    };
-    for (int f = s + D; f < min(e, s + D + P); f += D) prefetch(f);
-    uint4 q[D];
-    float sb[D][UPC];
-#pragma unroll
-    for (int u = 0; u < D; u++) {
-      if (s + u < e) {
-        load_chunk<UPC>(q[u], sb[u], lr, c_lo + lc);
-        if (++lc == cpp) lc = 0, lt++, lr = tile_ref(S, min(lt, ntiles - 1), chunks);
-      }
-    }
-    if (pass == 0) pdl_start();
-    else __syncthreads();  // the previous pass's fragments are no longer read
-    build_inputs<1, UPC, GATED>(xf, xs, x + (u64)4 * pass * cols, GATED ? gate + (u64)4 * pass * gstride : gate,
-                                gstride, cols, mp, c_lo, cpp);
-    __syncthreads();
-    const bool live = gid < 2 * mp;
-    float y[1][2] = {{0.f, 0.f}};
-    int ct = s / cpp, cc = s - ct * cpp;  // compute cursor
-    int pend0 = -1, pend1 = -1;            // tiles whose segments went to slots, to settle
-    // One chunk: multiply, refill its slot with the chunk D items on, end the tile's segment if
-    // it is the tile's (or the span's) last chunk.
-    auto step = [&](const uint4& qu, const float* sbu, uint4& qn, float* sbn, int it) {
-      Batch<1, UPC> bt;
-      bt.q[0] = qu;
-#pragma unroll
-      for (int k = 0; k < UPC; k++) bt.sb[0][k] = sbu[k];
-      compute_batch<1, 1, UPC>(bt, c_lo + cc, 1, c_lo, c_lo + cc + 1, xf, xs, &live, y);
-      if (it + D < e) {
-        load_chunk<UPC>(qn, sbn, lr, c_lo + lc);
-        if (++lc == cpp) lc = 0, lt++, lr = tile_ref(S, min(lt, ntiles - 1), chunks);
-      }
-      if (++cc == cpp || it + 1 == e) {
-        if (stream_store(S, ct, y[0], mp, p, i, s, e, cpp, parts, chunks, wp, part_p)) {
-          if (pend0 < 0) pend0 = ct;
-          else pend1 = ct;
-        }
-        y[0][0] = y[0][1] = 0.f;
-        if (cc == cpp) cc = 0, ct++;
-      }
-    };
-    constexpr int G = D / 2;  // chunks multiplied together (one basic block) when no tile ends inside
-    for (int base = s; base < e; base += D) {
-      if (P > 0) prefetch(base + D + P);
-#pragma unroll
-      for (int hf = 0; hf < 2; hf++) {
-        const int b0 = base + hf * G;
-        if (b0 + G <= e && cc + G <= cpp) {
-          // Common case: G chunks of the span inside one tile (the last may end it), multiplied
-          // with no branch between them; then their refills and the tile's end.
-          Batch<G, UPC> bt;
-#pragma unroll
-          for (int u = 0; u < G; u++) {
-            bt.q[u] = q[hf * G + u];
-#pragma unroll
-            for (int k = 0; k < UPC; k++) bt.sb[u][k] = sb[hf * G + u][k];
-          }
-          compute_batch<1, G, UPC, false>(bt, c_lo + cc, 1, c_lo, 0, xf, xs, &live, y);
-#pragma unroll
-          for (int u = 0; u < G; u++) {
-            if (b0 + u + D < e) {
-              load_chunk<UPC>(q[hf * G + u], sb[hf * G + u], lr, c_lo + lc);
-              if (++lc == cpp) lc = 0, lt++, lr = tile_ref(S, min(lt, ntiles - 1), chunks);
-            }
-          }
-          cc += G;
-          if (cc == cpp || b0 + G == e) {
-            if (stream_store(S, ct, y[0], mp, p, i, s, e, cpp, parts, chunks, wp, part_p)) {
-              if (pend0 < 0) pend0 = ct;
-              else pend1 = ct;
-            }
-            y[0][0] = y[0][1] = 0.f;
-            if (cc == cpp) cc = 0, ct++;
-          }
-        } else {
-#pragma unroll
-          for (int u = 0; u < G; u++)
-            if (b0 + u < e) step(q[hf * G + u], sb[hf * G + u], q[hf * G + u], sb[hf * G + u], b0 + u);
-        }
-      }
-#pragma unroll 1
-      for (int k = 0; k < 2 && pend0 >= 0; k++) {
-        stream_settle(S, pend0, mp, parts, chunks, wp, ntiles, part_p, count_p);
-        pend0 = pend1, pend1 = -1;
-      }
-    }
-  }
-}
-
 // Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
 // virtual blocks [0, nb0) compute y0 = W0·x, the next nb1 y1 = W1·x, the rest y2 = W2·x (several
 // matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
@@ -627,15 +345,6 @@ __device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* 
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int tpb = MMA_WARPS / ks;
   const int chunks = (W0.cols + 63) / 64;
-  {
-    const int t0 = nb0 > 0 ? (W0.rows + 15) / 16 : 0, t1 = nb1 > 0 ? (W1.rows + 15) / 16 : 0;
-    const int t2 = nblocks - nb0 - nb1 > 0 ? (W2.rows + 15) / 16 : 0;
-    if (stream_fits<UPC>(t0 + t1 + t2, parts, chunks)) {
-      const StreamMats S{W0, W1, W2, y0, y1, y2, t0, t1};
-      mma_stream<H, UPC, GATED>(S, x, gate, gstride, t0 + t1 + t2, m, parts, ahead, partial, counters);
-      return;
-    }
-  }
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / (1024 * H + 32 * UPC));
   uint2* xf = (uint2*)mma_smem;
   float* xs = (float*)(mma_smem + slice_chunks * 1024 * H);
@@ -696,4 +405,3 @@ MMA_ENTRY(matvec_q4t_4, 1, 1)
 MMA_ENTRY(matvec_q4t_8, 2, 1)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2)
-
