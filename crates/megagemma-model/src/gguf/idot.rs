@@ -90,6 +90,7 @@ impl IntInputs {
             "integer dot: {cols} values per vector is not whole 32-value blocks"
         );
         assert_eq!(xs.len() % cols, 0, "integer dot: input is not [T, {cols}]");
+        assert!(enabled(), "integer dot inputs prepared on a CPU without AVX-512 VNNI");
         let t = xs.len() / cols;
         let groups = cols.div_ceil(BLOCK * GROUP_BLOCKS);
         // Padding (past the last block) is x_q = 0: high byte 128, the others 0, scale 0.
@@ -99,19 +100,29 @@ impl IntInputs {
         let mut scale = vec![0f32; t * groups * 16];
         let mut sums = vec![0f32; t * groups * 16];
         let (vb, sb) = (groups * GROUP_BYTES, groups * 16);
-        hi.par_chunks_mut(vb * QUANT_TASK)
-            .zip(mid.par_chunks_mut(vb * QUANT_TASK))
-            .zip(lo.par_chunks_mut(vb * QUANT_TASK))
-            .zip(scale.par_chunks_mut(sb * QUANT_TASK).zip(sums.par_chunks_mut(sb * QUANT_TASK)))
-            .zip(xs.par_chunks(cols * QUANT_TASK))
-            .for_each(|((((hi, mid), lo), (scale, sums)), xs)| {
+        #[allow(clippy::type_complexity)]
+        let work =
+            |(((hi, mid), lo), (scale, sums)): (((&mut [u8], &mut [u8]), &mut [u8]), (&mut [f32], &mut [f32])),
+             xs: &[f32]| {
                 for (k, x) in xs.chunks_exact(cols).enumerate() {
                     let bytes = k * vb..(k + 1) * vb;
                     let parts = [&mut hi[bytes.clone()], &mut mid[bytes.clone()], &mut lo[bytes]];
                     let lanes = k * sb..(k + 1) * sb;
-                    quantize_one(x, parts, &mut scale[lanes.clone()], &mut sums[lanes]);
+                    // SAFETY: `enabled()` (checked above) includes the kernel's CPU features.
+                    unsafe { avx512::quantize_one(x, parts, &mut scale[lanes.clone()], &mut sums[lanes]) };
                 }
-            });
+            };
+        if t <= QUANT_TASK {
+            // A decode step or a verify pass: not worth a parallel task.
+            work((((&mut hi[..], &mut mid[..]), &mut lo[..]), (&mut scale[..], &mut sums[..])), xs);
+        } else {
+            hi.par_chunks_mut(vb * QUANT_TASK)
+                .zip(mid.par_chunks_mut(vb * QUANT_TASK))
+                .zip(lo.par_chunks_mut(vb * QUANT_TASK))
+                .zip(scale.par_chunks_mut(sb * QUANT_TASK).zip(sums.par_chunks_mut(sb * QUANT_TASK)))
+                .zip(xs.par_chunks(cols * QUANT_TASK))
+                .for_each(|(bufs, xs)| work(bufs, xs));
+        }
         IntInputs { t, groups, hi, mid, lo, scale, sums }
     }
 
@@ -129,32 +140,6 @@ const ROUNDER: f32 = 12_582_912.0;
 /// The largest quantized magnitude: 22-bit integers, so a lane's `Σ q·x_q` (16 values,
 /// `|q| ≤ 32`) stays within `i32`.
 const Q_MAX: f32 = 2_097_151.0;
-
-fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32], sums: &mut [f32]) {
-    // One scale per lane of 16 values.
-    for (h, part) in x.chunks_exact(LANE_VALUES).enumerate() {
-        let (g, lane) = (h / 16, h % 16);
-        let amax = part.iter().fold(0f32, |m, v| m.max(v.abs()));
-        // A non-finite value makes the lane's scale NaN, so it reaches the result as the f32
-        // kernels' would (the integer part cannot carry it).
-        let finite = part.iter().all(|v| v.is_finite());
-        let s = if finite { amax / Q_MAX } else { f32::NAN };
-        let inv = if finite && amax > 0.0 { Q_MAX / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for (v, &xv) in part.iter().enumerate() {
-            // Round half to even by adding and subtracting 1.5·2^23 (exact for |v| < 2^22;
-            // `round_ties_even` is a libm call on baseline x86-64).
-            let q = ((xv * inv + ROUNDER) - ROUNDER).clamp(-Q_MAX, Q_MAX) as i32;
-            let at = (g * 4 + v / 4) * 64 + lane * 4 + v % 4;
-            hi[at] = ((q >> 16) + 128) as u8;
-            mid[at] = ((q >> 8) & 0xff) as u8;
-            lo[at] = (q & 0xff) as u8;
-            sum += q;
-        }
-        scale[g * 16 + lane] = s;
-        sums[g * 16 + lane] = sum as f32;
-    }
-}
 
 /// Whether rows of `ty` have an integer kernel (and [`enabled`] says it runs here).
 pub fn supports(ty: GgmlType) -> bool {
@@ -401,6 +386,42 @@ mod avx512 {
     #[inline(always)]
     unsafe fn f16_at(p: *const u8) -> f32 {
         crate::gguf::f16_to_f32(u16::from_le_bytes([*p, *p.add(1)]))
+    }
+
+    /// Quantize one vector: per 16 values `s = amax / Q_MAX` and `x_q = round(x / s)` (half to
+    /// even: `x·(Q_MAX/amax)` plus and minus 1.5·2^23), written as three bytes in the lane
+    /// layout, with the lane's scale and `Σ x_q`. A non-finite value makes its lane's scale NaN,
+    /// so it reaches the result as the f32 kernels' would (the integers cannot carry it).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+    pub(super) unsafe fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32], sums: &mut [f32]) {
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let (rounder, limit) = (_mm512_set1_ps(ROUNDER), _mm512_set1_ps(Q_MAX));
+        for (h, part) in x.chunks_exact(LANE_VALUES).enumerate() {
+            let (g, lane) = (h / 16, h % 16);
+            let v = _mm512_loadu_ps(part.as_ptr());
+            let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
+            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, _mm512_set1_ps(f32::INFINITY)) == 0xffff;
+            let amax = _mm512_reduce_max_ps(a);
+            let s = if finite { amax / Q_MAX } else { f32::NAN };
+            let inv = if finite && amax > 0.0 { Q_MAX / amax } else { 0.0 };
+            let qf = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), rounder), rounder);
+            let qf = _mm512_min_ps(_mm512_max_ps(qf, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+            let q = _mm512_cvttps_epi32(qf);
+            let bytes = [
+                _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_srai_epi32::<16>(q), _mm512_set1_epi32(128))),
+                _mm512_cvtepi32_epi8(_mm512_srai_epi32::<8>(q)),
+                _mm512_cvtepi32_epi8(q),
+            ];
+            for (dst, b) in [&mut *hi, &mut *mid, &mut *lo].into_iter().zip(bytes) {
+                let words: [u32; 4] = std::mem::transmute(b);
+                for (step, w) in words.iter().enumerate() {
+                    let at = (g * 4 + step) * 64 + lane * 4;
+                    dst[at..at + 4].copy_from_slice(&w.to_le_bytes());
+                }
+            }
+            scale[g * 16 + lane] = s;
+            sums[g * 16 + lane] = _mm512_reduce_add_epi32(q) as f32;
+        }
     }
 
     /// The 16 lanes summed pairwise: `s[i] += s[i + n]` for n = 8, 4, 2, 1.
