@@ -7,10 +7,9 @@
 //! `gpu_check bench [e4b|e2b|tiny…]`: synthetic q4 decode speed against measured bandwidth.
 //! `gpu_check all`: the three in turn. Exit status 1 when a check fails.
 
-use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
+use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, fixture_models, verify_columns};
 use megagemma_cuda::{CudaModel, CudaSeq, Want};
-use megagemma_model::quant::load::QuantMode;
-use megagemma_model::{Model, Result};
+use megagemma_model::Result;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -64,20 +63,6 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
         }
         other => megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, all)"),
     }
-}
-
-/// A fixture as stored, and dense ones quantized on load (`q4`: groups of 64, `q4_0`: of 32).
-fn fixture_models(dir: &Path) -> Result<Vec<(String, Model)>> {
-    let mut out = vec![];
-    for quant in [QuantMode::Stored, QuantMode::Q4, QuantMode::Q4_0] {
-        let label = format!("{}/{quant}", dir.file_name().unwrap_or_default().to_string_lossy());
-        match Model::load_with(dir, quant) {
-            Ok(m) => out.push((label, m)),
-            Err(_) if quant != QuantMode::Stored => {} // an already-quantized checkpoint
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(out)
 }
 
 fn fixtures_check(dirs: &[PathBuf]) -> Result<bool> {

@@ -6,6 +6,7 @@ use crate::{CudaModel, CudaSeq, Want};
 use megagemma_model::cpu::forward::forward_chunk;
 use megagemma_model::cpu::kv::KvCache;
 use megagemma_model::cpu::ops::argmax;
+use megagemma_model::quant::load::QuantMode;
 use megagemma_model::{Error, Model, Result};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,6 +23,23 @@ pub fn fixture_dirs(root: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     v.sort();
     Ok(v)
+}
+
+/// A fixture as stored, and (unless it is an already-quantized checkpoint) quantized on load
+/// as `q4` (groups of 64) and `q4_0` (groups of 32, which take the tensor-core matvec), each with
+/// a label `dir-name/mode`.
+pub fn fixture_models(dir: &Path) -> Result<Vec<(String, Model)>> {
+    let quantized = std::fs::read_to_string(dir.join("config.json")).is_ok_and(|c| c.contains("\"quantization\""));
+    let mut out = vec![];
+    for quant in [QuantMode::Stored, QuantMode::Q4, QuantMode::Q4_0] {
+        if quantized && quant != QuantMode::Stored {
+            continue;
+        }
+        let label = format!("{}/{quant}", dir.file_name().unwrap_or_default().to_string_lossy());
+        let model = Model::load_with(dir, quant).map_err(|e| Error::msg(format!("{label}: {e}")))?;
+        out.push((label, model));
+    }
+    Ok(out)
 }
 
 /// `(name, prompt ids)` of each case of a fixture's `expected.json`.

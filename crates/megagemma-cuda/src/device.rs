@@ -39,11 +39,8 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
 ];
 
-/// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`): on
-/// compute capability ≥ 9 they are launched with programmatic stream serialization, so each may
-/// start (and prefetch its weights) while the kernel before it finishes.
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of
-/// ≥ 64 columns or of 32, plain or gated.
+/// ≥ 64 columns or of 32, plain or gated — indexed `(tokens / 4 − 1) + 2·g32 + 4·gated`.
 pub const MMA_KERNELS: [&str; 8] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
@@ -55,16 +52,12 @@ pub const MMA_KERNELS: [&str; 8] = [
     "matvec_q4t_8_g32_gated",
 ];
 
-const PDL_KERNELS: [&str; 24] = [
+/// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`), besides
+/// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
+/// stream serialization, so each may start (and prefetch its weights) while the kernel before it
+/// finishes.
+const PDL_KERNELS: [&str; 16] = [
     "matvec_experts",
-    "matvec_q4t_4",
-    "matvec_q4t_8",
-    "matvec_q4t_4_g32",
-    "matvec_q4t_8_g32",
-    "matvec_q4t_4_gated",
-    "matvec_q4t_8_gated",
-    "matvec_q4t_4_g32_gated",
-    "matvec_q4t_8_g32_gated",
     "matvec",
     "matvec_q4",
     "matvec_q4_gated",
@@ -341,7 +334,7 @@ impl Gpu {
             }
             None => None,
         };
-        let launched = if self.pdl && PDL_KERNELS.contains(&name) {
+        let launched = if self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name)) {
             // SAFETY: as below; the attribute array outlives the call.
             unsafe {
                 let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();

@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T};
+use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T, MMA_KERNELS};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -492,32 +492,37 @@ impl CudaSeq {
             // Input fragments: 1024·h bytes per 64-column chunk, plus the per-unit sums.
             let slice = chunks.min(MMA_SLICE_BYTES / (1024 * h + 32 * upc));
             let smem = (slice * (1024 * h + 32 * upc)) as u32;
-            let name = format!(
-                "matvec_q4t_{}{}{}",
-                4 * h,
-                if upc == 2 { "_g32" } else { "" },
-                if gate.is_some() { "_gated" } else { "" }
-            );
+            let name = MMA_KERNELS[(h - 1) + 2 * usize::from(upc == 2) + 4 * usize::from(gate.is_some())];
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
-            let split = [Arg::I32(m as i32), Arg::I32(ks as i32), Arg::I32(parts as i32), Arg::I32(nblocks as i32)];
+            // Both entry points end with (columns, warps per tile, column parts, virtual blocks,
+            // blocks ahead, partial sums, counters); the gated one then takes the gate.
+            let (cm, ks, parts, nbl) =
+                (Arg::I32(m as i32), Arg::I32(ks as i32), Arg::I32(parts as i32), Arg::I32(nblocks as i32));
             match gate {
                 Some(g) => {
-                    let mut args = vec![Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))];
-                    args.extend(split);
-                    args.extend([
+                    let gp = Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64);
+                    let args = [
+                        Arg::Mat(*w0),
+                        Arg::Ptr(xp),
+                        Arg::Ptr(yp(y0, w0)),
+                        cm,
+                        ks,
+                        parts,
+                        nbl,
                         Arg::I32(ahead),
                         partial,
                         counters,
-                        Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64),
+                        gp,
                         Arg::I32(g.stride as i32),
-                    ]);
-                    self.gpu().launch(&name, grid, 256, smem, &args)?;
+                    ];
+                    self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
                 None => {
                     let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
                     let (w2, y2) = mats.get(2).copied().unwrap_or((w0, 0));
-                    let mut args = vec![
+                    let (nb0, nb1) = (Arg::I32(nb[0] as i32), Arg::I32(nb.get(1).copied().unwrap_or(0) as i32));
+                    let args = [
                         Arg::Mat(*w0),
                         Arg::Mat(*w1),
                         Arg::Mat(*w2),
@@ -525,16 +530,28 @@ impl CudaSeq {
                         Arg::Ptr(yp(y0, w0)),
                         Arg::Ptr(yp(y1, w1)),
                         Arg::Ptr(yp(y2, w2)),
-                        Arg::I32(nb[0] as i32),
-                        Arg::I32(nb.get(1).copied().unwrap_or(0) as i32),
+                        nb0,
+                        nb1,
+                        cm,
+                        ks,
+                        parts,
+                        nbl,
+                        Arg::I32(ahead),
+                        partial,
+                        counters,
                     ];
-                    args.extend(split);
-                    args.extend([Arg::I32(ahead), partial, counters]);
-                    self.gpu().launch(&name, grid, 256, smem, &args)?;
+                    self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// `x[t][i] = gelu(gate[t][i]) · x[t][i]` over `t` rows of `cols`, before a matvec whose kernel
+    /// cannot apply the gate itself.
+    fn gelu_gate_in_place(&self, x: u64, g: Gate, cols: usize, t: usize) -> Result<()> {
+        let args = [Arg::Ptr(x), Arg::Ptr(g.ptr), Arg::I32(cols as i32), Arg::I32(g.stride as i32), Arg::I32(t as i32)];
+        self.elementwise("gelu_gate", t * cols, &args)
     }
 
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
@@ -595,14 +612,7 @@ impl CudaSeq {
                 None => self.matvec_mma(&[(w, y)], x, None, t),
                 Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t),
                 Some(g) => {
-                    let args = [
-                        Arg::Ptr(x),
-                        Arg::Ptr(g.ptr),
-                        Arg::I32(cols as i32),
-                        Arg::I32(g.stride as i32),
-                        Arg::I32(t as i32),
-                    ];
-                    self.elementwise("gelu_gate", t * cols, &args)?;
+                    self.gelu_gate_in_place(x, g, cols, t)?;
                     self.matvec_mma(&[(w, y)], x, None, t)
                 }
             };
@@ -610,16 +620,7 @@ impl CudaSeq {
         let q4_fast = Self::q4_fast(w) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
         match (gate, q4_fast) {
             (None, true) => return self.matvec_many(&[(w, y)], x, t),
-            (Some(g), false) => {
-                let args = [
-                    Arg::Ptr(x),
-                    Arg::Ptr(g.ptr),
-                    Arg::I32(cols as i32),
-                    Arg::I32(g.stride as i32),
-                    Arg::I32(t as i32),
-                ];
-                self.elementwise("gelu_gate", t * cols, &args)?;
-            }
+            (Some(g), false) => self.gelu_gate_in_place(x, g, cols, t)?,
             _ => {}
         }
         let wpr = self.warps_per_rows(rows, cols);

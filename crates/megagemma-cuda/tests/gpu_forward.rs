@@ -4,11 +4,10 @@
 //! as stored and quantized to 4 bits on load (`q4`: groups of 64, `q4_0`: groups of 32, which
 //! take the tensor-core matvec), and multi-token verify columns bit-identical to single decode steps.
 
-use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, verify_columns};
+use megagemma_cuda::check::{self, compare_greedy, fixture_cases, fixture_dirs, verify_columns};
 use megagemma_cuda::CudaModel;
-use megagemma_model::quant::load::QuantMode;
 use megagemma_model::Model;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 fn fixtures() -> Vec<PathBuf> {
     // MEGAGEMMA_FIXTURES: where the fixtures are when the test binary runs away from the source tree.
@@ -24,21 +23,11 @@ fn fixtures() -> Vec<PathBuf> {
 fn fixture_models() -> Vec<(PathBuf, String, Model)> {
     let mut out = vec![];
     for dir in fixtures() {
-        for quant in [QuantMode::Stored, QuantMode::Q4, QuantMode::Q4_0] {
-            let label = format!("{} ({quant})", dir.display());
-            match Model::load_with(&dir, quant) {
-                Ok(m) => out.push((dir.clone(), label, m)),
-                // Already-quantized checkpoints load only as stored.
-                Err(_) if quant != QuantMode::Stored && is_quantized(&dir) => {}
-                Err(e) => panic!("{label}: {e}"),
-            }
+        for (label, model) in check::fixture_models(&dir).unwrap_or_else(|e| panic!("{e}")) {
+            out.push((dir.clone(), label, model));
         }
     }
     out
-}
-
-fn is_quantized(dir: &Path) -> bool {
-    std::fs::read_to_string(dir.join("config.json")).is_ok_and(|c| c.contains("\"quantization\""))
 }
 
 #[test]
