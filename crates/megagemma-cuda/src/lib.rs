@@ -20,6 +20,7 @@ pub mod compile;
 pub mod device;
 pub mod libs;
 pub mod model;
+pub mod schedule;
 pub mod seq;
 pub mod synthetic;
 pub mod tiled;
