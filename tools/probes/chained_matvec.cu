@@ -103,7 +103,7 @@ int main() {
       size_t wb = (size_t)rows * cols / 2, sb = (size_t)rows * (cols / 64) * 2;
       uint4* w; __nv_bfloat16 *s, *b;
       cudaMalloc(&w, wb); cudaMalloc(&s, sb); cudaMalloc(&b, sb);
-      cudaMemset(w, 0x5a, wb); cudaMemset(s, 0x20, sb); cudaMemset(b, 0x20, sb);  // small bf16 values
+      cudaMemset(w, 0x5a, wb); cudaMemset(s, 0x38, sb); cudaMemset(b, 0x38, sb);  // bf16 4.4e-5: outputs stay O(1)
       mats.push_back({w, s, b, rows, cols});
       bytes += wb + 2.0 * sb;
     }
@@ -138,6 +138,19 @@ int main() {
     return per;
   };
   printf("%d blocks x %d threads, %.2f GB of weights per token, 84 dependent matvecs\n", blocks, THREADS, bytes / 1e9);
+  // Both paths must compute the same token: a non-zero input, then the last output of each.
+  std::vector<float> x0(H), out_graph(H), out_persistent(H);
+  for (int i = 0; i < H; ++i) x0[i] = 0.001f * (i % 97) - 0.04f;
+  auto final_output = [&](std::vector<float>& out, auto launch) {
+    cudaMemcpy(bufs[0], x0.data(), H * 4, cudaMemcpyHostToDevice);
+    launch(); cudaStreamSynchronize(st);
+    cudaMemcpy(out.data(), bufs[2 * LAYERS], H * 4, cudaMemcpyDeviceToHost);
+  };
+  final_output(out_graph, [&] { cudaGraphLaunch(ge, st); });
+  final_output(out_persistent, [&] { persistent<<<blocks, THREADS, smem, st>>>(dmats, dbufs, counter, gen++, 0); });
+  int differ = 0;
+  for (int i = 0; i < H; ++i) differ += out_graph[i] != out_persistent[i];
+  printf("final outputs: %d of %d differ between graph and persistent (output[0] = %g)\n", differ, H, out_graph[0]);
   for (int rep = 0; rep < 2; ++rep) {
     time("graph", [&] { cudaGraphLaunch(ge, st); });
     for (int pf = 0; pf < 2; ++pf)
