@@ -173,6 +173,12 @@ pub struct CudaSeq {
 // API may be called from any thread once the context is bound (every call binds it).
 unsafe impl Send for CudaSeq {}
 
+/// Two argument lists as one array (`C = A + B`), without allocating.
+fn join<const A: usize, const B: usize, const C: usize>(a: [Arg; A], b: [Arg; B]) -> [Arg; C] {
+    assert_eq!(A + B, C, "join: {A} + {B} arguments into {C}");
+    std::array::from_fn(|i| if i < A { a[i] } else { b[i - A] })
+}
+
 fn f32s(n: usize) -> usize {
     n * 4
 }
@@ -495,34 +501,29 @@ impl CudaSeq {
             let name = MMA_KERNELS[(h - 1) + 2 * usize::from(upc == 2) + 4 * usize::from(gate.is_some())];
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
-            // Both entry points end with (columns, warps per tile, column parts, virtual blocks,
-            // blocks ahead, partial sums, counters); the gated one then takes the gate.
-            let (cm, ks, parts, nbl) =
-                (Arg::I32(m as i32), Arg::I32(ks as i32), Arg::I32(parts as i32), Arg::I32(nblocks as i32));
+            // Both entry points take (columns, warps per tile, column parts, virtual blocks, blocks
+            // ahead, partial sums, counters) after their matrices and pointers; the gated one then
+            // takes the gate.
+            let split = [
+                Arg::I32(m as i32),
+                Arg::I32(ks as i32),
+                Arg::I32(parts as i32),
+                Arg::I32(nblocks as i32),
+                Arg::I32(ahead),
+                partial,
+                counters,
+            ];
             match gate {
                 Some(g) => {
-                    let gp = Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64);
-                    let args = [
-                        Arg::Mat(*w0),
-                        Arg::Ptr(xp),
-                        Arg::Ptr(yp(y0, w0)),
-                        cm,
-                        ks,
-                        parts,
-                        nbl,
-                        Arg::I32(ahead),
-                        partial,
-                        counters,
-                        gp,
-                        Arg::I32(g.stride as i32),
-                    ];
+                    let gate = [Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)];
+                    let head: [Arg; 10] = join([Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))], split);
+                    let args: [Arg; 12] = join(head, gate);
                     self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
                 None => {
                     let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
                     let (w2, y2) = mats.get(2).copied().unwrap_or((w0, 0));
-                    let (nb0, nb1) = (Arg::I32(nb[0] as i32), Arg::I32(nb.get(1).copied().unwrap_or(0) as i32));
-                    let args = [
+                    let head = [
                         Arg::Mat(*w0),
                         Arg::Mat(*w1),
                         Arg::Mat(*w2),
@@ -530,16 +531,10 @@ impl CudaSeq {
                         Arg::Ptr(yp(y0, w0)),
                         Arg::Ptr(yp(y1, w1)),
                         Arg::Ptr(yp(y2, w2)),
-                        nb0,
-                        nb1,
-                        cm,
-                        ks,
-                        parts,
-                        nbl,
-                        Arg::I32(ahead),
-                        partial,
-                        counters,
+                        Arg::I32(nb[0] as i32),
+                        Arg::I32(nb.get(1).copied().unwrap_or(0) as i32),
                     ];
+                    let args: [Arg; 16] = join(head, split);
                     self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
             }

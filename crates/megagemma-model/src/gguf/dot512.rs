@@ -38,7 +38,13 @@ unsafe fn prefetch(p: *const u8, len: usize) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
 unsafe fn hsum(lo: __m512, hi: __m512) -> f32 {
-    let s16 = _mm512_add_ps(lo, hi);
+    hsum16(_mm512_add_ps(lo, hi))
+}
+
+/// 16 lanes summed pairwise: `s[i] += s[i + n]` for n = 8, 4, 2, 1.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn hsum16(s16: __m512) -> f32 {
     let s8 = _mm256_add_ps(
         _mm512_castps512_ps256(s16),
         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s16))),

@@ -169,6 +169,7 @@ pub fn dot_rows(ty: GgmlType, data: &[u8], row_bytes: usize, start: usize, x: &I
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::dot512::hsum16;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -258,7 +259,7 @@ mod avx512 {
     /// missing blocks give `d = 0`), each lane's bytes picked from its window.
     impl Format for Q50 {
         const MIN: bool = false;
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
         unsafe fn decode(row: *const u8, len: usize, g: usize) -> DecGroup {
             let g0 = g * GROUP_BLOCKS * Q5_0_BYTES;
             let (a0, a1) = (load_row(row, len, g0), load_row(row, len, g0 + 64));
@@ -331,7 +332,7 @@ mod avx512 {
     /// kernels compute the factors.
     impl Format for Q4K {
         const MIN: bool = true;
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
         unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
             let p = row.add(g * 144);
             let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
@@ -360,7 +361,7 @@ mod avx512 {
     /// `d`): `w = (d·sc)·(u − 32)`, one scale per lane.
     impl Format for Q6K {
         const MIN: bool = false;
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
         unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
             let p = row.add(g * 210);
             let d = f16_at(p.add(208));
@@ -392,7 +393,7 @@ mod avx512 {
     /// even: `x·(Q_MAX/amax)` plus and minus 1.5·2^23), written as three bytes in the lane
     /// layout, with the lane's scale and `Σ x_q`. A non-finite value makes its lane's scale NaN,
     /// so it reaches the result as the f32 kernels' would (the integers cannot carry it).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     pub(super) unsafe fn quantize_one(x: &[f32], [hi, mid, lo]: [&mut [u8]; 3], scale: &mut [f32], sums: &mut [f32]) {
         let abs = _mm512_set1_epi32(0x7fff_ffff);
         let (rounder, limit) = (_mm512_set1_ps(ROUNDER), _mm512_set1_ps(Q_MAX));
@@ -424,21 +425,8 @@ mod avx512 {
         }
     }
 
-    /// The 16 lanes summed pairwise: `s[i] += s[i + n]` for n = 8, 4, 2, 1.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
-    unsafe fn hsum16(v: __m512) -> f32 {
-        let s8 = _mm256_add_ps(
-            _mm512_castps512_ps256(v),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-        );
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
-        _mm_cvtss_f32(s1)
-    }
-
     /// `R` decoded rows × vectors `t0 .. t0 + N`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     unsafe fn tile<F: Format, const R: usize, const N: usize>(
         rows: [&[DecGroup]; R],
         x: &IntInputs,
@@ -483,7 +471,7 @@ mod avx512 {
     }
 
     /// Rows `start .. start + n`, each decoded once (two at a time), times every vector.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     pub(super) unsafe fn rows<F: Format>(
         data: &[u8],
         row_bytes: usize,
