@@ -638,7 +638,7 @@ mod tests {
         if !enabled() {
             // No matrix may take the integer path here; the kernels themselves cannot run.
             assert!([GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K].iter().all(|&t| !supports(t)));
-            eprintln!("this CPU has no AVX-512 VNNI: only the fallback to the f32 kernels is checked");
+            eprintln!("integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): only the fallback is checked");
             return;
         }
         // Q5_0 at 640 values (two whole groups and a half one), the K-quants at 512; 7 rows
