@@ -4,9 +4,9 @@
 //!
 //! `cargo run --release -p megagemma-cuda --example schedule_dump -- e4b 264 OUT.bin`
 //!
-//! Format (little-endian u32): grid, jobs, items; per item its producer count; per job its
-//! signalled item, its number of waits, then the waited items; per block its number of jobs,
-//! then the job indices.
+//! Format (little-endian u32): grid, jobs, items; per item its producer count; per job its number
+//! of signalled items, those items, its number of waits, the waited items; per block its number
+//! of jobs, then the job indices.
 use megagemma_cuda::schedule::Schedule;
 use megagemma_cuda::synthetic::synthetic_config;
 use megagemma_model::plan::ModelPlan;
@@ -22,7 +22,9 @@ fn main() -> megagemma_model::Result<()> {
     let mut w: Vec<u32> = vec![grid as u32, s.jobs.len() as u32, s.items.len() as u32];
     w.extend(s.items.iter().map(|i| i.producers));
     for j in &s.jobs {
-        w.extend([j.signals as u32, j.waits.len() as u32]);
+        w.push(j.signals.len() as u32);
+        w.extend(j.signals.iter().map(|&i| i as u32));
+        w.push(j.waits.len() as u32);
         w.extend(j.waits.iter().map(|&i| i as u32));
     }
     for b in &s.blocks {

@@ -3,14 +3,20 @@
 //! for and which one it signals. The persistent kernel that executes it is not written yet; this
 //! is the data it will read, checked here on the CPU.
 //!
-//! One decode token is a chain of *items* (a layer's Q/K/V, its attention output, the residual
-//! stream after the attention block, …). Each item is produced by one or more *jobs* (slices of a
-//! matrix's 16-row tiles, one attention head, a residual update) and has one counter: every
-//! producing job increments it once when its part is written (release), and a consumer waits
-//! until it reaches `generation × producers` (acquire), so counters are monotonic across tokens
-//! and never reset. A job waits only for the items it reads. Norms get no jobs of their own: a
-//! matvec job recomputes the RMS statistics of its (one-row) input, and a single residual job per
-//! update writes the new residual stream.
+//! One decode token is a chain of *items* (a layer's Q/K/V, its attention output, its O, …). Each
+//! item is produced by one or more *jobs* (slices of a matrix's 16-row tiles, one attention head)
+//! and has one counter: every producing job increments it once when its part is written
+//! (release), and a consumer waits until it reaches `generation × producers` (acquire), so
+//! counters are monotonic across tokens and never reset. A job waits only for the items it reads.
+//!
+//! Nothing on the chain exists only to normalise or to add: a job that reads the residual stream
+//! rebuilds it from the last written stream `x` plus the deltas produced since (`x + n(o)`,
+//! `+ n(down)`, `+ n(ple)`, each `n` an RMSNorm of one row, cheap to recompute per block), and the
+//! first Q/K/V job of each layer also writes that layer's `x` (a second signal) for the consumers
+//! after it. Q/K norms and RoPE happen inside the attention jobs (the first head of each KV group
+//! writes the rotated K/V row to the cache). So a layer is 5 links deep (Q/K/V, attention, O,
+//! gate/up, down) or 7 with per-layer embeddings (PLE gate, PLE projection); a probe measured
+//! ~1.45 µs per link on the H200 (`docs/megakernel-plan.md`).
 //!
 //! Blocks take jobs from the global order round-robin and run their own in increasing order.
 //! Every job waits only for items produced by earlier jobs, so with all blocks co-resident the
@@ -49,21 +55,11 @@ pub enum Work {
     Matvec { mat: Mat, tiles: std::ops::Range<usize> },
     /// Combine the PLE projection with the PLE table row into the per-layer inputs.
     PleCombine,
-    /// Q/K norms and RoPE of a layer, and the K/V rows written to its cache.
-    NormRope { layer: usize },
-    /// One query head's attention over the layer's (or its donor's) cache.
+    /// One query head's attention over the layer's (or its donor's) cache, with the Q (and K)
+    /// norms and RoPE; the first head of each KV group writes the rotated K/V row to the cache.
     Attention { layer: usize, head: usize },
-    /// One residual-stream update (`x += norm(y)·w`, the layer scalar after the last).
-    Residual { layer: usize, step: ResidualStep },
     /// The argmax over the LM head's per-job maxima.
     Argmax,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ResidualStep {
-    Attention,
-    Mlp,
-    Ple,
 }
 
 /// A produced piece of data with its counter.
@@ -79,8 +75,9 @@ pub struct Job {
     pub work: Work,
     /// Items read: wait until each counter reaches `generation × producers`.
     pub waits: Vec<usize>,
-    /// The item this job (partly) produces.
-    pub signals: usize,
+    /// The items this job (partly) produces: one, or two for the job that also writes a
+    /// layer's residual stream.
+    pub signals: Vec<usize>,
 }
 
 /// A decode step's jobs in dependency order, their items, and each block's list.
@@ -106,14 +103,18 @@ impl Builder {
         self.items.len() - 1
     }
 
-    fn job(&mut self, work: Work, waits: &[usize], signals: usize) {
-        self.items[signals].producers += 1;
-        self.jobs.push(Job { work, waits: waits.to_vec(), signals });
+    fn job(&mut self, work: Work, waits: &[usize], signals: &[usize]) {
+        for &i in signals {
+            self.items[i].producers += 1;
+        }
+        self.jobs.push(Job { work, waits: waits.to_vec(), signals: signals.to_vec() });
     }
 
-    /// Matvec jobs over `mats` (rows each), together producing one new item.
-    fn matvecs(&mut self, name: String, mats: &[(Mat, usize)], waits: &[usize]) -> usize {
+    /// Matvec jobs over `mats` (rows each), together producing one new item; the first one also
+    /// signals `also` when given (it writes the residual stream it rebuilt).
+    fn matvecs(&mut self, name: String, mats: &[(Mat, usize)], waits: &[usize], also: Option<usize>) -> usize {
         let out = self.item(name);
+        let first = self.jobs.len();
         let tiles: usize = mats.iter().map(|(_, rows)| rows.div_ceil(TILE_ROWS)).sum();
         // Contiguous tile ranges of near-equal size, about one per block, not crossing matrices.
         let per_job = tiles.div_ceil(self.grid).max(1);
@@ -122,7 +123,12 @@ impl Builder {
             let mut t = 0;
             while t < n {
                 let end = (t + per_job).min(n);
-                self.job(Work::Matvec { mat, tiles: t..end }, waits, out);
+                let writes_x = also.filter(|_| self.jobs.len() == first);
+                self.job(
+                    Work::Matvec { mat, tiles: t..end },
+                    waits,
+                    &[Some(out), writes_x].into_iter().flatten().collect::<Vec<_>>(),
+                );
                 t = end;
             }
         }
@@ -142,17 +148,19 @@ impl Schedule {
         }
         let h = plan.hidden;
         let mut b = Builder { jobs: vec![], items: vec![], grid };
+        // The residual stream as consumers rebuild it: the last written `x` plus the deltas since.
         let mut x = b.item("x0".into());
-        b.job(Work::Embed, &[], x);
+        b.job(Work::Embed, &[], &[x]);
+        let mut deltas: Vec<usize> = vec![];
         let ple_inputs = if plan.ple_dim > 0 {
-            let proj = b.matvecs("ple.proj".into(), &[(Mat::PleProj, plan.layers.len() * plan.ple_dim)], &[x]);
+            let proj = b.matvecs("ple.proj".into(), &[(Mat::PleProj, plan.layers.len() * plan.ple_dim)], &[x], None);
             let pli = b.item("ple.inputs".into());
-            b.job(Work::PleCombine, &[proj, x], pli);
+            b.job(Work::PleCombine, &[proj, x], &[pli]);
             Some(pli)
         } else {
             None
         };
-        // The item holding each layer's rotated K/V rows (KV-shared layers read their donor's).
+        // Each layer's attention item: its K/V rows are in the cache once it is complete.
         let mut kv_ready = vec![usize::MAX; plan.layers.len()];
         for l in &plan.layers {
             let i = l.index;
@@ -163,11 +171,11 @@ impl Schedule {
                     qkv.push((Mat::V(i), l.kv_width()));
                 }
             }
-            let proj = b.matvecs(format!("{i}.qkv"), &qkv, &[x]);
-            let rotated = b.item(format!("{i}.rope"));
-            b.job(Work::NormRope { layer: i }, &[proj], rotated);
-            kv_ready[i] = rotated;
-            let mut attn_waits = vec![rotated];
+            let stream = [&[x][..], &deltas].concat();
+            let x_layer = b.item(format!("{i}.x"));
+            let proj = b.matvecs(format!("{i}.qkv"), &qkv, &stream, Some(x_layer));
+            x = x_layer;
+            let mut attn_waits = vec![proj];
             if l.is_kv_shared() {
                 let donor = kv_ready[l.kv_source];
                 if donor == usize::MAX {
@@ -177,30 +185,25 @@ impl Schedule {
             }
             let attn = b.item(format!("{i}.attn"));
             for head in 0..l.num_heads {
-                b.job(Work::Attention { layer: i, head }, &attn_waits, attn);
+                b.job(Work::Attention { layer: i, head }, &attn_waits, &[attn]);
             }
-            let o = b.matvecs(format!("{i}.o"), &[(Mat::O(i), h)], &[attn]);
-            let x_attn = b.item(format!("{i}.x_attn"));
-            b.job(Work::Residual { layer: i, step: ResidualStep::Attention }, &[o, x], x_attn);
-            let gu =
-                b.matvecs(format!("{i}.gate_up"), &[(Mat::Gate(i), l.mlp_width), (Mat::Up(i), l.mlp_width)], &[x_attn]);
-            let down = b.matvecs(format!("{i}.down"), &[(Mat::Down(i), h)], &[gu]);
-            let x_mlp = b.item(format!("{i}.x_mlp"));
-            b.job(Work::Residual { layer: i, step: ResidualStep::Mlp }, &[down, x_attn], x_mlp);
-            x = match (l.has_ple, ple_inputs) {
-                (true, Some(pli)) => {
-                    let gate = b.matvecs(format!("{i}.ple_gate"), &[(Mat::PleGate(i), plan.ple_dim)], &[x_mlp]);
-                    let out = b.matvecs(format!("{i}.ple_out"), &[(Mat::PleOut(i), h)], &[gate, pli]);
-                    let x_ple = b.item(format!("{i}.x_ple"));
-                    b.job(Work::Residual { layer: i, step: ResidualStep::Ple }, &[out, x_mlp], x_ple);
-                    x_ple
-                }
-                _ => x_mlp,
-            };
+            kv_ready[i] = attn;
+            let o = b.matvecs(format!("{i}.o"), &[(Mat::O(i), h)], &[attn], None);
+            let mlp = [(Mat::Gate(i), l.mlp_width), (Mat::Up(i), l.mlp_width)];
+            let gu = b.matvecs(format!("{i}.gate_up"), &mlp, &[x, o], None);
+            let down = b.matvecs(format!("{i}.down"), &[(Mat::Down(i), h)], &[gu], None);
+            deltas = vec![o, down];
+            if let (true, Some(pli)) = (l.has_ple, ple_inputs) {
+                let gate = b.matvecs(format!("{i}.ple_gate"), &[(Mat::PleGate(i), plan.ple_dim)], &[x, o, down], None);
+                let out = b.matvecs(format!("{i}.ple_out"), &[(Mat::PleOut(i), h)], &[gate, pli], None);
+                deltas.push(out);
+            }
         }
-        let head = b.matvecs("head".into(), &[(Mat::Head, plan.vocab_size)], &[x]);
+        let x_final = b.item("x_final".into());
+        let stream = [&[x][..], &deltas].concat();
+        let head = b.matvecs("head".into(), &[(Mat::Head, plan.vocab_size)], &stream, Some(x_final));
         let token = b.item("token".into());
-        b.job(Work::Argmax, &[head], token);
+        b.job(Work::Argmax, &[head], &[token]);
 
         let mut blocks = vec![vec![]; grid];
         for j in 0..b.jobs.len() {
@@ -220,7 +223,9 @@ impl Schedule {
         let mut item_depth = vec![0usize; self.items.len()];
         for j in &self.jobs {
             let d = 1 + j.waits.iter().map(|&i| item_depth[i]).max().unwrap_or(0);
-            item_depth[j.signals] = item_depth[j.signals].max(d);
+            for &i in &j.signals {
+                item_depth[i] = item_depth[i].max(d);
+            }
         }
         item_depth.into_iter().max().unwrap_or(0)
     }
@@ -242,7 +247,9 @@ impl Schedule {
         // The real number of producers of each item, to check the counts the waits use.
         let mut truth = vec![0u32; self.items.len()];
         for j in &self.jobs {
-            truth[j.signals] += 1;
+            for &i in &j.signals {
+                truth[i] += 1;
+            }
         }
         let mut counters = vec![0u32; self.items.len()];
         let mut now = 0u64;
@@ -273,7 +280,9 @@ impl Schedule {
                 };
                 let (t, j) = running.swap_remove(k);
                 now = t;
-                counters[self.jobs[j].signals] += 1;
+                for &i in &self.jobs[j].signals {
+                    counters[i] += 1;
+                }
                 busy[j % grid] = false;
             }
         }
@@ -287,13 +296,12 @@ impl fmt::Display for Schedule {
         let count = |p: &dyn Fn(&Work) -> bool| self.jobs.iter().filter(|j| p(&j.work)).count();
         write!(
             f,
-            "{} jobs on {} blocks ({} matvec, {} attention, {} residual, {} other), {} counters, {} waits per token, dependency depth {}",
+            "{} jobs on {} blocks ({} matvec, {} attention, {} other), {} counters, {} waits per token, dependency depth {}",
             self.jobs.len(),
             self.blocks.len(),
             count(&|w| matches!(w, Work::Matvec { .. })),
             count(&|w| matches!(w, Work::Attention { .. })),
-            count(&|w| matches!(w, Work::Residual { .. })),
-            count(&|w| matches!(w, Work::Embed | Work::PleCombine | Work::NormRope { .. } | Work::Argmax)),
+            count(&|w| matches!(w, Work::Embed | Work::PleCombine | Work::Argmax)),
             self.items.len(),
             self.waits(),
             self.depth()
@@ -366,13 +374,28 @@ mod tests {
 
     #[test]
     fn depth_counts_the_chain_of_a_layer() {
-        // Gemma 3-like layers without PLE: Q/K/V, RoPE, attention, O, residual, gate/up, down,
-        // residual = 8 links per layer, plus the embedding, the head and the argmax.
+        // Q/K/V, attention, O, gate/up, down: 5 links per layer (7 with PLE gate and projection),
+        // plus the embedding, the head and the argmax.
         let mut c = synthetic_config("tiny").unwrap();
+        let with_ple = Schedule::build(&ModelPlan::new(&c).unwrap(), 4).unwrap();
         c.ple_dim = 0;
         let p = ModelPlan::new(&c).unwrap();
-        let s = Schedule::build(&p, 4).unwrap();
-        assert_eq!(s.depth(), 8 * p.layers.len() + 3);
+        assert_eq!(Schedule::build(&p, 4).unwrap().depth(), 5 * p.layers.len() + 3);
+        assert_eq!(with_ple.depth(), 7 * p.layers.len() + 3);
+    }
+
+    #[test]
+    fn one_job_per_layer_writes_the_residual_stream() {
+        let p = plan("e4b");
+        let s = Schedule::build(&p, 132).unwrap();
+        let writers = s.jobs.iter().filter(|j| j.signals.len() == 2).count();
+        assert_eq!(writers, p.layers.len() + 1); // each layer's x, and the final one
+        for (i, item) in s.items.iter().enumerate() {
+            if item.name.ends_with(".x") || item.name == "x_final" {
+                assert_eq!(item.producers, 1, "{}", item.name);
+                assert!(s.jobs.iter().any(|j| j.waits.contains(&i)) || item.name == "x_final", "{} unread", item.name);
+            }
+        }
     }
 
     #[test]
@@ -383,7 +406,9 @@ mod tests {
             for &i in &j.waits {
                 assert!(produced[i], "{:?} waits for {}, produced later", j.work, s.items[i].name);
             }
-            produced[j.signals] = true;
+            for &i in &j.signals {
+                produced[i] = true;
+            }
         }
     }
 
