@@ -4,8 +4,9 @@
 // persistent kernel with empty jobs: per job, one thread per input waits (acquire spin, bounded:
 // a stuck wait sets an error flag) until that input's counter reaches generation × producers, the block
 // optionally spins WORK_NS nanoseconds (a stand-in for the job's work), then thread 0 signals
-// the job's counters: `__threadfence()` + `atomicAdd`, or one `red.release.gpu` each (both
-// measured). One launch per token, counters monotonic across tokens.
+// the job's counters: `__threadfence()` + `atomicAdd`, or one `red.release.gpu` each; inputs are
+// polled with `ld.acquire.gpu`, or with relaxed loads and one acquire fence (all measured).
+// One launch per token, counters monotonic across tokens.
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/d schedule_dry_run.cu && /tmp/d e4b.bin
 #include <cstdio>
@@ -21,7 +22,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 __global__ void __launch_bounds__(256) dry_run(const unsigned* prod, const unsigned* soff, const unsigned* sig, const unsigned* woff,
                                                const unsigned* waits, const unsigned* boff, const unsigned* bjobs,
                                                unsigned* counters, unsigned gen, unsigned work_ns, int red_release,
-                                               unsigned* err) {
+                                               int relaxed_poll, unsigned* err) {
   for (unsigned k = boff[blockIdx.x]; k < boff[blockIdx.x + 1]; ++k) {
     const unsigned j = bjobs[k];
     // Thread w of the block waits for the job's w-th input (all inputs polled at once: a
@@ -32,9 +33,11 @@ __global__ void __launch_bounds__(256) dry_run(const unsigned* prod, const unsig
       const long long t0 = clock64();
       unsigned v;
       do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counters + it * 32));
+        if (relaxed_poll) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counters + it * 32));
+        else asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counters + it * 32));
         if (clock64() - t0 > (1ll << 32)) { atomicExch(err, 1u); break; }  // ~2 s: a stuck schedule
       } while ((int)(v - want) < 0);
+      if (relaxed_poll) asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     if (threadIdx.x == 0 && work_ns) {
       const unsigned long long t0 = now_ns();
@@ -103,11 +106,14 @@ int main(int argc, char** argv) {
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
   unsigned gen = 0;
-  for (int red : {0, 1})
+  struct Variant { int red, relaxed; const char* name; };
+  for (Variant var : {Variant{0, 0, "fence + atomicAdd, ld.acquire"}, Variant{1, 0, "red.release, ld.acquire"},
+                      Variant{1, 1, "red.release, ld.relaxed + fence"}})
     for (unsigned work : {0u, 1000u}) {
       const int tokens = 30;
       auto launch = [&] {
-        dry_run<<<grid, 256>>>(dprod, dsoff, dsig, dwoff, dwaits, dboff, dbjobs, counters, ++gen, work, red, err);
+        dry_run<<<grid, 256>>>(dprod, dsoff, dsig, dwoff, dwaits, dboff, dbjobs, counters, ++gen, work, var.red,
+                               var.relaxed, err);
       };
       launch();  // warm-up
       cudaEventRecord(e0);
@@ -120,9 +126,8 @@ int main(int argc, char** argv) {
       cudaMemcpy(&herr, err, 4, cudaMemcpyDeviceToHost);
       // Each block runs about jobs/grid jobs; with WORK_NS each, a block alone would take that long.
       const double busy = (double)njobs / grid * work / 1e6;
-      printf("%-28s work %4u ns/job: %.3f ms/token (a block's own work %.3f ms), error flag %u, %s\n",
-             red ? "red.release.gpu" : "__threadfence + atomicAdd", work, ms / tokens, busy, herr,
-             cudaGetErrorString(cudaGetLastError()));
+      printf("%-32s work %4u ns/job: %.3f ms/token (a block's own work %.3f ms), error flag %u, %s\n", var.name,
+             work, ms / tokens, busy, herr, cudaGetErrorString(cudaGetLastError()));
     }
   return 0;
 }

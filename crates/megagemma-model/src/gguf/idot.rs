@@ -38,13 +38,13 @@ const LANE_VALUES: usize = 16;
 const Q5_0_BYTES: usize = 22;
 /// Blocks per 16-lane group.
 const GROUP_BLOCKS: usize = 8;
-/// Bytes of one group's high (or low) activation bytes: 4 steps × 16 lanes × 4.
+/// Bytes of one group's high (middle, low) activation bytes: 4 steps × 16 lanes × 4.
 const GROUP_BYTES: usize = 4 * 64;
 /// Vectors quantized per parallel task.
 const QUANT_TASK: usize = 8;
 
-/// Whether the integer Q5_0 path runs on this machine: AVX-512 with VNNI (and the byte/word
-/// forms, VBMI and F16C), unless `MEGAGEMMA_INT_DOT=0` turns it off.
+/// Whether the integer kernels run on this machine: AVX-512 with VNNI (and the byte/word forms,
+/// VBMI and F16C), unless `MEGAGEMMA_INT_DOT=0` turns them off.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
