@@ -542,8 +542,8 @@ impl CudaSeq {
         Ok(())
     }
 
-    /// `x[t][i] = gelu(gate[t][i]) · x[t][i]` over `t` rows of `cols`, before a matvec whose kernel
-    /// cannot apply the gate itself.
+    /// `x[t][i] = gelu(x[t][i]) · gate[t][i]` over `t` rows of `cols` (the GeGLU), in place: before
+    /// a matvec whose kernel cannot apply the gate itself, and for the MoE experts.
     fn gelu_gate_in_place(&self, x: u64, g: Gate, cols: usize, t: usize) -> Result<()> {
         let args = [Arg::Ptr(x), Arg::Ptr(g.ptr), Arg::I32(cols as i32), Arg::I32(g.stride as i32), Arg::I32(t as i32)];
         self.elementwise("gelu_gate", t * cols, &args)
@@ -904,14 +904,7 @@ impl CudaSeq {
         };
         experts(0, s.a.ptr, false, s.g.ptr, inter)?;
         experts(1, s.a.ptr, false, s.u.ptr, inter)?;
-        let gate_args = [
-            Arg::Ptr(s.g.ptr),
-            Arg::Ptr(s.u.ptr),
-            Arg::I32(inter as i32),
-            Arg::I32(inter as i32),
-            Arg::I32(pairs as i32),
-        ];
-        self.elementwise("gelu_gate", pairs * inter, &gate_args)?;
+        self.gelu_gate_in_place(s.g.ptr, Gate { ptr: s.u.ptr, stride: inter }, inter, pairs)?;
         experts(2, s.g.ptr, true, s.ys.ptr, h)?;
         let args = [
             Arg::Ptr(s.e.ptr),
