@@ -107,27 +107,21 @@ unsafe fn blocks32<const R: usize, const N: usize>(
     let nb = blocks_for(w[0], &xs, bs, 32);
     assert!(w.iter().all(|r| r.len() == w[0].len()), "dot kernel: rows of different sizes");
     let xp: [*const f32; N] = std::array::from_fn(|n| xs[n].as_ptr());
-    let mut lo = [[_mm512_setzero_ps(); N]; R];
-    let mut hi = [[_mm512_setzero_ps(); N]; R];
+    let mut acc: Acc<R, N> = [[[_mm512_setzero_ps(); 2]; N]; R];
     for b in 0..nb {
-        let mut ws = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
+        let mut ws = [[_mm512_setzero_ps(); 2]; R];
         for r in 0..R {
             let p = w[r].as_ptr().add(b * bs);
             prefetch(p, bs);
-            ws[r] = decode(p);
+            let (w0, w1) = decode(p);
+            ws[r] = [w0, w1];
         }
-        for n in 0..N {
-            let (x0, x1) = (_mm512_loadu_ps(xp[n].add(32 * b)), _mm512_loadu_ps(xp[n].add(32 * b + 16)));
-            for r in 0..R {
-                lo[r][n] = _mm512_fmadd_ps(ws[r].0, x0, lo[r][n]);
-                hi[r][n] = _mm512_fmadd_ps(ws[r].1, x1, hi[r][n]);
-            }
-        }
+        acc_fma(&mut acc, &ws, &xp, 32 * b);
     }
     let mut out = [[0f32; N]; R];
     for r in 0..R {
         for n in 0..N {
-            out[r][n] = hsum(lo[r][n], hi[r][n]);
+            out[r][n] = hsum(acc[r][n][0], acc[r][n][1]);
         }
     }
     out
