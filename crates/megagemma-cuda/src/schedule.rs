@@ -256,7 +256,7 @@ impl Schedule {
         for gen in 1..=tokens {
             let mut pos = vec![0usize; grid];
             let mut busy = vec![false; grid];
-            let mut running: Vec<(u64, usize)> = vec![]; // (finish time, job)
+            let mut running: Vec<(u64, usize, usize)> = vec![]; // (finish time, job, block)
             loop {
                 // Start every free block's next job whose counters have reached their targets.
                 for b in 0..grid {
@@ -266,7 +266,7 @@ impl Schedule {
                         if let Some(&i) = job.waits.iter().find(|&&i| counters[i] < gen * truth[i]) {
                             bail!("job {j} ({:?}) started before item {} was complete", job.work, self.items[i].name);
                         }
-                        running.push((now + next(), j));
+                        running.push((now + next(), j, b));
                         pos[b] += 1;
                         busy[b] = true;
                     }
@@ -278,12 +278,12 @@ impl Schedule {
                     }
                     bail!("deadlock in generation {gen}: no block can start its next job");
                 };
-                let (t, j) = running.swap_remove(k);
+                let (t, j, b) = running.swap_remove(k);
                 now = t;
                 for &i in &self.jobs[j].signals {
                     counters[i] += 1;
                 }
-                busy[j % grid] = false;
+                busy[b] = false;
             }
         }
         Ok(now)
