@@ -5,9 +5,11 @@
 //! `gpu_check verify [DIR…]`: a T-token forward equals T single decode steps bit for bit, on the
 //!   fixtures and on synthetic models (head dims 256/512).
 //! `gpu_check bench [e4b|e2b|tiny…]`: synthetic q4 decode speed against measured bandwidth.
-//! `gpu_check all`: the three in turn. Exit status 1 when a check fails.
+//! `gpu_check prefill [NAME] [TOKENS]`: synthetic q4 prefill speed (default e4b, 2048 tokens); with
+//!   `MEGAGEMMA_CUDA_PROFILE=1` the time per kernel and per cuBLAS product.
+//! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
-use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, fixture_models, verify_columns};
+use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt, verify_columns};
 use megagemma_cuda::{CudaModel, CudaSeq, Want};
 use megagemma_model::Result;
 use std::path::{Path, PathBuf};
@@ -15,6 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 const STEPS: usize = 24;
+/// Tokens of the long prompts (the long-pass path, in one chunk and in several).
+const LONG_PROMPT: usize = 200;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -53,6 +57,12 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             }
             Ok(true)
         }
+        "prefill" => {
+            let name = rest.first().map_or("e4b", String::as_str);
+            let tokens = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(2048);
+            prefill_bench(name, tokens)?;
+            Ok(true)
+        }
         "all" => {
             let f = fixtures()?;
             let a = fixtures_check(&f)?;
@@ -61,7 +71,7 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             bench("e2b")?;
             Ok(a && b)
         }
-        other => megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, all)"),
+        other => megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, prefill, all)"),
     }
 }
 
@@ -70,8 +80,16 @@ fn fixtures_check(dirs: &[PathBuf]) -> Result<bool> {
     for dir in dirs {
         for (label, model) in fixture_models(dir)? {
             let cm = CudaModel::load(&model)?;
-            for (name, prompt) in fixture_cases(dir)? {
-                let r = compare_greedy(&model, &cm, &prompt, STEPS)?;
+            let mut cases: Vec<(String, Vec<u32>, Option<usize>)> =
+                fixture_cases(dir)?.into_iter().map(|(n, p)| (n, p, None)).collect();
+            // Long prompts: one long pass, and chunks of 48 tokens across sliding-window wraps.
+            if let Some((_, p, _)) = cases.first() {
+                let long = long_prompt(p, model.plan.vocab_size, LONG_PROMPT);
+                cases.push(("long".into(), long.clone(), None));
+                cases.push(("long/48".into(), long, Some(48)));
+            }
+            for (name, prompt, chunk) in cases {
+                let r = compare_greedy(&model, &cm, &prompt, STEPS, chunk)?;
                 all_ok &= r.ok();
                 println!(
                     "fixture {label:<22} {:<10} prompt {:>3}  ids equal {:>2}/{STEPS}  max rel L2 {:.2e}  {}",
@@ -183,6 +201,32 @@ fn bench(name: &str) -> Result<()> {
                 println!("    {k:<40} {n:>7} launches {:>9.3} ms  {:>7.2} us each", secs * 1e3, secs * 1e6 / n as f64);
             }
         }
+    }
+    Ok(())
+}
+
+/// Prefill of `tokens` tokens on a fresh sequence, after one warm-up prefill (kernel loading,
+/// cuBLAS, scratch); the per-kernel profile of the timed one when profiling.
+fn prefill_bench(name: &str, tokens: usize) -> Result<()> {
+    let cm = CudaModel::synthetic(name, "q4")?;
+    let vocab = cm.plan().vocab_size as u32;
+    let prompt: Vec<u32> = (0..tokens).map(|i| (i as u32 * 7919 + 11) % vocab).collect();
+    CudaSeq::new(&cm, tokens + 1)?.prefill(&prompt, false)?;
+    cm.take_profile();
+    let mut seq = CudaSeq::new(&cm, tokens + 1)?;
+    let t = Instant::now();
+    seq.prefill(&prompt, false)?;
+    let s = t.elapsed().as_secs_f64();
+    println!(
+        "prefill synthetic {name} q4, {tokens} tokens in chunks of {}: {:.1} ms = {:.0} tok/s",
+        seq.prefill_chunk(),
+        s * 1e3,
+        tokens as f64 / s
+    );
+    let profile = cm.take_profile();
+    let total: f64 = profile.iter().map(|p| p.2).sum();
+    for (k, n, secs) in profile.iter().take(40) {
+        println!("  {k:<52} {n:>6} x {:>9.3} ms  {:>5.1}%", secs * 1e3, 100.0 * secs / total);
     }
     Ok(())
 }

@@ -5,7 +5,7 @@
 //! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
 
 use crate::model::CudaModel;
-use crate::seq::{CudaSeq, Want as SeqWant, MAX_CHUNK};
+use crate::seq::{CudaSeq, Want as SeqWant, MAX_VERIFY};
 use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
@@ -117,8 +117,10 @@ impl Backend for CudaBackend {
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<PosOut> {
         self.check(seq, tokens)?;
-        let o = self.seq_mut(seq)?.prefill(tokens, needs_logits(want))?;
-        self.stats.passes += tokens.len().div_ceil(MAX_CHUNK) as u64;
+        let s = self.seq_mut(seq)?;
+        let chunk = s.prefill_chunk();
+        let o = s.prefill(tokens, needs_logits(want))?;
+        self.stats.passes += tokens.len().div_ceil(chunk) as u64;
         Ok(self.host_output(o, want))
     }
 
@@ -148,8 +150,8 @@ impl Backend for CudaBackend {
 
     fn verify(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<Vec<PosOut>> {
         self.check(seq, tokens)?;
-        if tokens.len() > MAX_CHUNK {
-            return Err(Error::capacity(format!("verify of {} tokens: at most {MAX_CHUNK} per pass", tokens.len())));
+        if tokens.len() > MAX_VERIFY {
+            return Err(Error::capacity(format!("verify of {} tokens: at most {MAX_VERIFY} per pass", tokens.len())));
         }
         let outs = self.seq_mut(seq)?.forward(tokens, SeqWant { all_positions: true, logits: needs_logits(want) })?;
         self.stats.passes += 1;

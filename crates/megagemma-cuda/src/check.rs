@@ -59,6 +59,14 @@ pub fn fixture_cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
     Ok(out)
 }
 
+/// `prompt` extended to `len` tokens with deterministic in-vocabulary ids: a prompt long enough for
+/// the long-pass path (cuBLAS products, batched attention) to run several chunks across
+/// sliding-window wraps.
+pub fn long_prompt(prompt: &[u32], vocab: usize, len: usize) -> Vec<u32> {
+    let extra = (prompt.len()..len).map(|i| ((i as u64 * 7919 + 13) % vocab as u64) as u32);
+    prompt.iter().copied().chain(extra).collect()
+}
+
 /// `|a − b| / |b|` in f64.
 pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
@@ -85,9 +93,18 @@ pub fn cpu_greedy(model: &Model, prompt: &[u32], steps: usize) -> Result<(Vec<u3
     Ok((ids, logits))
 }
 
-/// Greedy on the GPU, same shape of result as [`cpu_greedy`].
-pub fn cuda_greedy(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
+/// Greedy on the GPU, same shape of result as [`cpu_greedy`]; the prompt prefilled in chunks of
+/// `chunk` tokens when given.
+pub fn cuda_greedy(
+    cm: &Arc<CudaModel>,
+    prompt: &[u32],
+    steps: usize,
+    chunk: Option<usize>,
+) -> Result<(Vec<u32>, Vec<Vec<f32>>)> {
     let mut seq = CudaSeq::new(cm, prompt.len() + steps + 1)?;
+    if let Some(c) = chunk {
+        seq.set_prefill_chunk(c);
+    }
     let mut out = seq.prefill(prompt, true)?;
     let (mut ids, mut logits) = (vec![], vec![]);
     for step in 0..steps {
@@ -117,10 +134,17 @@ impl GreedyReport {
     }
 }
 
-/// `steps` greedy tokens from `prompt` on the CPU and on the GPU, compared.
-pub fn compare_greedy(model: &Model, cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<GreedyReport> {
+/// `steps` greedy tokens from `prompt` on the CPU and on the GPU (prefill chunks of `chunk`
+/// tokens when given), compared.
+pub fn compare_greedy(
+    model: &Model,
+    cm: &Arc<CudaModel>,
+    prompt: &[u32],
+    steps: usize,
+    chunk: Option<usize>,
+) -> Result<GreedyReport> {
     let (cpu_ids, cpu_logits) = cpu_greedy(model, prompt, steps)?;
-    let (cuda_ids, cuda_logits) = cuda_greedy(cm, prompt, steps)?;
+    let (cuda_ids, cuda_logits) = cuda_greedy(cm, prompt, steps, chunk)?;
     let ids_equal = cpu_ids.iter().zip(&cuda_ids).take_while(|(a, b)| a == b).count();
     let max_rel_l2 =
         cpu_logits.iter().zip(&cuda_logits).take(ids_equal.max(1)).map(|(c, g)| rel_l2(g, c)).fold(0.0, f64::max);

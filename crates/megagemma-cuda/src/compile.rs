@@ -7,11 +7,12 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// `(file name, embedded source)` of every kernel file.
-pub const KERNEL_FILES: [(&str, &str); 5] = [
+pub const KERNEL_FILES: [(&str, &str); 6] = [
     ("matvec.cu", include_str!("../kernels/matvec.cu")),
     ("matvec_mma.cu", include_str!("../kernels/matvec_mma.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
+    ("prefill.cu", include_str!("../kernels/prefill.cu")),
     ("synth.cu", include_str!("../kernels/synth.cu")),
 ];
 const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -162,7 +163,11 @@ pub fn cubin_for(file: &str, arch: &str, device_key: &str) -> Result<Vec<u8>> {
     let c = compile_cubin(file, &src, &opts)?;
     if let Some(p) = &path {
         let _ = std::fs::create_dir_all(p.parent().unwrap()).and_then(|_| {
-            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            // A name of its own per writer (threads of one process too), then an atomic rename: a
+            // reader never sees a partly written file.
+            static WRITERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let tmp = p.with_extension(format!("tmp{}-{n}", std::process::id()));
             std::fs::write(&tmp, &c.cubin)?;
             std::fs::rename(&tmp, p)
         });

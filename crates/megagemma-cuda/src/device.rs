@@ -2,7 +2,8 @@
 //! a launch helper. Everything here is reached only after [`crate::libs::driver_present`] said yes.
 
 use crate::compile::{cubin_for, KERNEL_FILES};
-use crate::libs::{driver_present, nvrtc_present};
+use crate::libs::{cublas_present, driver_present, nvrtc_present};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
 use megagemma_model::{bail, Error, Result};
@@ -12,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Every kernel entry point, by file.
-const FUNCTIONS: [(&str, &[&str]); 5] = [
+const FUNCTIONS: [(&str, &[&str]); 6] = [
     ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated", "matvec_experts"]),
     ("matvec_mma.cu", &MMA_KERNELS),
     (
@@ -36,6 +37,10 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
         ],
     ),
     ("attention.cu", &["attention"]),
+    (
+        "prefill.cu",
+        &["widen_rows", "widen_tiles", "split_inputs", "swap_rows", "split_queries", "kv_gather", "masked_softmax"],
+    ),
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
 ];
 
@@ -190,6 +195,9 @@ pub struct Gpu {
     pub q4_stream: Q4Stream,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
+    /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
+    /// `None` without libcublas or with `MEGAGEMMA_CUDA_CUBLAS=0` (passes then take the matvecs).
+    pub blas: Option<CudaBlas>,
 }
 
 // SAFETY: the context and stream handles may be used from any thread (the driver API is
@@ -247,6 +255,10 @@ impl Gpu {
         }
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
         let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
+        let blas = match std::env::var("MEGAGEMMA_CUDA_CUBLAS").map_or(true, |v| v != "0") && cublas_present() {
+            true => Some(CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?),
+            false => None,
+        };
         Ok(Gpu {
             ctx,
             stream,
@@ -258,6 +270,7 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             profile,
+            blas,
         })
     }
 
@@ -322,18 +335,10 @@ impl Gpu {
         }
         let mut args = args.to_vec();
         let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::as_mut_ptr).collect();
-        let capturing = self.capturing.load(Ordering::Relaxed);
-        if !capturing {
+        if !self.capturing.load(Ordering::Relaxed) {
             self.count_launch();
         }
-        let timed = self.profile.as_ref().filter(|_| !capturing);
-        let start = match timed {
-            Some(_) => {
-                self.sync()?;
-                Some(std::time::Instant::now())
-            }
-            None => None,
-        };
+        let start = self.profile_start()?;
         let launched = if self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name)) {
             // SAFETY: as below; the attribute array outlives the call.
             unsafe {
@@ -369,17 +374,36 @@ impl Gpu {
             }
         };
         launched.map_err(|e| cuda_err(&format!("launch {name}"), e))?;
-        if let (Some(p), Some(t0)) = (timed, start) {
-            self.sync()?;
-            let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
-            let key = match args.first() {
-                Some(Arg::Mat(m)) => format!("{name} {}x{} grid {grid}", m.rows, m.cols),
-                _ => format!("{name} grid {grid}"),
-            };
-            let e = p.entry(key).or_default();
-            e.0 += 1;
-            e.1 += t0.elapsed().as_secs_f64();
+        self.profile_end(start, || match args.first() {
+            Some(Arg::Mat(m)) => format!("{name} {}x{} grid {grid}", m.rows, m.cols),
+            _ => format!("{name} grid {grid}"),
+        })
+    }
+
+    /// Work enqueued outside [`Gpu::launch`] (cuBLAS), timed under `key` when profiling.
+    pub fn timed(&self, key: impl FnOnce() -> String, work: impl FnOnce() -> Result<()>) -> Result<()> {
+        let start = self.profile_start()?;
+        work()?;
+        self.profile_end(start, key)
+    }
+
+    /// When profiling (and not capturing a graph): waits for the stream and starts a clock.
+    fn profile_start(&self) -> Result<Option<std::time::Instant>> {
+        if self.profile.is_none() || self.capturing.load(Ordering::Relaxed) {
+            return Ok(None);
         }
+        self.sync()?;
+        Ok(Some(std::time::Instant::now()))
+    }
+
+    /// Waits for the work started at `start` and adds its time under `key`.
+    fn profile_end(&self, start: Option<std::time::Instant>, key: impl FnOnce() -> String) -> Result<()> {
+        let (Some(p), Some(t0)) = (&self.profile, start) else { return Ok(()) };
+        self.sync()?;
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(key()).or_default();
+        e.0 += 1;
+        e.1 += t0.elapsed().as_secs_f64();
         Ok(())
     }
 

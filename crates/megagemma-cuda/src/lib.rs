@@ -19,6 +19,7 @@ pub mod check;
 pub mod compile;
 pub mod device;
 pub mod libs;
+mod long_pass;
 pub mod model;
 pub mod schedule;
 pub mod seq;
@@ -27,5 +28,6 @@ pub mod tiled;
 pub mod weights;
 
 pub use backend::CudaBackend;
+pub use long_pass::FEW_TOKENS;
 pub use model::CudaModel;
-pub use seq::{CudaSeq, PosOut, Want, MAX_CHUNK};
+pub use seq::{CudaSeq, PosOut, Want, MAX_CHUNK, MAX_VERIFY};

@@ -1,6 +1,7 @@
 //! [`CudaModel`]: the device, the layer plan and the uploaded weights, shared by sequences.
 
 use crate::device::{Arg, Gpu};
+use crate::long_pass::Workspace;
 use crate::synthetic::{place_synthetic, synthetic_config, synthetic_decode_bytes};
 use crate::weights::{place_all, place_model, DevWeights, Uploaded};
 use megagemma_model::plan::ModelPlan;
@@ -13,6 +14,8 @@ pub struct CudaModel {
     pub(crate) up: Uploaded,
     decode_bytes: usize,
     label: String,
+    /// Scratch of long passes (prefill chunks), shared by the sequences.
+    pub(crate) work: Workspace,
 }
 
 impl CudaModel {
@@ -28,6 +31,7 @@ impl CudaModel {
             up,
             decode_bytes,
             label: model.config.architecture.clone(),
+            work: Workspace::default(),
         }))
     }
 
@@ -42,7 +46,8 @@ impl CudaModel {
         let gpu = Gpu::new()?;
         let up = place_all(&gpu, |p| place_synthetic(p, &plan))?;
         let decode_bytes = synthetic_decode_bytes(&plan);
-        Ok(Arc::new(CudaModel { gpu, plan, up, decode_bytes, label: format!("synthetic {name} {quant}") }))
+        let label = format!("synthetic {name} {quant}");
+        Ok(Arc::new(CudaModel { gpu, plan, up, decode_bytes, label, work: Workspace::default() }))
     }
 
     pub fn plan(&self) -> &ModelPlan {

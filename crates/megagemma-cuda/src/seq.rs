@@ -6,6 +6,7 @@
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
 use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T, MMA_KERNELS};
+use crate::long_pass::FEW_TOKENS;
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -13,8 +14,14 @@ use megagemma_model::plan::LayerPlan;
 use megagemma_model::{bail, Result};
 use std::sync::Arc;
 
-/// Most tokens one forward may run (and stage).
-pub const MAX_CHUNK: usize = 64;
+/// Most positions one forward may return (speculative verify), and most tokens per forward
+/// without cuBLAS.
+pub const MAX_VERIFY: usize = 64;
+/// Most tokens one forward may run (and stage): long passes (prefill chunks) run on cuBLAS
+/// (`long_pass.rs`); the per-token scratch grows to the longest pass a sequence has run.
+pub const MAX_CHUNK: usize = 4096;
+/// Tokens per prefill chunk (`MEGAGEMMA_CUDA_PREFILL_CHUNK`, at most `MAX_CHUNK`).
+const PREFILL_CHUNK: usize = 1024;
 /// Columns one matvec launch handles.
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
@@ -56,14 +63,14 @@ pub struct PosOut {
 }
 
 /// K/V of one cache-owning layer: committed rows and staged rows.
-struct LayerCache {
-    k: DevBuf,
-    v: DevBuf,
-    staged_k: DevBuf,
-    staged_v: DevBuf,
-    width: usize,
+pub(crate) struct LayerCache {
+    pub(crate) k: DevBuf,
+    pub(crate) v: DevBuf,
+    pub(crate) staged_k: DevBuf,
+    pub(crate) staged_v: DevBuf,
+    pub(crate) width: usize,
     /// Ring slots (window + 1) for sliding layers; 0 for a full cache.
-    ring: usize,
+    pub(crate) ring: usize,
 }
 
 /// One cache-owning layer as `kv_commit` reads it (`struct KvLayer` in `kernels/ops.cu`).
@@ -78,12 +85,13 @@ struct KvLayerDesc {
     ring: i32,
 }
 
-/// Activation scratch, f32 `[MAX_CHUNK, width]` each.
-struct Scratch {
+/// Activation scratch, f32 `[tokens, width]` each (tokens: the sequence's longest pass so far;
+/// logits and argmax partials for `MAX_VERIFY` positions).
+pub(crate) struct Scratch {
     x: DevBuf,
     a: DevBuf,
-    q: DevBuf,
-    att: DevBuf,
+    pub(crate) q: DevBuf,
+    pub(crate) att: DevBuf,
     o: DevBuf,
     f: DevBuf,
     g: DevBuf,
@@ -145,7 +153,7 @@ impl AttentionSplit {
     /// Partial outputs (`[queries·grid_splits, hd]` floats) the largest pass of a layer needs.
     fn scratch_floats(lp: &LayerPlan, max_len: usize) -> usize {
         let keys = attention_keys(lp, max_len);
-        [Self::FEW_TOKENS, MAX_CHUNK]
+        [Self::FEW_TOKENS, MAX_VERIFY]
             .into_iter()
             .map(|t| t * lp.num_heads * Self::new(keys, t).grid_splits * lp.head_dim)
             .max()
@@ -153,11 +161,60 @@ impl AttentionSplit {
     }
 }
 
+impl Scratch {
+    /// Scratch for passes of up to `t` tokens in a sequence of at most `max_len` positions.
+    fn new(model: &CudaModel, t: usize, max_len: usize) -> Result<Scratch> {
+        let (gpu, plan) = (&model.gpu, &model.plan);
+        let h = plan.hidden;
+        let max_q = plan.layers.iter().map(LayerPlan::q_width).max().unwrap_or(0);
+        let moe = model.weights().layers.iter().find_map(|l| l.moe.as_ref());
+        let (experts, moe_inter) = moe.map_or((0, 0), |m| (m.experts.len(), m.experts[0][0].rows as usize));
+        let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
+        let lp = plan.layers.len() * plan.ple_dim;
+        let top_k = plan.moe_top_k.max(1);
+        let att_floats = plan.layers.iter().map(|l| AttentionSplit::scratch_floats(l, max_len)).max().unwrap_or(0);
+        let min_hd = plan.layers.iter().map(|l| l.head_dim).min().unwrap_or(1).max(1);
+        let max_heads = plan.layers.iter().map(|l| l.num_heads).max().unwrap_or(1);
+        let out = t.min(MAX_VERIFY);
+        Ok(Scratch {
+            x: gpu.alloc_zeros(f32s(t * h))?,
+            a: gpu.alloc_zeros(f32s(t * h))?,
+            q: gpu.alloc_zeros(f32s(t * max_q))?,
+            att: gpu.alloc_zeros(f32s(t * max_q))?,
+            o: gpu.alloc_zeros(f32s(t * h))?,
+            f: gpu.alloc_zeros(f32s(t * h))?,
+            g: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
+            u: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
+            pli: gpu.alloc_zeros(f32s(t * lp))?,
+            pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
+            logits: gpu.alloc_zeros(f32s(out * plan.vocab_size))?,
+            ids: gpu.alloc_zeros(out * 4)?,
+            partial: gpu.alloc_zeros(out * ARGMAX_SPLIT * 8)?,
+            mma_partial: gpu.alloc_zeros(f32s(MMA_PARTIAL_FLOATS))?,
+            att_o: gpu.alloc_zeros(f32s(att_floats))?,
+            att_ml: gpu.alloc_zeros(f32s(2 * att_floats / min_hd))?,
+            att_counters: gpu.alloc_zeros(4 * out * max_heads)?,
+            mma_counters: gpu.alloc_zeros(MMA_COUNTERS * 4)?,
+            meta: gpu.alloc_zeros((t + 1) * 4)?,
+            zr: gpu.alloc_zeros(f32s(t * h))?,
+            rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
+            idx: gpu.alloc_zeros(t * top_k * 4)?,
+            wts: gpu.alloc_zeros(f32s(t * top_k))?,
+            ys: gpu.alloc_zeros(f32s(t * top_k * h))?,
+            e: gpu.alloc_zeros(f32s(t * h))?,
+        })
+    }
+}
+
 pub struct CudaSeq {
-    model: Arc<CudaModel>,
+    pub(crate) model: Arc<CudaModel>,
     max_len: usize,
     len: usize,
     staged: usize,
+    /// Tokens the scratch and staging rows hold.
+    capacity: usize,
+    /// Tokens per prefill chunk with cuBLAS (`MEGAGEMMA_CUDA_PREFILL_CHUNK`, default 1024).
+    prefill_chunk: usize,
     caches: Vec<Option<LayerCache>>,
     /// The cache-owning layers' [`KvLayerDesc`]s on the device, and how many: one commit launch
     /// copies every layer's accepted rows.
@@ -188,7 +245,7 @@ impl CudaSeq {
     pub fn new(model: &Arc<CudaModel>, max_len: usize) -> Result<CudaSeq> {
         let gpu = &model.gpu;
         let plan = &model.plan;
-        let t = MAX_CHUNK;
+        let t = FEW_TOKENS;
         let mut caches = Vec::with_capacity(plan.layers.len());
         for lp in &plan.layers {
             caches.push(if lp.is_kv_shared() {
@@ -208,44 +265,33 @@ impl CudaSeq {
                 })
             });
         }
-        let h = plan.hidden;
-        let max_q = plan.layers.iter().map(LayerPlan::q_width).max().unwrap_or(0);
-        let moe = model.weights().layers.iter().find_map(|l| l.moe.as_ref());
-        let (experts, moe_inter) = moe.map_or((0, 0), |m| (m.experts.len(), m.experts[0][0].rows as usize));
-        let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
-        let lp = plan.layers.len() * plan.ple_dim;
-        let top_k = plan.moe_top_k.max(1);
-        let att_floats = plan.layers.iter().map(|l| AttentionSplit::scratch_floats(l, max_len)).max().unwrap_or(0);
-        let min_hd = plan.layers.iter().map(|l| l.head_dim).min().unwrap_or(1).max(1);
-        let max_heads = plan.layers.iter().map(|l| l.num_heads).max().unwrap_or(1);
-        let s = Scratch {
-            x: gpu.alloc_zeros(f32s(t * h))?,
-            a: gpu.alloc_zeros(f32s(t * h))?,
-            q: gpu.alloc_zeros(f32s(t * max_q))?,
-            att: gpu.alloc_zeros(f32s(t * max_q))?,
-            o: gpu.alloc_zeros(f32s(t * h))?,
-            f: gpu.alloc_zeros(f32s(t * h))?,
-            g: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
-            u: gpu.alloc_zeros(f32s(t * max_i.max(top_k * moe_inter)))?,
-            pli: gpu.alloc_zeros(f32s(t * lp))?,
-            pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
-            logits: gpu.alloc_zeros(f32s(t * plan.vocab_size))?,
-            ids: gpu.alloc_zeros(t * 4)?,
-            partial: gpu.alloc_zeros(t * ARGMAX_SPLIT * 8)?,
-            mma_partial: gpu.alloc_zeros(f32s(MMA_PARTIAL_FLOATS))?,
-            att_o: gpu.alloc_zeros(f32s(att_floats))?,
-            att_ml: gpu.alloc_zeros(f32s(2 * att_floats / min_hd))?,
-            att_counters: gpu.alloc_zeros(4 * t * max_heads)?,
-            mma_counters: gpu.alloc_zeros(MMA_COUNTERS * 4)?,
-            meta: gpu.alloc_zeros((t + 1) * 4)?,
-            zr: gpu.alloc_zeros(f32s(t * h))?,
-            rl: gpu.alloc_zeros(f32s(t * experts.max(1)))?,
-            idx: gpu.alloc_zeros(t * top_k * 4)?,
-            wts: gpu.alloc_zeros(f32s(t * top_k))?,
-            ys: gpu.alloc_zeros(f32s(t * top_k * h))?,
-            e: gpu.alloc_zeros(f32s(t * h))?,
+        let s = Scratch::new(model, t, max_len)?;
+        let kv_layers = caches.iter().flatten().count();
+        let kv_table = gpu.alloc_zeros((kv_layers * std::mem::size_of::<KvLayerDesc>()).max(1))?;
+        let use_graphs = std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let chunk = std::env::var("MEGAGEMMA_CUDA_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok());
+        let mut seq = CudaSeq {
+            model: model.clone(),
+            max_len,
+            len: 0,
+            staged: 0,
+            capacity: t,
+            prefill_chunk: chunk.unwrap_or(PREFILL_CHUNK).clamp(1, MAX_CHUNK),
+            kv_layers,
+            kv_table,
+            caches,
+            s,
+            use_graphs,
+            decode_graph: None,
         };
-        let descs: Vec<KvLayerDesc> = caches
+        seq.upload_kv_table()?;
+        Ok(seq)
+    }
+
+    /// The cache-owning layers' descriptors, as `kv_commit` reads them.
+    fn upload_kv_table(&mut self) -> Result<()> {
+        let descs: Vec<KvLayerDesc> = self
+            .caches
             .iter()
             .flatten()
             .map(|c| KvLayerDesc {
@@ -257,22 +303,27 @@ impl CudaSeq {
                 ring: c.ring as i32,
             })
             .collect();
-        let kv_table = gpu.alloc_zeros(std::mem::size_of_val(descs.as_slice()).max(1))?;
-        gpu.upload(kv_table.ptr, &descs)?;
+        self.model.gpu.upload(self.kv_table.ptr, &descs)?;
+        self.model.gpu.sync()
+    }
+
+    /// Makes the scratch and staging rows hold passes of `t` tokens (in steps of 64). The decode
+    /// graph, which holds the old addresses, is captured again on next use.
+    fn reserve(&mut self, t: usize) -> Result<()> {
+        if t <= self.capacity {
+            return Ok(());
+        }
+        let t = t.next_multiple_of(64).min(MAX_CHUNK);
+        let gpu = &self.model.gpu;
         gpu.sync()?;
-        let use_graphs = std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        Ok(CudaSeq {
-            model: model.clone(),
-            max_len,
-            len: 0,
-            staged: 0,
-            kv_layers: descs.len(),
-            kv_table,
-            caches,
-            s,
-            use_graphs,
-            decode_graph: None,
-        })
+        self.decode_graph = None;
+        self.s = Scratch::new(&self.model, t, self.max_len)?;
+        for c in self.caches.iter_mut().flatten() {
+            c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
+            c.staged_v = gpu.alloc_zeros(f32s(t * c.width))?;
+        }
+        self.capacity = t;
+        self.upload_kv_table()
     }
 
     /// Committed positions.
@@ -333,8 +384,12 @@ impl CudaSeq {
         if t == 0 {
             bail!("empty input: at least one token is needed");
         }
-        if t > MAX_CHUNK {
-            bail!("{t} tokens in one forward: at most {MAX_CHUNK} (prefill longer prompts in chunks, committing each)");
+        let most = if self.long_pass(t) { MAX_CHUNK } else { MAX_VERIFY };
+        if t > most {
+            bail!("{t} tokens in one forward: at most {most} (prefill longer prompts in chunks, committing each)");
+        }
+        if want.all_positions && t > MAX_VERIFY {
+            bail!("{t} positions' outputs from one forward: at most {MAX_VERIFY}");
         }
         if self.len + t > self.max_len {
             bail!("position {} is past this sequence's maximum length {}", self.len + t - 1, self.max_len);
@@ -343,6 +398,7 @@ impl CudaSeq {
             bail!("token id {bad} is out of range (vocab_size is {vocab})");
         }
         self.staged = 0;
+        self.reserve(t)?;
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
         self.model.gpu.upload(self.s.meta.ptr, &meta)?;
         let first = if want.all_positions { 0 } else { t - 1 };
@@ -369,11 +425,26 @@ impl CudaSeq {
             .collect())
     }
 
-    /// Forward over `tokens` in chunks of at most [`MAX_CHUNK`], committing each; returns the last
-    /// position's output.
+    /// Tokens per prefill chunk: `MEGAGEMMA_CUDA_PREFILL_CHUNK` (default 1024) or as set, with
+    /// cuBLAS; at most [`MAX_VERIFY`] without.
+    pub fn prefill_chunk(&self) -> usize {
+        if self.long_pass(MAX_VERIFY) {
+            self.prefill_chunk
+        } else {
+            self.prefill_chunk.min(MAX_VERIFY)
+        }
+    }
+
+    /// Sets the prefill chunk (clamped to 1 ..= [`MAX_CHUNK`]).
+    pub fn set_prefill_chunk(&mut self, tokens: usize) {
+        self.prefill_chunk = tokens.clamp(1, MAX_CHUNK);
+    }
+
+    /// Forward over `tokens` in chunks of at most [`CudaSeq::prefill_chunk`] tokens, committing
+    /// each; returns the last position's output.
     pub fn prefill(&mut self, tokens: &[u32], logits: bool) -> Result<PosOut> {
         let mut last = None;
-        for chunk in tokens.chunks(MAX_CHUNK) {
+        for chunk in tokens.chunks(self.prefill_chunk()) {
             last = self.forward(chunk, Want { all_positions: false, logits })?.pop();
             self.commit(chunk.len())?;
         }
@@ -418,8 +489,16 @@ impl CudaSeq {
 
     // ---- the forward, stage by stage ------------------------------------------------------
 
-    fn gpu(&self) -> &Gpu {
+    pub(crate) fn gpu(&self) -> &Gpu {
         &self.model.gpu
+    }
+
+    pub(crate) fn cache(&self, layer: usize) -> Option<&LayerCache> {
+        self.caches.get(layer).and_then(Option::as_ref)
+    }
+
+    pub(crate) fn scratch(&self) -> &Scratch {
+        &self.s
     }
 
     /// `y[t] = W·x[t]` for `t` columns, in launches of up to eight columns (each column's
@@ -552,6 +631,9 @@ impl CudaSeq {
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
     /// per eight columns when all are 4-bit in the same layout, else one matvec each.
     fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
+        if self.long_pass(t) && self.gemm(mats, x, None, t)? {
+            return Ok(());
+        }
         let cols = mats[0].0.cols;
         let g32 = mats[0].0.gs == 32;
         let one_part = (cols as usize).div_ceil(64) <= MMA_PART_CHUNKS;
@@ -601,6 +683,9 @@ impl CudaSeq {
     }
 
     fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
+        if self.long_pass(t) && self.gemm(&[(w, y)], x, gate.map(|g| (g.ptr, g.stride)), t)? {
+            return Ok(());
+        }
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
@@ -767,7 +852,11 @@ impl CudaSeq {
 
         // 12–15: attention over the source layer's cache, O projection, post-attention norm and
         // residual, then the pre-feed-forward norm.
-        self.attention(lp, t)?;
+        if self.long_pass(t) {
+            self.attention_long(lp, t)?;
+        } else {
+            self.attention(lp, t)?;
+        }
         self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
         self.add_norm(s.o.ptr, lw.post_attn_norm, 1.0, lw.pre_ffn_norm, t)?;
 
@@ -884,7 +973,7 @@ impl CudaSeq {
             Arg::I32(k as i32),
             Arg::I32(t as i32),
         ];
-        self.gpu().launch("moe_route", 1, 64, 0, &args)?;
+        self.gpu().launch("moe_route", t.div_ceil(64) as u32, 64, 0, &args)?;
         self.norm(s.a.ptr, s.x.ptr, moe.pre_norm_2, h, t, false)?;
         // Only each token's k routed experts run: (token, slot) pairs p = t·k + s.
         let pairs = t * k;

@@ -4,7 +4,7 @@
 //! as stored and quantized to 4 bits on load (`q4`: groups of 64, `q4_0`: groups of 32, which
 //! take the tensor-core matvec), and multi-token verify columns bit-identical to single decode steps.
 
-use megagemma_cuda::check::{self, compare_greedy, fixture_cases, fixture_dirs, verify_columns};
+use megagemma_cuda::check::{self, compare_greedy, fixture_cases, fixture_dirs, long_prompt, verify_columns};
 use megagemma_cuda::CudaModel;
 use megagemma_model::Model;
 use std::path::PathBuf;
@@ -35,8 +35,14 @@ fn fixture_models() -> Vec<(PathBuf, String, Model)> {
 fn fixtures_match_cpu_reference() {
     for (dir, label, model) in fixture_models() {
         let cm = CudaModel::load(&model).expect("upload");
-        for (name, prompt) in fixture_cases(&dir).expect("cases") {
-            let r = compare_greedy(&model, &cm, &prompt, 16).expect("greedy");
+        let mut cases: Vec<_> = fixture_cases(&dir).expect("cases").into_iter().map(|(n, p)| (n, p, None)).collect();
+        // A long prompt (cuBLAS products and batched attention), in one pass and in chunks of 40
+        // tokens across sliding-window wraps.
+        let long = long_prompt(&cases[0].1, model.plan.vocab_size, 160);
+        cases.push(("long".into(), long.clone(), None));
+        cases.push(("long/40".into(), long, Some(40)));
+        for (name, prompt, chunk) in cases {
+            let r = compare_greedy(&model, &cm, &prompt, 16, chunk).expect("greedy");
             assert!(
                 r.ok(),
                 "{label} {name}: {} of 16 ids equal, max rel L2 {:.2e}\ncpu  {:?}\ncuda {:?}",

@@ -107,7 +107,8 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
 
     // Warm up (kernel compilation, caches, graph capture), then time prefill and decode.
     let warm = b.new_sequence()?;
-    let o = b.prefill(warm, &prompt[..prompt.len().min(8)], Want::Argmax)?;
+    // The warm-up prefill is long enough to load the long-pass kernels (cuBLAS on CUDA) too.
+    let o = b.prefill(warm, &prompt[..prompt.len().min(2048)], Want::Argmax)?;
     b.decode(warm, o.argmax, Want::Argmax)?;
     b.free(warm)?;
 
