@@ -3,13 +3,15 @@
 #   tools/gpu_session.sh BIN_DIR
 # BIN_DIR holds the release `megagemma` binary built on the CPU machine (and, when present,
 # the `gpu_check` example and the `gpu_forward` test binary). Logs go to $OUT (default /tmp/out).
-#  1. GPU tests and gpu_check: stages and fixtures against the CPU reference, verify columns.
+#  1. GPU tests and gpu_check: stages and fixtures (also long prompts, in one prefill pass and in
+#     chunks) against the CPU reference, verify columns; default kernels and CUDA-core 4-bit only.
 #     Also a random model of E4B's widths (tools/make_bench_model.py), whose matrices reach the
 #     tensor-core matvec's split paths, against the CPU backend.
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
 #     with and without speculative drafting (lookup, oracle).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
-#     8k context; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit kernel only.
+#     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
+#     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
 #     32 streaming clients; requests/s, TTFT p50/p99, aggregate tok/s).
 set -uo pipefail
@@ -26,12 +28,15 @@ if [ -x "$BIN/gpu_forward" ]; then
   MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" --include-ignored 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
 fi
 if [ -x "$BIN/gpu_check" ]; then
-  # The same checks with the tensor-core 4-bit kernel on every tileable matrix (by default only
-  # large ones take it, so the small fixtures would not reach it).
+  # gpu_check (fixtures with long prompts, verify) with the default kernels (the tensor-core 4-bit
+  # matvec on every tileable matrix) and with the CUDA-core 4-bit kernel everywhere.
   for what in fixtures verify; do
-    MEGAGEMMA_CUDA_Q4_MMA_MIN=0 timeout 300 "$BIN/gpu_check" $what > "$OUT/gpu_check_$what.log" 2>&1 || fail=1
+    timeout 300 "$BIN/gpu_check" $what > "$OUT/gpu_check_$what.log" 2>&1 || fail=1
     grep -v " ok$" "$OUT/gpu_check_$what.log"
-    echo "gpu_check $what (tensor-core kernel everywhere): $(grep -c ' ok$' "$OUT/gpu_check_$what.log") checks ok"
+    echo "gpu_check $what: $(grep -c ' ok$' "$OUT/gpu_check_$what.log") checks ok"
+    MEGAGEMMA_CUDA_Q4_MMA=0 timeout 300 "$BIN/gpu_check" $what > "$OUT/gpu_check_${what}_cc.log" 2>&1 || fail=1
+    grep -v " ok$" "$OUT/gpu_check_${what}_cc.log"
+    echo "gpu_check $what (CUDA-core 4-bit kernel): $(grep -c ' ok$' "$OUT/gpu_check_${what}_cc.log") checks ok"
   done
 fi
 
@@ -44,7 +49,7 @@ if [ -x "$BIN/gpu_check" ]; then
   python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 \
     --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || fail=1
   for what in fixtures verify; do
-    MEGAGEMMA_CUDA_Q4_MMA_MIN=0 timeout 300 "$BIN/gpu_check" $what "$wide" > "$OUT/gpu_check_wide_$what.log" 2>&1 || fail=1
+    timeout 300 "$BIN/gpu_check" $what "$wide" > "$OUT/gpu_check_wide_$what.log" 2>&1 || fail=1
     grep -v " ok$" "$OUT/gpu_check_wide_$what.log"
     echo "gpu_check $what on E4B-wide shapes: $(grep -c ' ok$' "$OUT/gpu_check_wide_$what.log") checks ok"
   done
@@ -69,6 +74,17 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
+# Prefill of a 2048-token prompt (long passes on cuBLAS), and the prefill path against the matvecs
+# (MEGAGEMMA_CUDA_CUBLAS=0) at a few prompt lengths.
+for m in e4b e2b; do
+  timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 2048 --tokens 64 2>&1 | tee "$OUT/bench_${m}_2k.log" || fail=1
+done
+if [ -x "$BIN/gpu_check" ]; then
+  for n in 16 64 256; do
+    timeout 300 "$BIN/gpu_check" prefill e4b $n | grep '^prefill' || fail=1
+    MEGAGEMMA_CUDA_CUBLAS=0 timeout 300 "$BIN/gpu_check" prefill e4b $n | sed 's/^prefill/prefill (matvecs)/' | grep '^prefill' || fail=1
+  done
+fi
 # The larger shapes (26B-A4B: MoE with routed experts; 31B dense).
 for m in 26b-a4b 31b; do
   timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 128 2>&1 | tee "$OUT/bench_$m.log" || fail=1

@@ -95,15 +95,16 @@ pub struct Placer<'g> {
     mma_min: Option<usize>,
 }
 
-/// Weights from which a 4-bit matrix takes the tensor-core kernel. On the H200 (E4B/E2B q4) that
-/// kernel streams large matrices (gate/up, down, the LM head) at least as fast as the CUDA-core
-/// one, but its fixed cost per launch (input fragments built in shared memory before any weight is
-/// used) makes small ones slower (`docs/perf-notes.md`, v11). The choice depends on the shape
-/// only, so every token of a multi-token pass runs the same kernel as a single-token pass.
-const MMA_MIN_WEIGHTS: usize = 8 << 20;
+/// Weights from which a 4-bit matrix takes the tensor-core kernel: every tileable one. On the H200
+/// (synthetic E4B/E2B q4, same run) that makes decode 1.6–1.9% faster than the CUDA-core kernel on
+/// the matrices below 8M weights, and a 4-column verify 1.28× / 1.31× a decode step instead of
+/// 1.47× / 1.58× (the CUDA-core kernel's work grows with the columns; `docs/perf-notes.md`). The
+/// choice depends on the shape only, so every token of a multi-token pass runs the same kernel as
+/// a single-token pass.
+const MMA_MIN_WEIGHTS: usize = 0;
 
-/// `MEGAGEMMA_CUDA_Q4_MMA=0` turns the tensor-core kernel off; `MEGAGEMMA_CUDA_Q4_MMA_MIN=N` sets
-/// the threshold (0: every tileable 4-bit matrix, as the GPU tests also check).
+/// `MEGAGEMMA_CUDA_Q4_MMA=0` turns the tensor-core kernel off (the CUDA-core kernel everywhere, as
+/// the GPU session also checks); `MEGAGEMMA_CUDA_Q4_MMA_MIN=N` sets the threshold in weights.
 pub fn q4_mma_min() -> Option<usize> {
     if std::env::var("MEGAGEMMA_CUDA_Q4_MMA").is_ok_and(|v| v == "0") {
         return None;
