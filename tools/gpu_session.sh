@@ -40,6 +40,14 @@ if [ -x "$BIN/gpu_check" ]; then
   done
 fi
 
+# The opt-in decode megakernel: every step bit-identical to the graph's, a broken schedule fails
+# within a second, and both paths' decode speed.
+if [ -x "$BIN/gpu_check" ]; then
+  timeout 300 "$BIN/gpu_check" megakernel > "$OUT/gpu_check_megakernel.log" 2>&1 || fail=1
+  grep -v " ok$" "$OUT/gpu_check_megakernel.log"
+  echo "gpu_check megakernel: $(grep -c ' ok$' "$OUT/gpu_check_megakernel.log") checks ok"
+fi
+
 # Shapes the fixtures are too small to reach: a random 2-layer model of E4B's widths (gate/up
 # 10240 × 2560, down 2560 × 10240), so the tensor-core matvec splits tiles over warps and the down
 # projection along its columns; CUDA against the CPU backend, stored / q4 (groups of 64) / q4_0

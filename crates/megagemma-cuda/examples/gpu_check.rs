@@ -7,10 +7,16 @@
 //! `gpu_check bench [e4b|e2b|tiny…]`: synthetic q4 decode speed against measured bandwidth.
 //! `gpu_check prefill [NAME] [TOKENS]`: synthetic q4 prefill speed (default e4b, 2048 tokens); with
 //!   `MEGAGEMMA_CUDA_PROFILE=1` the time per kernel and per cuBLAS product.
+//! `gpu_check megakernel [DIR…]`: the megakernel's decode steps against the graph's, bit for bit,
+//!   on the fixtures and synthetic models; an unsatisfiable schedule must fail within a second;
+//!   then decode speed of both on synthetic E4B and E2B.
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
-use megagemma_cuda::check::{compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt, verify_columns};
-use megagemma_cuda::{CudaModel, CudaSeq, Want};
+use megagemma_cuda::check::{
+    compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt, megakernel_broken_schedule,
+    megakernel_matches_graph, verify_columns,
+};
+use megagemma_cuda::{CudaModel, CudaSeq, Decode, Want};
 use megagemma_model::Result;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -57,6 +63,7 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             }
             Ok(true)
         }
+        "megakernel" => megakernel_check(&fixtures()?),
         "prefill" => {
             let name = rest.first().map_or("e4b", String::as_str);
             let tokens = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(2048);
@@ -71,7 +78,9 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             bench("e2b")?;
             Ok(a && b)
         }
-        other => megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, prefill, all)"),
+        other => {
+            megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, prefill, megakernel, all)")
+        }
     }
 }
 
@@ -229,4 +238,70 @@ fn prefill_bench(name: &str, tokens: usize) -> Result<()> {
         println!("  {k:<52} {n:>6} x {:>9.3} ms  {:>5.1}%", secs * 1e3, 100.0 * secs / total);
     }
     Ok(())
+}
+
+/// The megakernel against the graph path (bit for bit), its failure on a broken schedule, and
+/// both paths' decode speed.
+fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
+    const STEPS: usize = 16;
+    let mut ok = true;
+    let mut report = |label: &str, cm: &Arc<CudaModel>, prompt: &[u32]| -> Result<()> {
+        match megakernel_matches_graph(cm, prompt, STEPS) {
+            Ok(r) => {
+                ok &= r.identical == STEPS;
+                let verdict = if r.identical == STEPS { "ok" } else { "FAIL" };
+                println!(
+                    "megakernel {label:<28} {:>2}/{STEPS} steps bit-identical to the graph, ids {:>2}/{STEPS}, max rel L2 {:.1e}  {verdict}",
+                    r.identical, r.ids_equal, r.max_rel_l2
+                );
+            }
+            Err(e) if e.to_string().contains("does not run kernel") => println!("megakernel {label:<28} not run: {e}"),
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    };
+    for dir in dirs {
+        for (label, model) in fixture_models(dir)? {
+            let cm = CudaModel::load(&model)?;
+            if let Some((_, prompt)) = fixture_cases(dir)?.into_iter().next() {
+                report(&label, &cm, &prompt)?;
+            }
+        }
+    }
+    for name in ["tiny", "e2b", "e4b"] {
+        let cm = CudaModel::synthetic(name, "q4")?;
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 7919 + 11) as u32 % cm.plan().vocab_size as u32).collect();
+        report(&format!("synthetic {name}"), &cm, &prompt)?;
+    }
+    let cm = CudaModel::synthetic("tiny", "q4")?;
+    let (took, err) = megakernel_broken_schedule(&cm, &[1, 2, 3])?;
+    let fast = took.as_secs_f64() < 1.5;
+    ok &= fast;
+    println!(
+        "megakernel broken schedule: error after {:.2} s ({})  {}",
+        took.as_secs_f64(),
+        err,
+        if fast { "ok" } else { "FAIL" }
+    );
+    for name in ["e4b", "e2b"] {
+        let cm = CudaModel::synthetic(name, "q4")?;
+        let vocab = cm.plan().vocab_size as u32;
+        let prompt: Vec<u32> = (0..64).map(|i| (i as u32 * 7919 + 11) % vocab).collect();
+        for decode in [Decode::Graph, Decode::Megakernel] {
+            let mut seq = CudaSeq::new(&cm, 64 + 256 + 2)?;
+            seq.set_decode(decode);
+            let tok = seq.prefill(&prompt, false)?.argmax;
+            let tok = seq.forward(&[tok], Want { all_positions: false, logits: false })?[0].argmax;
+            seq.commit(1)?;
+            let (dt, launches) = decode_loop(&cm, &mut seq, tok, 256)?;
+            let shape = seq.megakernel_shape().map_or(String::new(), |(s, g)| format!(", {s} stages on {g} blocks"));
+            println!(
+                "decode synthetic {name} ({decode:?}): {:.3} ms/token, {:.1} tok/s, {:.1} launches/token{shape}",
+                dt / 256.0 * 1e3,
+                256.0 / dt,
+                launches as f64 / 256.0
+            );
+        }
+    }
+    Ok(ok)
 }

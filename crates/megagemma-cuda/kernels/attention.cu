@@ -29,8 +29,7 @@ __device__ __forceinline__ int att_splits(int n, int T) {
 // full cache, else the number of ring slots (slot = pos mod ring). Grid: T·heads·grid_splits
 // blocks (grid_splits ≥ every query's nsplit; extra blocks return at once). part_o
 // [T·heads·grid_splits, hd], part_ml [T·heads·grid_splits] and counters [T·heads] are scratch.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2)
-attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+STAGE void attention_body(const int vb, const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters) {
@@ -40,7 +39,7 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
   const int p0 = pos_ptr[0];
-  const int split = blockIdx.x % grid_splits, query = blockIdx.x / grid_splits;
+  const int split = vb % grid_splits, query = vb / grid_splits;
   const int t = query / heads, head = query % heads;
   const int kvh = head / (heads / kv_heads);
   const int pos = p0 + t;
@@ -154,3 +153,7 @@ attention(const float* __restrict__ q, const float* __restrict__ kc, const float
   }
   if (threadIdx.x == 0) counters[query] = 0u;
 }
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+          const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
+          int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters) { attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits, part_o, part_ml, counters); }

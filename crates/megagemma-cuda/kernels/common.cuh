@@ -29,12 +29,26 @@ struct Mat {
 // before it reads or writes any activation (it waits for the previous kernel to finish and its
 // writes to be visible, then lets the next kernel launch). Only weights may be touched before it.
 // Both instructions are no-ops for a kernel launched without the attribute.
+//
+// Inside the decode megakernel (megakernel.cu, compiled with MEGAKERNEL defined) the same point
+// waits for every block to have finished the previous stage instead.
+// STAGE marks a stage kernel's body as a device function (the megakernel calls it too); BIG_STAGE
+// one that is a real call in the megakernel, with its own register allocation (the matvecs).
+#ifdef MEGAKERNEL
+#define STAGE __device__ __forceinline__
+#define BIG_STAGE __device__ __noinline__
+__device__ void mk_wait();
+__device__ __forceinline__ void pdl_start() { mk_wait(); }
+#else
+#define STAGE __device__ __forceinline__
+#define BIG_STAGE __device__ __forceinline__
 __device__ __forceinline__ void pdl_start() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+#endif
 
 // Asks for the 128-byte line holding `p` in L2 (a hint: no register waits for it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -123,14 +123,14 @@ __device__ __forceinline__ void matvec_dense_row(const Mat& W, int r, const floa
   }
 }
 
-extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
+BIG_STAGE void matvec_body(const int vb, Mat W, const float* __restrict__ x, float* __restrict__ y, int m) {
   pdl_start();
-  int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  int r = vb * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= W.rows) return;
   if (W.fmt == FMT_Q4) matvec_q4_row(W, r, x, y, m);
   else matvec_dense_row(W, r, x, y, m);
 }
+extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32) matvec(Mat W, const float* __restrict__ x, float* __restrict__ y, int m) { matvec_body(blockIdx.x, W, x, y, m); }
 
 // ---- 4-bit affine, many rows per warp -------------------------------------------------------
 //
@@ -289,25 +289,27 @@ __device__ __forceinline__ void prefetch_block_q4(const Mat& W, int wpr, int blk
 // blocks before `pdl_start()` and for virtual block i + ahead before computing block i: the
 // matrix streams from memory at full width while the math runs on lines already in L2. A virtual
 // block's arithmetic does not depend on the grid, so neither does any result bit.
+// `bid` and `nbid` are the block and the grid (the launch's, or the megakernel's stage's).
 #define FOR_VIRTUAL_BLOCKS(PREFETCH, BODY)                                            \
   {                                                                                   \
     for (int i = 0; i < ahead; i++) {                                                 \
-      const int vb = blockIdx.x + i * gridDim.x;                                      \
-      if (vb < nblocks) PREFETCH(vb);                                                 \
+      const int v = bid + i * nbid;                                                   \
+      if (v < nblocks) PREFETCH(v);                                                   \
     }                                                                                 \
     pdl_start();                                                                      \
-    for (int vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {                        \
-      const int next = vb + ahead * gridDim.x;                                        \
+    for (int v = bid; v < nblocks; v += nbid) {                                       \
+      const int next = v + ahead * nbid;                                              \
       if (ahead > 0 && next < nblocks) PREFETCH(next);                                \
-      BODY(vb);                                                                       \
+      BODY(v);                                                                        \
     }                                                                                 \
   }
 
 // Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
 // virtual blocks [0, nb0) compute y0 = W0·x, the next nb1 y1 = W1·x, the rest y2 = W2·x.
-extern "C" __global__ void __launch_bounds__(256, Q4_MIN_BLOCKS)
-matvec_q4(Mat W0, Mat W1, Mat W2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
-          float* __restrict__ y2, int nb0, int nb1, int m, int wpr, int nblocks, int ahead) {
+BIG_STAGE void matvec_q4_run(const int bid, const int nbid, Mat W0, Mat W1, Mat W2,
+                                              const float* __restrict__ x, float* __restrict__ y0,
+                                              float* __restrict__ y1, float* __restrict__ y2, int nb0, int nb1, int m,
+                                              int wpr, int nblocks, int ahead) {
 #define Q4_PREFETCH(b)                                     \
   if ((b) < nb0) prefetch_block_q4(W0, wpr, (b));          \
   else if ((b) < nb0 + nb1) prefetch_block_q4(W1, wpr, (b) - nb0); \
@@ -322,13 +324,26 @@ matvec_q4(Mat W0, Mat W1, Mat W2, const float* __restrict__ x, float* __restrict
 }
 
 extern "C" __global__ void __launch_bounds__(256, Q4_MIN_BLOCKS)
-matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr,
-                const float* __restrict__ gate, int gate_stride, int nblocks, int ahead) {
+matvec_q4(Mat W0, Mat W1, Mat W2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
+          float* __restrict__ y2, int nb0, int nb1, int m, int wpr, int nblocks, int ahead) {
+  matvec_q4_run(blockIdx.x, gridDim.x, W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, wpr, nblocks, ahead);
+}
+
+BIG_STAGE void matvec_q4_gated_run(const int bid, const int nbid, Mat W, const float* __restrict__ x,
+                                                    float* __restrict__ y, int m, int wpr,
+                                                    const float* __restrict__ gate, int gate_stride, int nblocks,
+                                                    int ahead) {
 #define Q4_PREFETCH(b) prefetch_block_q4(W, wpr, (b));
 #define Q4_BODY(b) matvec_q4_body<true>(W, x, y, m, wpr, gate, gate_stride, (b));
   FOR_VIRTUAL_BLOCKS(Q4_PREFETCH, Q4_BODY)
 #undef Q4_PREFETCH
 #undef Q4_BODY
+}
+
+extern "C" __global__ void __launch_bounds__(256, Q4_MIN_BLOCKS)
+matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m, int wpr,
+                const float* __restrict__ gate, int gate_stride, int nblocks, int ahead) {
+  matvec_q4_gated_run(blockIdx.x, gridDim.x, W, x, y, m, wpr, gate, gate_stride, nblocks, ahead);
 }
 
 // Routed experts (MoE): y[p] = W_{e(p)}·x[p / k or p] for each (token, slot) pair p = t·k + s,

@@ -339,7 +339,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
 template <int H, int UPC, bool GATED>
-__device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2,
+BIG_STAGE void mma_kernel(const int bid, const int nbid, Mat W0, Mat W1, Mat W2, const float* x,
+                                           float* y0, float* y1, float* y2,
                                            int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead,
                                            float* partial, unsigned* counters, const float* gate, int gstride) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
@@ -365,7 +366,7 @@ __device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* 
   Mat W;
   float* y;
   for (int i = 0; i < ahead; i++) {
-    const int vb = blockIdx.x + i * gridDim.x;
+    const int vb = bid + i * nbid;
     if (vb < nblocks) {
       const int local = pick(vb, W, y);
       prefetch_block(W, tpb, parts, local);
@@ -373,8 +374,8 @@ __device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* 
   }
   pdl_start();
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
-  for (int vb = blockIdx.x; vb < nblocks; vb += gridDim.x) {
-    const int next = vb + ahead * gridDim.x;
+  for (int vb = bid; vb < nblocks; vb += nbid) {
+    const int next = vb + ahead * nbid;
     if (ahead > 0 && next < nblocks) {
       const int local = pick(next, W, y);
       prefetch_block(W, tpb, parts, local);
@@ -391,13 +392,13 @@ __device__ __forceinline__ void mma_kernel(Mat W0, Mat W1, Mat W2, const float* 
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
            int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters) {                    \
-    mma_kernel<H, UPC, false>(W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, ks, parts, nblocks, ahead, partial,    \
+    mma_kernel<H, UPC, false>(blockIdx.x, gridDim.x, W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, ks, parts, nblocks, ahead, partial,    \
                               counters, nullptr, 0);                                                          \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<H, UPC, true>(W, W, W, x, y, y, y, nblocks, 0, m, ks, parts, nblocks, ahead, partial, counters, \
+    mma_kernel<H, UPC, true>(blockIdx.x, gridDim.x, W, W, W, x, y, y, y, nblocks, 0, m, ks, parts, nblocks, ahead, partial, counters, \
                              gate, gstride);                                                                   \
   }
 

@@ -3,20 +3,21 @@
 #include "common.cuh"
 
 // x[t] = embed[tokens[t]] · scale. One block per token.
-extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
+STAGE void embed_gather_body(const int vb, Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
   pdl_start();
-  int t = blockIdx.x;
+  int t = vb;
   u64 row = tokens[t];
   for (int c = threadIdx.x; c < E.cols; c += blockDim.x)
     x[(u64)t * E.cols + c] = __fmul_rn(mat_elem(E, row, c), scale);
 }
+extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) { embed_gather_body(blockIdx.x, E, tokens, x, scale); }
 
 // RMSNorm of each `dim`-wide chunk (one block per chunk): n = x̂·w (w may be null).
 // mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in f64.
-extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
+STAGE void rms_norm_body(const int vb, float* y, const float* x, const float* __restrict__ w, int dim, float eps,
                                     int mode) {
   pdl_start();
-  u64 base = (u64)blockIdx.x * dim;
+  u64 base = (u64)vb * dim;
   float r = inv_rms(x + base, dim, eps);
   __syncthreads();
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -26,6 +27,8 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
     else y[base + i] = n;
   }
 }
+extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
+                                    int mode) { rms_norm_body(blockIdx.x, y, x, w, dim, eps, mode); }
 
 // Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
 // of one head vector of token t at position pos0 + t; hd ≤ 512.
@@ -59,12 +62,12 @@ __device__ __forceinline__ void norm_rope_head(float* h, const float* __restrict
 // K heads normed with wk and rotated, V heads normed without weight (nk = 0 skips K and V; wv
 // unused when nv = 0). Each buffer is [T, heads, hd]; one block per (t, head); blocks run Q, then
 // K, then V.
-extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,
+STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ wq, int nq, float* k,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
                                          int T, float eps) {
   pdl_start();
-  int b = blockIdx.x;
+  int b = vb;
   int p0 = pos[0];
   if (b < T * nq) {
     norm_rope_head(q + (u64)b * hd, wq, inv_freq, hd, p0 + b / nq, eps);
@@ -75,100 +78,130 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
     norm_rope_head(v + (u64)b * hd, nullptr, nullptr, hd, p0 + b / nv, eps);
   }
 }
+extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,
+                                         const float* __restrict__ wk, int nk, float* v, int nv,
+                                         const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
+                                         int T, float eps) { qkv_norm_rope_body(blockIdx.x, q, wq, nq, k, wk, nk, v, nv, inv_freq, hd, pos, T, eps); }
 
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
-// Each thread keeps its ≤ ADD_NORM_EPT elements (i = tid + e·blockDim) in registers: o and x are
-// loaded together right after `pdl_start()` (w1 is asked of L2 before it; w1 and w2 are L2 hits), so the row costs one load round trip
-// and two block reductions (sums in the same order as `inv_rms`).
-#define ADD_NORM_EPT 6
-extern "C" __global__ void __launch_bounds__(1024) add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
-                                    float* a, const float* __restrict__ w2, int dim, float eps) {
-  float ov[ADD_NORM_EPT], xv[ADD_NORM_EPT];
-#pragma unroll
-  for (int e = 0; e < ADD_NORM_EPT; e++) {
-    const int i = threadIdx.x + e * blockDim.x;
-    if (i < dim) prefetch_l2(w1 + i);
-  }
+// Rows of up to ADD_NORM_EPT·blockDim elements keep each thread's elements (i = tid + e·blockDim)
+// in registers: o and x are loaded together right after `pdl_start()` (w1 is asked of L2 before
+// it; w1 and w2 are L2 hits), so the row costs one load round trip and two block reductions.
+// Wider rows (31B) re-read them. Sums in the same order either way (as `inv_rms`).
+#define ADD_NORM_EPT 12
+STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
+                         float* a, const float* __restrict__ w2, int dim, float eps) {
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) prefetch_l2(w1 + i);
   pdl_start();
-  const u64 base = (u64)blockIdx.x * dim;
+  const u64 base = (u64)vb * dim;
+  const bool in_regs = dim <= ADD_NORM_EPT * (int)blockDim.x;
+  float ov[ADD_NORM_EPT], xv[ADD_NORM_EPT];
   double ss = 0.0;
+  if (in_regs) {
 #pragma unroll
-  for (int e = 0; e < ADD_NORM_EPT; e++) {
-    const int i = threadIdx.x + e * blockDim.x;
-    ov[e] = i < dim ? o[base + i] : 0.f;
-    xv[e] = i < dim ? x[base + i] : 0.f;
-  }
+    for (int e = 0; e < ADD_NORM_EPT; e++) {
+      const int i = threadIdx.x + e * blockDim.x;
+      ov[e] = i < dim ? o[base + i] : 0.f;
+      xv[e] = i < dim ? x[base + i] : 0.f;
+    }
 #pragma unroll
-  for (int e = 0; e < ADD_NORM_EPT; e++) {
-    const double v = ov[e];
-    if (threadIdx.x + e * blockDim.x < dim) ss += v * v;
+    for (int e = 0; e < ADD_NORM_EPT; e++) {
+      const double v = ov[e];
+      if (threadIdx.x + e * blockDim.x < dim) ss += v * v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+      const double v = o[base + i];
+      ss += v * v;
+    }
   }
   ss = block_sum_d(ss);
   const float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
   double ss2 = 0.0;
+  if (in_regs) {
 #pragma unroll
-  for (int e = 0; e < ADD_NORM_EPT; e++) {
-    const int i = threadIdx.x + e * blockDim.x;
-    if (i >= dim) continue;
-    float v = __fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r), w1[i]));
-    if (scale != 1.f) v = __fmul_rn(v, scale);
-    x[base + i] = v;
-    xv[e] = v;
-    ss2 += (double)v * (double)v;
+    for (int e = 0; e < ADD_NORM_EPT; e++) {
+      const int i = threadIdx.x + e * blockDim.x;
+      if (i >= dim) continue;
+      float v = __fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r), w1[i]));
+      if (scale != 1.f) v = __fmul_rn(v, scale);
+      x[base + i] = v;
+      xv[e] = v;
+      ss2 += (double)v * (double)v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+      float v = __fadd_rn(x[base + i], __fmul_rn(__fmul_rn(o[base + i], r), w1[i]));
+      if (scale != 1.f) v = __fmul_rn(v, scale);
+      x[base + i] = v;
+      ss2 += (double)v * (double)v;
+    }
   }
   if (!w2) return;
   ss2 = block_sum_d(ss2);
   const float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
+  if (in_regs) {
 #pragma unroll
-  for (int e = 0; e < ADD_NORM_EPT; e++) {
-    const int i = threadIdx.x + e * blockDim.x;
-    if (i < dim) a[base + i] = __fmul_rn(__fmul_rn(xv[e], r2), w2[i]);
+    for (int e = 0; e < ADD_NORM_EPT; e++) {
+      const int i = threadIdx.x + e * blockDim.x;
+      if (i < dim) a[base + i] = __fmul_rn(__fmul_rn(xv[e], r2), w2[i]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) a[base + i] = __fmul_rn(__fmul_rn(x[base + i], r2), w2[i]);
   }
 }
+extern "C" __global__ void __launch_bounds__(256) add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
+                                    float* a, const float* __restrict__ w2, int dim, float eps) { add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps); }
 
 // x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).
-extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) {
+STAGE void gelu_gate_body(const int vb, float* x, const float* __restrict__ gate, int n, int stride, int T) {
   pdl_start();
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int i = vb * blockDim.x + threadIdx.x;
   if (i >= T * n) return;
   int t = i / n, k = i % n;
   x[i] = __fmul_rn(gelu_tanh(x[i]), gate[(u64)t * stride + k]);
 }
+extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) { gelu_gate_body(blockIdx.x, x, gate, n, stride, T); }
 
 // PLE inputs: c[t] = (c[t] + table[tokens[t]] · embed_scale) · input_scale, c already projected
 // and normed. One block per token.
-extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
+STAGE void ple_combine_body(const int vb, float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
                                        float input_scale) {
   pdl_start();
-  int t = blockIdx.x;
+  int t = vb;
   u64 row = tokens[t];
   for (int i = threadIdx.x; i < table.cols; i += blockDim.x) {
     u64 j = (u64)t * table.cols + i;
     c[j] = __fmul_rn(__fadd_rn(c[j], __fmul_rn(mat_elem(table, row, i), embed_scale)), input_scale);
   }
 }
+extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
+                                       float input_scale) { ple_combine_body(blockIdx.x, c, table, tokens, embed_scale, input_scale); }
 
 // x *= s over n elements.
-extern "C" __global__ void scale(float* x, float s, u64 n) {
+STAGE void scale_body(const int vb, float* x, float s, u64 n) {
   pdl_start();
-  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u64 i = (u64)vb * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __fmul_rn(x[i], s);
 }
+extern "C" __global__ void scale(float* x, float s, u64 n) { scale_body(blockIdx.x, x, s, n); }
 
 // x += y over n elements.
-extern "C" __global__ void add(float* x, const float* __restrict__ y, u64 n) {
+STAGE void add_body(const int vb, float* x, const float* __restrict__ y, u64 n) {
   pdl_start();
-  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u64 i = (u64)vb * blockDim.x + threadIdx.x;
   if (i < n) x[i] = __fadd_rn(x[i], y[i]);
 }
+extern "C" __global__ void add(float* x, const float* __restrict__ y, u64 n) { add_body(blockIdx.x, x, y, n); }
 
 // y = x over n elements.
-extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) {
+STAGE void copy_body(const int vb, float* y, const float* __restrict__ x, u64 n) {
   pdl_start();
-  u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  u64 i = (u64)vb * blockDim.x + threadIdx.x;
   if (i < n) y[i] = x[i];
 }
+extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) { copy_body(blockIdx.x, y, x, n); }
 
 // Router input: z[t, i] = z[t, i] · s[i] · root (z already RMS-normed without weight).
 extern "C" __global__ void router_scale(float* z, const float* __restrict__ s, float root, int h, int T) {
@@ -250,9 +283,9 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 
 // Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:
 // `split` blocks per row write (value, index) pairs to partial[row·split + b].
-extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float cap, float2* partial, int split) {
+STAGE void softcap_argmax_partial_body(const int vb, float* logits, int V, float cap, float2* partial, int split) {
   pdl_start();
-  int row = blockIdx.x / split, b = blockIdx.x % split;
+  int row = vb / split, b = vb % split;
   float* l = logits + (u64)row * V;
   int per = (V + split - 1) / split;
   int lo = b * per, hi = min(V, lo + per);
@@ -275,19 +308,22 @@ extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float ca
   if (threadIdx.x == 0) {
     for (int w = 1; w < (int)(blockDim.x >> 5); w++)
       if (better(sv[w], si[w], best, bi)) { best = sv[w]; bi = si[w]; }
-    partial[blockIdx.x] = make_float2(best, __int_as_float(bi));
+    partial[vb] = make_float2(best, __int_as_float(bi));
   }
 }
+extern "C" __global__ void softcap_argmax_partial(float* logits, int V, float cap, float2* partial, int split) { softcap_argmax_partial_body(blockIdx.x, logits, V, cap, partial, split); }
 
 // ids[row] = the best of the row's `split` candidates. One warp per row.
-extern "C" __global__ void argmax_final(const float2* __restrict__ partial, int split, unsigned* ids) {
+STAGE void argmax_final_body(const int vb, const float2* __restrict__ partial, int split, unsigned* ids) {
   pdl_start();
+  if (threadIdx.x >= 32) return;  // one warp (the megakernel runs it in a block of 256)
   float best = NEG_INF;
   int bi = 0x7fffffff;
   for (int b = threadIdx.x; b < split; b += 32) {
-    float2 p = partial[blockIdx.x * split + b];
+    float2 p = partial[vb * split + b];
     if (better(p.x, __float_as_int(p.y), best, bi)) { best = p.x; bi = __float_as_int(p.y); }
   }
   warp_argmax(best, bi);
-  if (threadIdx.x == 0) ids[blockIdx.x] = (unsigned)bi;
+  if (threadIdx.x == 0) ids[vb] = (unsigned)bi;
 }
+extern "C" __global__ void argmax_final(const float2* __restrict__ partial, int split, unsigned* ids) { argmax_final_body(blockIdx.x, partial, split, ids); }

@@ -5,7 +5,7 @@
 //! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
 
 use crate::model::CudaModel;
-use crate::seq::{CudaSeq, Want as SeqWant, MAX_VERIFY};
+use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_VERIFY};
 use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
@@ -25,6 +25,8 @@ pub struct CudaBackend {
     /// Launches and tokens of single-token steps, for launches per token.
     step_launches: u64,
     step_tokens: u64,
+    /// How new sequences launch their decode steps.
+    decode: Decode,
 }
 
 impl CudaBackend {
@@ -37,7 +39,14 @@ impl CudaBackend {
             stats: BackendStats::default(),
             step_launches: 0,
             step_tokens: 0,
+            decode: Decode::from_env(),
         }
+    }
+
+    /// Decode steps as a CUDA graph (the default) or as one persistent kernel.
+    pub fn with_decode(mut self, decode: Decode) -> CudaBackend {
+        self.decode = decode;
+        self
     }
 
     pub fn model(&self) -> &Arc<CudaModel> {
@@ -98,7 +107,8 @@ impl Backend for CudaBackend {
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
-        let s = CudaSeq::new(&self.model, self.max_context)?;
+        let mut s = CudaSeq::new(&self.model, self.max_context)?;
+        s.set_decode(self.decode);
         let id = SeqId(self.next_id);
         self.next_id += 1;
         self.seqs.insert(id, s);

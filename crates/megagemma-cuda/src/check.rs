@@ -2,7 +2,7 @@
 //! `gpu_check` example and the opt-in GPU tests: greedy ids and logits on the same prompt, and
 //! multi-token (verify) columns against single decode steps, bit for bit.
 
-use crate::{CudaModel, CudaSeq, Want};
+use crate::{CudaModel, CudaSeq, Decode, Want};
 use megagemma_model::cpu::forward::forward_chunk;
 use megagemma_model::cpu::kv::KvCache;
 use megagemma_model::cpu::ops::argmax;
@@ -188,4 +188,54 @@ pub fn verify_columns(cm: &Arc<CudaModel>, prompt: &[u32], t: usize) -> Result<V
     let next = ver.forward(&[feed[keep]], Want { all_positions: false, logits: true })?.remove(0);
     let partial_commit_exact = next.logits.as_deref() == Some(&step_logits[keep][..]);
     Ok(VerifyReport { t, columns_equal, partial_commit_exact })
+}
+
+/// How the megakernel's decode steps compare with the graph's.
+pub struct MegakernelReport {
+    /// Steps whose logits are bit-identical.
+    pub identical: usize,
+    /// Steps whose argmax agrees.
+    pub ids_equal: usize,
+    /// Largest relative L2 between the two paths' logits.
+    pub max_rel_l2: f64,
+}
+
+/// `steps` greedy decode steps after `prompt`, once with the graph-launched step and once with the
+/// megakernel, on two sequences (ids follow the graph's).
+pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<MegakernelReport> {
+    let max_len = prompt.len() + steps + 1;
+    let (mut graph, mut mk) = (CudaSeq::new(cm, max_len)?, CudaSeq::new(cm, max_len)?);
+    graph.set_decode(Decode::Graph);
+    mk.set_decode(Decode::Megakernel);
+    let mut tok = graph.prefill(prompt, false)?.argmax;
+    mk.prefill(prompt, false)?;
+    let want = Want { all_positions: false, logits: true };
+    let mut r = MegakernelReport { identical: 0, ids_equal: 0, max_rel_l2: 0.0 };
+    for _ in 0..steps {
+        let g = graph.forward(&[tok], want)?.remove(0);
+        let m = mk.forward(&[tok], want)?.remove(0);
+        r.identical += usize::from(g.logits == m.logits);
+        r.ids_equal += usize::from(g.argmax == m.argmax);
+        let (gl, ml) = (g.logits.unwrap_or_default(), m.logits.unwrap_or_default());
+        r.max_rel_l2 = r.max_rel_l2.max(rel_l2(&ml, &gl));
+        graph.commit(1)?;
+        mk.commit(1)?;
+        tok = g.argmax;
+    }
+    Ok(r)
+}
+
+/// A megakernel step whose schedule can never be satisfied: how long it took to come back, and
+/// the error it came back with (an `Ok` here means the failure was not detected).
+pub fn megakernel_broken_schedule(cm: &Arc<CudaModel>, prompt: &[u32]) -> Result<(std::time::Duration, String)> {
+    let mut seq = CudaSeq::new(cm, prompt.len() + 2)?;
+    seq.set_decode(Decode::Megakernel);
+    let tok = seq.prefill(prompt, false)?.argmax;
+    // A good step first, so the recorded table exists and the failure is the schedule's alone.
+    seq.forward(&[tok], Want { all_positions: false, logits: false })?;
+    let t = std::time::Instant::now();
+    match seq.megakernel_step_with_broken_schedule(tok) {
+        Ok(()) => Err(Error::msg("a megakernel step with an unsatisfiable schedule reported no error")),
+        Err(e) => Ok((t.elapsed(), e.to_string())),
+    }
 }

@@ -7,41 +7,62 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// `(file name, embedded source)` of every kernel file.
-pub const KERNEL_FILES: [(&str, &str); 6] = [
+pub const KERNEL_FILES: [(&str, &str); 7] = [
     ("matvec.cu", include_str!("../kernels/matvec.cu")),
     ("matvec_mma.cu", include_str!("../kernels/matvec_mma.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("prefill.cu", include_str!("../kernels/prefill.cu")),
     ("synth.cu", include_str!("../kernels/synth.cu")),
+    ("megakernel.cu", include_str!("../kernels/megakernel.cu")),
 ];
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
-/// The source of `file`: from `$MEGAGEMMA_KERNELS/<file>` when set, else the embedded copy; with
-/// `common.cuh` inlined.
-pub fn kernel_source(file: &str) -> Result<String> {
-    let (raw, common) = match std::env::var("MEGAGEMMA_KERNELS") {
+/// The text of one kernel file or `common.cuh`: from `$MEGAGEMMA_KERNELS/<file>` when set, else
+/// the embedded copy.
+fn read_kernel_file(file: &str) -> Result<String> {
+    match std::env::var("MEGAGEMMA_KERNELS") {
         Ok(dir) => {
-            let dir = PathBuf::from(dir);
-            let read = |f: &str| {
-                std::fs::read_to_string(dir.join(f))
-                    .map_err(|e| Error::msg(format!("cannot read kernel {}: {e}", dir.join(f).display())))
-            };
-            (read(file)?, read("common.cuh")?)
+            let path = PathBuf::from(dir).join(file);
+            std::fs::read_to_string(&path)
+                .map_err(|e| Error::msg(format!("cannot read kernel {}: {e}", path.display())))
         }
+        Err(_) if file == "common.cuh" => Ok(COMMON.to_string()),
         Err(_) => match KERNEL_FILES.iter().find(|(n, _)| *n == file) {
-            Some((_, src)) => (src.to_string(), COMMON.to_string()),
+            Some((_, src)) => Ok(src.to_string()),
             None => bail!("no kernel file named {file}"),
         },
-    };
-    Ok(preprocess(&raw, &common))
+    }
 }
 
-/// Replaces the `#include "common.cuh"` line with the header's text (minus its `#pragma once`).
+/// The source of `file` as NVRTC compiles it: `#include`s of other kernel files inlined (the
+/// megakernel includes the stage files), then `common.cuh` inlined once.
+pub fn kernel_source(file: &str) -> Result<String> {
+    let mut lines = Vec::new();
+    for l in read_kernel_file(file)?.lines() {
+        let included = l.trim().strip_prefix("#include \"").and_then(|r| r.strip_suffix('"'));
+        match included {
+            Some(name) if name != "common.cuh" => lines.push(read_kernel_file(name)?),
+            _ => lines.push(l.to_string()),
+        }
+    }
+    Ok(preprocess(&lines.join("\n"), &read_kernel_file("common.cuh")?))
+}
+
+/// Replaces the first `#include "common.cuh"` line with the header's text (minus its `#pragma
+/// once`) and drops any later one.
 pub fn preprocess(src: &str, common: &str) -> String {
     let common: String = common.lines().filter(|l| l.trim() != "#pragma once").collect::<Vec<_>>().join("\n");
+    let mut seen = false;
     src.lines()
-        .map(|l| if l.trim() == "#include \"common.cuh\"" { common.as_str() } else { l })
+        .filter_map(|l| match l.trim() == "#include \"common.cuh\"" {
+            true if seen => None,
+            true => {
+                seen = true;
+                Some(common.as_str())
+            }
+            false => Some(l),
+        })
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -205,7 +226,9 @@ mod tests {
     fn every_kernel_file_includes_common() {
         for (name, src) in KERNEL_FILES {
             assert!(src.contains("#include \"common.cuh\""), "{name}");
-            assert!(!preprocess(src, COMMON).contains("#include"), "{name} still has an include");
+            let full = kernel_source(name).expect("source");
+            assert!(!full.contains("#include"), "{name} still has an include");
+            assert_eq!(full.matches("#define FMT_Q4T").count(), 1, "{name}: common.cuh inlined once");
         }
     }
 }

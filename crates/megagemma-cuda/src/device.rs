@@ -135,7 +135,7 @@ pub const FMT_Q4: i32 = 3;
 pub const FMT_Q4T: i32 = 4;
 
 /// One kernel argument.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub enum Arg {
     Ptr(u64),
     I32(i32),
@@ -198,6 +198,23 @@ pub struct Gpu {
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
     /// `None` without libcublas or with `MEGAGEMMA_CUDA_CUBLAS=0` (passes then take the matvecs).
     pub blas: Option<CudaBlas>,
+    /// While recording (the megakernel's stage table), launches are kept here instead of run.
+    recording: std::sync::Mutex<Option<Vec<Recorded>>>,
+    recording_on: AtomicBool,
+    /// The megakernel (`kernels/megakernel.cu`), compiled on first use.
+    megakernel: std::sync::OnceLock<CudaFunction>,
+    arch: String,
+    device_key: String,
+}
+
+/// A launch kept while recording.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub name: String,
+    pub grid: (u32, u32),
+    pub block: u32,
+    pub smem: u32,
+    pub args: Vec<Arg>,
 }
 
 // SAFETY: the context and stream handles may be used from any thread (the driver API is
@@ -271,6 +288,11 @@ impl Gpu {
             q4_stream: Q4Stream::from_env(),
             profile,
             blas,
+            recording: Default::default(),
+            recording_on: AtomicBool::new(false),
+            megakernel: Default::default(),
+            arch,
+            device_key,
         })
     }
 
@@ -328,11 +350,22 @@ impl Gpu {
 
     /// [`Gpu::launch`] with a two-dimensional grid `(x, y)`.
     pub fn launch_2d(&self, name: &str, grid2: (u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
-        let Some(f) = self.funcs.get(name) else { bail!("no kernel named {name}") };
         let (grid, grid_y) = grid2;
         if grid == 0 || grid_y == 0 {
             return Ok(());
         }
+        if self.recording_on.load(Ordering::Relaxed) {
+            let mut rec = self.recording.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(r) = rec.as_mut() {
+                r.push(Recorded { name: name.to_string(), grid: grid2, block, smem, args: args.to_vec() });
+                return Ok(());
+            }
+        }
+        let f = match self.funcs.get(name) {
+            Some(f) => f,
+            None if name == "megakernel" => self.megakernel_fn()?,
+            None => bail!("no kernel named {name}"),
+        };
         let mut args = args.to_vec();
         let mut ptrs: Vec<*mut c_void> = args.iter_mut().map(Arg::as_mut_ptr).collect();
         if !self.capturing.load(Ordering::Relaxed) {
@@ -405,6 +438,31 @@ impl Gpu {
         e.0 += 1;
         e.1 += t0.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Starts keeping launches instead of running them (see [`Gpu::stop_recording`]).
+    pub fn start_recording(&self) {
+        *self.recording.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        self.recording_on.store(true, Ordering::Relaxed);
+    }
+
+    /// The launches kept since [`Gpu::start_recording`], in order; launches run again.
+    pub fn stop_recording(&self) -> Vec<Recorded> {
+        self.recording_on.store(false, Ordering::Relaxed);
+        self.recording.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default()
+    }
+
+    /// The megakernel, compiled (or read from the kernel cache) on first use.
+    pub fn megakernel_fn(&self) -> Result<&CudaFunction> {
+        if let Some(f) = self.megakernel.get() {
+            return Ok(f);
+        }
+        let cubin = cubin_for("megakernel.cu", &self.arch, &self.device_key)?;
+        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| cuda_err("load megakernel.cu", e))?;
+        let f = module.load_function("megakernel").map_err(|e| cuda_err("function megakernel", e))?;
+        f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 96 * 1024)
+            .map_err(|e| cuda_err("megakernel smem", e))?;
+        Ok(self.megakernel.get_or_init(|| f))
     }
 
     /// While set, kernel launches are being captured into a graph and are not counted.

@@ -20,6 +20,7 @@ pub mod compile;
 pub mod device;
 pub mod libs;
 mod long_pass;
+mod megakernel;
 pub mod model;
 pub mod schedule;
 pub mod seq;
@@ -29,5 +30,6 @@ pub mod weights;
 
 pub use backend::CudaBackend;
 pub use long_pass::FEW_TOKENS;
+pub use megakernel::MK_KERNELS;
 pub use model::CudaModel;
-pub use seq::{CudaSeq, PosOut, Want, MAX_CHUNK, MAX_VERIFY};
+pub use seq::{CudaSeq, Decode, PosOut, Want, MAX_CHUNK, MAX_VERIFY};

@@ -7,6 +7,7 @@
 
 use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T, MMA_KERNELS};
 use crate::long_pass::FEW_TOKENS;
+use crate::megakernel::Megakernel;
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -26,8 +27,7 @@ const PREFILL_CHUNK: usize = 1024;
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
 const ATTENTION_WARPS: usize = 8;
-/// Row elements each thread of `add_norm` keeps in registers (`ADD_NORM_EPT` in `kernels/ops.cu`).
-const ADD_NORM_EPT: usize = 6;
+
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
 const MMA_SLICE_BYTES: usize = 48 * 1024;
@@ -44,6 +44,33 @@ const ARGMAX_SPLIT: usize = 64;
 struct Gate {
     ptr: u64,
     stride: usize,
+}
+
+/// How a single-token pass (decode step) is launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decode {
+    /// The stage kernels captured in a CUDA graph, replayed per token.
+    Graph,
+    /// One persistent kernel running the recorded stages (`megakernel.rs`).
+    Megakernel,
+}
+
+impl Decode {
+    /// `MEGAGEMMA_CUDA_DECODE=megakernel|graph` (default graph).
+    pub fn from_env() -> Decode {
+        std::env::var("MEGAGEMMA_CUDA_DECODE").ok().and_then(|v| v.parse().ok()).unwrap_or(Decode::Graph)
+    }
+}
+
+impl std::str::FromStr for Decode {
+    type Err = megagemma_model::Error;
+    fn from_str(s: &str) -> Result<Decode> {
+        match s {
+            "graph" => Ok(Decode::Graph),
+            "megakernel" => Ok(Decode::Megakernel),
+            other => bail!("unknown decode mode `{other}` (expected graph or megakernel)"),
+        }
+    }
 }
 
 /// What a forward returns per position.
@@ -224,6 +251,8 @@ pub struct CudaSeq {
     /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
     use_graphs: bool,
     decode_graph: Option<CudaGraph>,
+    decode: Decode,
+    megakernel: Option<Megakernel>,
 }
 
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
@@ -283,6 +312,8 @@ impl CudaSeq {
             s,
             use_graphs,
             decode_graph: None,
+            decode: Decode::from_env(),
+            megakernel: None,
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -317,6 +348,7 @@ impl CudaSeq {
         let gpu = &self.model.gpu;
         gpu.sync()?;
         self.decode_graph = None;
+        self.megakernel = None;
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
             c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
@@ -366,6 +398,42 @@ impl CudaSeq {
         g.launch().map_err(|e| cuda_err("graph launch", e))
     }
 
+    /// How single-token passes are launched (both run the same arithmetic).
+    pub fn set_decode(&mut self, decode: Decode) {
+        self.decode = decode;
+    }
+
+    /// The single-token pass in one persistent launch: its launches recorded on first use (as the
+    /// graph captures them), then the megakernel runs the recorded stages. `skew` ≠ 0 makes
+    /// every wait unsatisfiable (the timeout test).
+    fn decode_megakernel(&mut self, skew: u32) -> Result<()> {
+        if self.megakernel.is_none() {
+            let gpu = &self.model.gpu;
+            gpu.start_recording();
+            let ran = self.run(1, 0);
+            let recorded = gpu.stop_recording();
+            ran?;
+            self.megakernel = Some(Megakernel::new(gpu, &recorded)?);
+        }
+        let mk = self.megakernel.as_mut().expect("built above");
+        mk.launch(&self.model.gpu, skew)
+    }
+
+    /// `(stages, blocks)` of the megakernel once a decode step has run with it.
+    pub fn megakernel_shape(&self) -> Option<(usize, u32)> {
+        self.megakernel.as_ref().map(|m| (m.stages(), m.grid()))
+    }
+
+    /// A decode step of `token` through the megakernel with a schedule no wait can satisfy: it
+    /// must come back as an error (the timeout and error flag), not hang. Nothing is staged.
+    pub fn megakernel_step_with_broken_schedule(&mut self, token: u32) -> Result<()> {
+        self.staged = 0;
+        self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
+        self.decode_megakernel(1 << 20)?;
+        self.model.gpu.sync()?;
+        self.megakernel.as_mut().expect("launched").check(&self.model.gpu)
+    }
+
     /// Rows staged by the last forward and not yet committed.
     pub fn staged(&self) -> usize {
         self.staged
@@ -402,7 +470,10 @@ impl CudaSeq {
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
         self.model.gpu.upload(self.s.meta.ptr, &meta)?;
         let first = if want.all_positions { 0 } else { t - 1 };
-        if t == 1 && self.use_graphs {
+        let megakernel = t == 1 && self.use_graphs && self.decode == Decode::Megakernel;
+        if megakernel {
+            self.decode_megakernel(0)?;
+        } else if t == 1 && self.use_graphs {
             self.decode_graph()?;
         } else {
             self.run(t, first)?;
@@ -413,6 +484,9 @@ impl CudaSeq {
         let gpu = &self.model.gpu;
         let mut ids = vec![0u32; n];
         gpu.download(&mut ids, self.s.ids.ptr)?;
+        if megakernel {
+            self.megakernel.as_mut().expect("launched").check(gpu)?;
+        }
         let mut logits = vec![];
         if want.logits {
             logits = vec![0f32; n * v];
@@ -735,7 +809,7 @@ impl CudaSeq {
 
     /// RMSNorm of `chunks` chunks of `dim`: `y = x̂·w` (add: `y += x̂·w`); `w = 0` for no weight.
     fn norm(&self, y: u64, x: u64, w: u64, dim: usize, chunks: usize, add: bool) -> Result<()> {
-        let block = if dim >= 512 { 256 } else { 64 };
+        let block = 256;
         let eps = self.model.plan.eps;
         let args = [Arg::Ptr(y), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(dim as i32), Arg::F32(eps), Arg::I32(add as i32)];
         self.gpu().launch("rms_norm", chunks as u32, block, 0, &args)
@@ -848,7 +922,7 @@ impl CudaSeq {
             Arg::I32(t as i32),
             Arg::F32(eps),
         ];
-        self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 128, 0, &args)?;
+        self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 256, 0, &args)?;
 
         // 12–15: attention over the source layer's cache, O projection, post-attention norm and
         // residual, then the pre-feed-forward norm.
@@ -897,11 +971,8 @@ impl CudaSeq {
             Arg::I32(h as i32),
             Arg::F32(eps),
         ];
-        // Many threads per row: each thread's loads form one dependent chain.
-        let block = if h >= 2048 { 1024 } else { 256 };
-        if h > ADD_NORM_EPT * block {
-            bail!("hidden size {h} is past the residual-norm kernel's {}", ADD_NORM_EPT * block);
-        }
+        // 256 threads per row (every decode-step kernel has blocks of 256, as the megakernel runs them).
+        let block = 256;
         self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
     }
 

@@ -74,6 +74,24 @@ fn verify_columns_equal_decode_steps() {
     assert!(verify_columns(&cm, &prompt, 8).expect("verify").ok(), "synthetic tiny");
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn megakernel_matches_graph_and_fails_cleanly() {
+    for (dir, label, model) in fixture_models() {
+        let cm = CudaModel::load(&model).expect("upload");
+        let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
+        match check::megakernel_matches_graph(&cm, &prompt, 8) {
+            Ok(r) => assert_eq!(r.identical, 8, "{label}: megakernel steps bit-identical to the graph's"),
+            // MoE layers are not among the megakernel's stages yet.
+            Err(e) => assert!(e.to_string().contains("does not run kernel"), "{label}: {e}"),
+        }
+    }
+    let cm = CudaModel::synthetic("tiny", "q4").expect("synthetic");
+    let (took, err) = check::megakernel_broken_schedule(&cm, &[1, 2, 3]).expect("the broken schedule is detected");
+    assert!(took.as_secs_f64() < 1.5, "a broken schedule took {took:?} to fail");
+    assert!(err.contains("megakernel"), "{err}");
+}
+
 /// Without a GPU loading is one clear error; with one, it works.
 #[test]
 fn load_is_one_clear_error_without_a_gpu() {

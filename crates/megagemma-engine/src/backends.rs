@@ -1,7 +1,7 @@
 //! Backend selection: which compute backend runs a loaded model.
 
 use anyhow::{bail, Result};
-use megagemma_cuda::{CudaBackend, CudaModel};
+use megagemma_cuda::{CudaBackend, CudaModel, Decode};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
 use megagemma_model::cpu::CpuBackend;
@@ -46,6 +46,19 @@ pub struct BackendOptions {
     pub kind: BackendKind,
     /// Longest sequence (prompt + generated); `None` = the backend's default.
     pub max_context: Option<usize>,
+    /// CUDA decode steps: a CUDA graph or the persistent megakernel (`None`: the backend's
+    /// default, or `MEGAGEMMA_CUDA_DECODE`).
+    pub decode: Option<Decode>,
+}
+
+impl BackendOptions {
+    fn cuda(&self, cm: Arc<CudaModel>) -> CudaBackend {
+        let b = CudaBackend::new(cm, self.max_context);
+        match self.decode {
+            Some(d) => b.with_decode(d),
+            None => b,
+        }
+    }
 }
 
 /// Open the backend `opts` asks for over `model`.
@@ -74,7 +87,7 @@ pub fn open_backend_with(
         let loaded = CudaModel::load(&model);
         crate::progress::finish(spinner);
         match loaded {
-            Ok(cm) => return Ok(Box::new(CudaBackend::new(cm, opts.max_context))),
+            Ok(cm) => return Ok(Box::new(opts.cuda(cm))),
             Err(e) if opts.kind == BackendKind::Auto => eprintln!("note: CUDA is not usable ({e}); running on the CPU"),
             Err(e) => return Err(e.into()),
         }
@@ -96,7 +109,7 @@ pub fn open_synthetic(name: &str, quant: &str, opts: &BackendOptions) -> Result<
         bail!("--synthetic {name}: synthetic models are built on a GPU, and no CUDA device is available here");
     }
     let cm = CudaModel::synthetic(name, quant)?;
-    Ok(Box::new(CudaBackend::new(cm, opts.max_context)))
+    Ok(Box::new(opts.cuda(cm)))
 }
 
 /// Whether a CUDA driver and at least one device are present (never panics without CUDA).

@@ -41,6 +41,9 @@ pub struct BenchArgs {
     /// Compute backend: cpu, cuda, or auto.
     #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
     pub backend: String,
+    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
+    #[arg(long, value_name = "graph|megakernel")]
+    pub decode: Option<String>,
     /// Worker threads on the CPU (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
@@ -67,7 +70,8 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         bail!("--prompt-len and --tokens must be at least 1");
     }
     let kind: BackendKind = args.backend.parse()?;
-    let opts = BackendOptions { kind, max_context: args.ctx };
+    let decode = args.decode.as_deref().map(str::parse).transpose()?;
+    let opts = BackendOptions { kind, max_context: args.ctx, decode };
     let (label, mut backend): (String, Box<dyn Backend>) = match (&args.model, &args.synthetic) {
         (Some(m), None) => {
             let path = resolve_model(m)?;

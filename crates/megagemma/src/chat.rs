@@ -65,7 +65,7 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, Default::default())?);
     let files = ChatModel::open(&path, &model)?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
-    let mut backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let mut backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None })?;
     let base = files.defaults.sampling_params(args.seed);
     let sampling = if args.greedy {
         SamplingParams::greedy()

@@ -78,6 +78,9 @@ pub struct RunArgs {
     /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
     #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
     pub backend: String,
+    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
+    #[arg(long, value_name = "graph|megakernel")]
+    pub decode: Option<String>,
     /// Context length: the longest prompt + generation a sequence may hold.
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
@@ -211,7 +214,8 @@ pub fn run(args: RunArgs) -> Result<()> {
         Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
         None => None,
     };
-    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx };
+    let decode = args.decode.as_deref().map(str::parse).transpose()?;
+    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
     let mut backend = open_backend_with(model.clone(), assistant, &opts)?;
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {

@@ -95,7 +95,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
         None => None,
     };
-    let backend = open_backend_with(model, assistant, &BackendOptions { kind: backend_kind, max_context: args.ctx })?;
+    let backend = open_backend_with(
+        model,
+        assistant,
+        &BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None },
+    )?;
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
     let config = ServerConfig {
         model_name: model_name.clone(),

@@ -1,0 +1,182 @@
+// The decode step in one persistent launch (first version): the stage kernels of a decode step,
+// recorded on the host as a table of stages (kernel, grid, arguments: src/megakernel.rs), run in
+// order by one grid of co-resident blocks. A stage's blocks are spread over the grid (block b runs
+// the stage's blocks b, b + gridDim, …) through the same device functions the separate kernels
+// call, so every result is bit-identical to the graph-launched step (`gpu_check megakernel`).
+//
+// Between stages: every block signals the stage's own counter (one 128-byte line per stage,
+// monotonic across launches) when it has finished its part (release), and a stage's body waits,
+// where the separate kernel would wait for its predecessor (`pdl_start()`), until the previous
+// stage's counter shows every block finished it (acquire). So weights are still fetched before the
+// wait, as with programmatic dependent launch, and a block with nothing to do in a stage moves on
+// at once. (One shared counter would not do: a block that skips a stage's work would count for a
+// block still busy with the stage before.) Every wait is
+// bounded: past MK_TIMEOUT_NS, or once another block has failed, the block sets the error flag
+// and leaves, so a broken table is an error the host reads, never a hung GPU.
+//
+// This is the stage-by-stage form of issue 10's megakernel (one grid-wide dependency per stage);
+// the job table of src/schedule.rs (dependencies per produced item) is the next step.
+#define MEGAKERNEL 1
+// Activations are written and read by different blocks within the launch, so no load may take
+// the non-coherent read-only path: no `__restrict__` (which lets the compiler use it) and no
+// `__ldg`. Weights still stream through `__ldcs`.
+#define __restrict__
+#define __ldg(p) (*(p))
+#include "common.cuh"
+#include "ops.cu"
+#include "matvec.cu"
+#include "matvec_mma.cu"
+#include "attention.cu"
+
+#define MK_ARGS 26
+#define MK_TIMEOUT_NS 1000000000ull  // 1 s per wait
+
+// One stage (`MkStage` in src/megakernel.rs): kernel id (MK_KERNELS there, the cases below),
+// its grid, whether its body waits itself (`pdl_start()`), and its arguments in 8-byte slots
+// (a Mat takes four).
+struct MkStage {
+  int kernel;
+  int grid;
+  int waits_itself;
+  int pad;
+  u64 a[MK_ARGS];
+};
+
+__shared__ unsigned mk_target;    // counter value that means "done in this launch"
+__shared__ unsigned* mk_counter;  // the previous stage's counter (null in the first stage)
+__shared__ unsigned* mk_err;
+__shared__ int mk_failed;
+
+__device__ __forceinline__ unsigned long long mk_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ void mk_wait() {
+  if (threadIdx.x == 0 && mk_counter && !mk_failed) {
+    const unsigned long long deadline = mk_now() + MK_TIMEOUT_NS;
+    for (unsigned spins = 0;; spins++) {
+      unsigned v;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(mk_counter) : "memory");
+      if ((int)(v - mk_target) >= 0) break;
+      // Back off a little: hundreds of blocks poll the same line while the stage's blocks work.
+      if (spins > 4) __nanosleep(64);
+      if (*(volatile unsigned*)mk_err || mk_now() > deadline) {
+        atomicExch(mk_err, 1u);
+        mk_failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+#define P(T, i) ((T)st.a[i])
+#define I(i) ((int)(unsigned)st.a[i])
+#define F(i) __uint_as_float((unsigned)st.a[i])
+#define M(i) (*(const Mat*)&st.a[i])
+
+// Block `b` of a stage whose launch had `g` blocks; ids as MK_KERNELS in src/megakernel.rs. The
+// matvecs are real calls (BIG_STAGE): inlined into this switch they would share one register
+// allocation with every other stage and spill far more.
+__device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
+  switch (st.kernel) {
+    case 0:  // embed_gather
+      embed_gather_body(b, M(0), P(const unsigned*, 4), P(float*, 5), F(6));
+      break;
+    case 1:  // rms_norm
+      rms_norm_body(b, P(float*, 0), P(const float*, 1), P(const float*, 2), I(3), F(4), I(5));
+      break;
+    case 2:  // qkv_norm_rope
+      qkv_norm_rope_body(b, P(float*, 0), P(const float*, 1), I(2), P(float*, 3), P(const float*, 4), I(5),
+                         P(float*, 6), I(7), P(const float*, 8), I(9), P(const int*, 10), I(11), F(12));
+      break;
+    case 3:  // add_norm
+      add_norm_body(b, P(float*, 0), P(const float*, 1), P(const float*, 2), F(3), P(float*, 4), P(const float*, 5),
+                    I(6), F(7));
+      break;
+    case 4:  // gelu_gate
+      gelu_gate_body(b, P(float*, 0), P(const float*, 1), I(2), I(3), I(4));
+      break;
+    case 5:  // ple_combine
+      ple_combine_body(b, P(float*, 0), M(1), P(const unsigned*, 5), F(6), F(7));
+      break;
+    case 6:  // scale
+      scale_body(b, P(float*, 0), F(1), st.a[2]);
+      break;
+    case 7:  // add
+      add_body(b, P(float*, 0), P(const float*, 1), st.a[2]);
+      break;
+    case 8:  // copy
+      copy_body(b, P(float*, 0), P(const float*, 1), st.a[2]);
+      break;
+    case 9:  // softcap_argmax_partial
+      softcap_argmax_partial_body(b, P(float*, 0), I(1), F(2), P(float2*, 3), I(4));
+      break;
+    case 10:  // argmax_final
+      argmax_final_body(b, P(const float2*, 0), I(1), P(unsigned*, 2));
+      break;
+    case 11:  // matvec
+      matvec_body(b, M(0), P(const float*, 4), P(float*, 5), I(6));
+      break;
+    case 12:  // matvec_q4
+      matvec_q4_run(b, g, M(0), M(4), M(8), P(const float*, 12), P(float*, 13), P(float*, 14), P(float*, 15), I(16),
+                    I(17), I(18), I(19), I(20), I(21));
+      break;
+    case 13:  // matvec_q4_gated
+      matvec_q4_gated_run(b, g, M(0), P(const float*, 4), P(float*, 5), I(6), I(7), P(const float*, 8), I(9), I(10),
+                          I(11));
+      break;
+    case 14:  // attention
+      attention_body(b, P(const float*, 0), P(const float*, 1), P(const float*, 2), P(const float*, 3),
+                     P(const float*, 4), P(float*, 5), I(6), I(7), I(8), P(const int*, 9), I(10), I(11), F(12), I(13),
+                     I(14), P(float*, 15), P(float2*, 16), P(unsigned*, 17));
+      break;
+// The tensor-core matvecs (ids 15–18 plain, 19–22 gated): H token groups of four, UPC scale
+// units per 64 columns.
+#define MK_MMA(ID, H, UPC)                                                                                          \
+  case ID:                                                                                                          \
+    mma_kernel<H, UPC, false>(b, g, M(0), M(4), M(8), P(const float*, 12), P(float*, 13), P(float*, 14),            \
+                              P(float*, 15), I(16), I(17), I(18), I(19), I(20), I(21), I(22), P(float*, 23),        \
+                              P(unsigned*, 24), nullptr, 0);                                                        \
+    break;                                                                                                          \
+  case ID + 4:                                                                                                      \
+    mma_kernel<H, UPC, true>(b, g, M(0), M(0), M(0), P(const float*, 4), P(float*, 5), P(float*, 5), P(float*, 5),  \
+                             I(9), 0, I(6), I(7), I(8), I(9), I(10), P(float*, 11), P(unsigned*, 12),              \
+                             P(const float*, 13), I(14));                                                           \
+    break;
+      MK_MMA(15, 1, 1)  // matvec_q4t_4, matvec_q4t_4_gated
+      MK_MMA(16, 2, 1)  // matvec_q4t_8, matvec_q4t_8_gated
+      MK_MMA(17, 1, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
+      MK_MMA(18, 2, 2)  // matvec_q4t_8_g32, matvec_q4t_8_g32_gated
+#undef MK_MMA
+    default:
+      break;
+  }
+}
+
+// Runs stages [0, n) for one token, the `gen`-th launch: stage s's counter (counters[32·s])
+// reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait.
+extern "C" __global__ void __launch_bounds__(256, 2)
+megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err) {
+  if (threadIdx.x == 0) {
+    mk_target = gen * gridDim.x;
+    mk_err = err;
+    mk_failed = 0;
+  }
+  for (int s = 0; s < n; s++) {
+    const MkStage& st = stages[s];
+    if (threadIdx.x == 0) mk_counter = s > 0 ? counters + 32 * (s - 1) : nullptr;
+    __syncthreads();
+    const int g = st.grid;
+    if (blockIdx.x < g && !st.waits_itself) mk_wait();
+    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch(st, b, g);
+    __syncthreads();
+    if (mk_failed) return;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
+    }
+  }
+}
