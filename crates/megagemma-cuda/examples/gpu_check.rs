@@ -288,7 +288,7 @@ fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
         let vocab = cm.plan().vocab_size as u32;
         let prompt: Vec<u32> = (0..64).map(|i| (i as u32 * 7919 + 11) % vocab).collect();
         for decode in [Decode::Graph, Decode::Megakernel] {
-            let mut seq = CudaSeq::new(&cm, 64 + 256 + 2)?;
+            let mut seq = CudaSeq::new(&cm, 64 + 256 + 4)?;
             seq.set_decode(decode);
             let tok = seq.prefill(&prompt, false)?.argmax;
             let tok = seq.forward(&[tok], Want { all_positions: false, logits: false })?[0].argmax;
@@ -301,6 +301,25 @@ fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
                 256.0 / dt,
                 launches as f64 / 256.0
             );
+            if decode == Decode::Megakernel {
+                // One traced step: where the token's time goes, per stage kernel.
+                seq.set_megakernel_trace(true);
+                let tok = seq.forward(&[tok], Want { all_positions: false, logits: false })?[0].argmax;
+                seq.commit(1)?;
+                seq.forward(&[tok], Want { all_positions: false, logits: false })?;
+                if let Some(t) = seq.megakernel_trace()? {
+                    println!(
+                        "  traced step: {:.1} us; per stage kernel (token time, mean wait, mean work):",
+                        t.total_us()
+                    );
+                    for k in t.by_kernel() {
+                        println!(
+                            "    {:<26} {:>4} stages {:>8.1} us  wait {:>6.2} us  work {:>6.2} us",
+                            k.kernel, k.stages, k.critical_us, k.wait_us, k.work_us
+                        );
+                    }
+                }
+            }
         }
     }
     Ok(ok)

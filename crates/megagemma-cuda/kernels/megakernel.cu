@@ -46,6 +46,7 @@ __shared__ unsigned mk_target;    // counter value that means "done in this laun
 __shared__ unsigned* mk_counter;  // the previous stage's counter (null in the first stage)
 __shared__ unsigned* mk_err;
 __shared__ int mk_failed;
+__shared__ unsigned long long mk_waited;  // when this stage's first wait was satisfied (0: none)
 
 __device__ __forceinline__ unsigned long long mk_now() {
   unsigned long long t;
@@ -68,6 +69,7 @@ __device__ void mk_wait() {
         break;
       }
     }
+    if (!mk_waited) mk_waited = mk_now();
   }
   __syncthreads();
 }
@@ -157,9 +159,12 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
 }
 
 // Runs stages [0, n) for one token, the `gen`-th launch: stage s's counter (counters[32·s])
-// reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait.
+// reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait. trace (when
+// not null): per (block, stage), trace[3·(block·n + s) ..] = %globaltimer at the stage's start, when
+// its wait was satisfied (0 if the block did not wait) and at its end.
 extern "C" __global__ void __launch_bounds__(256, 2)
-megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err) {
+megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
+           unsigned long long* trace) {
   if (threadIdx.x == 0) {
     mk_target = gen * gridDim.x;
     mk_err = err;
@@ -167,13 +172,23 @@ megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsign
   }
   for (int s = 0; s < n; s++) {
     const MkStage& st = stages[s];
-    if (threadIdx.x == 0) mk_counter = s > 0 ? counters + 32 * (s - 1) : nullptr;
+    if (threadIdx.x == 0) {
+      mk_counter = s > 0 ? counters + 32 * (s - 1) : nullptr;
+      mk_waited = 0;
+    }
     __syncthreads();
+    const unsigned long long start = trace && threadIdx.x == 0 ? mk_now() : 0;
     const int g = st.grid;
     if (blockIdx.x < g && !st.waits_itself) mk_wait();
     for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch(st, b, g);
     __syncthreads();
     if (mk_failed) return;
+    if (trace && threadIdx.x == 0) {
+      unsigned long long* t = trace + 3 * ((u64)blockIdx.x * n + s);
+      t[0] = start;
+      t[1] = mk_waited;
+      t[2] = mk_now();
+    }
     if (threadIdx.x == 0) {
       __threadfence();
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");

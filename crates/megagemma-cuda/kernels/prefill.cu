@@ -1,8 +1,8 @@
-// Long passes (prefill chunks of more than 8 tokens): the matrix products run in cuBLAS
+// Long passes (prefill chunks of at least 20 tokens): the matrix products run in cuBLAS
 // (src/long_pass.rs), these kernels prepare their operands and run attention's masked softmax.
 // Attention's products split their operands the same way (queries, keys, values, probabilities).
 // Checked against the CPU reference like every stage: `gpu_check fixtures` and
-// `tests/gpu_forward.rs` prefill 16-token and long prompts through this path.
+// `tests/gpu_forward.rs` prefill long prompts through this path, in one pass and in chunks.
 //
 // Precision: a weight w (exact in f32 after dequantisation) is split into fp16 parts
 // w = w_hi + w_lo, an input x likewise; Σ w·x is taken as Σ (w_hi·x_hi + w_lo·x_hi + w_hi·x_lo)

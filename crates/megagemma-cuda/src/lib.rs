@@ -29,7 +29,7 @@ pub mod tiled;
 pub mod weights;
 
 pub use backend::CudaBackend;
-pub use long_pass::FEW_TOKENS;
-pub use megakernel::MK_KERNELS;
+pub use long_pass::{FEW_TOKENS, LONG_PASS_TOKENS};
+pub use megakernel::{MkKindTime, MkTrace, MK_KERNELS};
 pub use model::CudaModel;
 pub use seq::{CudaSeq, Decode, PosOut, Want, MAX_CHUNK, MAX_VERIFY};

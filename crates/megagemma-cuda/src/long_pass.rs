@@ -1,4 +1,4 @@
-//! Long passes: prefill chunks of more than [`FEW_TOKENS`] tokens, on cuBLAS.
+//! Long passes: prefill chunks of at least [`LONG_PASS_TOKENS`] tokens, on cuBLAS.
 //!
 //! Matrix products run on the tensor cores: each matrix is widened, a block of rows at a time,
 //! into fp16 (high, low) parts in a scratch buffer (`widen_rows` / `widen_tiles` in
@@ -8,8 +8,8 @@
 //! strided-batched products split the same way (scores, then probabilities × values; one batch
 //! entry per KV head) around a masked softmax, over the keys gathered in position order.
 //!
-//! Passes of at most [`FEW_TOKENS`] tokens (decode, speculative verify) never come here, so their
-//! columns stay bit-identical to single steps.
+//! Shorter passes (decode, speculative verify, short prompts) never come here: those of at most
+//! [`FEW_TOKENS`] tokens keep their columns bit-identical to single steps.
 
 use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4T};
 use crate::seq::CudaSeq;
@@ -19,8 +19,13 @@ use megagemma_model::{bail, Result};
 use std::ffi::c_void;
 use std::sync::Mutex;
 
-/// Passes of up to this many tokens take the matvecs and the split-along-keys attention kernel.
+/// Passes of up to this many tokens (decode, verify) run exactly as single steps do.
 pub const FEW_TOKENS: usize = 8;
+/// Passes of at least this many tokens take cuBLAS; shorter ones the matvecs. The crossover
+/// measured on the H200 (synthetic E4B q4 prefill, `gpu_check prefill`): 16 tokens 17.5 ms on the
+/// matvecs against 20.2 on cuBLAS, 64 tokens 60 ms against 20.5 (the widening of every matrix is a
+/// fixed ~19 ms per pass).
+pub const LONG_PASS_TOKENS: usize = 20;
 /// Widened weights (fp16 high and low parts) one block of rows may take.
 const WIDE_BYTES: usize = 256 << 20;
 /// 64-column chunks per block of `widen_tiles` (`WIDEN_CHUNKS` in `kernels/prefill.cu`).
@@ -139,11 +144,11 @@ impl Gemm {
 impl CudaSeq {
     /// Whether a pass of `t` tokens runs here (else on the matvecs and the decode attention kernel).
     pub(crate) fn long_pass(&self, t: usize) -> bool {
-        t > FEW_TOKENS && self.gpu().blas.is_some()
+        t >= LONG_PASS_TOKENS && self.gpu().blas.is_some()
     }
 
     /// `y_i[t] = W_i·x[t]` for matrices of the same width on one input (`gelu(x)·gate` when
-    /// gated), `t` > [`FEW_TOKENS`]. Returns false, having done nothing, for shapes it does not take.
+    /// gated), `t` ≥ [`LONG_PASS_TOKENS`]. Returns false, having done nothing, for shapes it does not take.
     pub(crate) fn gemm(&self, mats: &[(&DevMat, u64)], x: u64, gate: Option<(u64, usize)>, t: usize) -> Result<bool> {
         let cols = mats[0].0.cols as usize;
         if !cols.is_multiple_of(8) || mats.iter().any(|(w, _)| w.cols as usize != cols) {

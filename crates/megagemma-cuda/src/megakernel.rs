@@ -1,8 +1,8 @@
 //! The decode step in one persistent launch (`kernels/megakernel.cu`), first version: the step's
 //! kernel launches are recorded once per sequence (the same calls the graph captures) into a table
 //! of stages in device memory, and one co-resident grid runs them in order through the kernels'
-//! own device functions, a grid-wide counter between stages. Results are bit-identical to the
-//! graph path (`gpu_check megakernel`). Selected with `MEGAGEMMA_CUDA_DECODE=megakernel`.
+//! own device functions, a counter per stage. Results are bit-identical to the graph path
+//! (`gpu_check megakernel`). Selected with `--decode megakernel` or `MEGAGEMMA_CUDA_DECODE=megakernel`.
 
 use crate::device::{cuda_err, Arg, DevBuf, Gpu, Recorded, MMA_KERNELS};
 use megagemma_model::{bail, Result};
@@ -92,10 +92,14 @@ impl MkStage {
     }
 }
 
-/// A sequence's recorded decode step on the device, and its counter.
+/// A sequence's recorded decode step on the device, and its counters.
 pub(crate) struct Megakernel {
     table: DevBuf,
     stages: usize,
+    /// Each stage's kernel, for the trace.
+    names: Vec<&'static str>,
+    /// `[blocks][stages][3]` timestamps of the last launch, when tracing.
+    trace: Option<DevBuf>,
     grid: u32,
     smem: u32,
     /// Per stage (128 bytes apart): blocks that finished it, over all launches; `gen` launches so far.
@@ -105,8 +109,9 @@ pub(crate) struct Megakernel {
 }
 
 impl Megakernel {
-    /// Uploads the recorded launches of one decode step as a stage table.
-    pub(crate) fn new(gpu: &Gpu, recorded: &[Recorded]) -> Result<Megakernel> {
+    /// Uploads the recorded launches of one decode step as a stage table (with a trace buffer
+    /// when `trace`).
+    pub(crate) fn new(gpu: &Gpu, recorded: &[Recorded], trace: bool) -> Result<Megakernel> {
         let stages: Vec<MkStage> = recorded.iter().map(MkStage::new).collect::<Result<_>>()?;
         let smem = recorded.iter().map(|r| r.smem).max().unwrap_or(0);
         if smem > MK_SMEM_MAX {
@@ -124,7 +129,10 @@ impl Megakernel {
         let table = gpu.alloc(std::mem::size_of_val(stages.as_slice()))?;
         gpu.upload(table.ptr, &stages)?;
         let (counters, err) = (gpu.alloc_zeros(stages.len() * 128)?, gpu.alloc_zeros(4)?);
-        Ok(Megakernel { table, stages: stages.len(), grid: per_sm * gpu.sms, smem, counters, gen: 0, err })
+        let grid = per_sm * gpu.sms;
+        let names = stages.iter().map(|s| MK_KERNELS[s.kernel as usize]).collect();
+        let trace = if trace { Some(gpu.alloc_zeros(grid as usize * stages.len() * 3 * 8)?) } else { None };
+        Ok(Megakernel { table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
     }
 
     /// Stages per token.
@@ -152,6 +160,8 @@ impl Megakernel {
                 Arg::Ptr(self.counters.ptr + (first * 128) as u64),
                 Arg::I32(self.gen.wrapping_add(skew) as i32),
                 Arg::Ptr(self.err.ptr),
+                // The trace indexes stages within a launch: only whole-token launches are traced.
+                Arg::Ptr(self.trace.as_ref().filter(|_| !stepwise).map_or(0, |t| t.ptr)),
             ];
             gpu.launch("megakernel", self.grid, MK_THREADS, self.smem, &args)?;
         }
@@ -170,5 +180,142 @@ impl Megakernel {
             bail!("megakernel: a block waited more than a second for a stage (schedule error); the step was abandoned");
         }
         Ok(())
+    }
+}
+
+impl Megakernel {
+    /// The last launch's trace (after the stream has run it), when tracing.
+    pub(crate) fn trace(&self, gpu: &Gpu) -> Result<Option<MkTrace>> {
+        let Some(buf) = &self.trace else { return Ok(None) };
+        let mut t = vec![0u64; self.grid as usize * self.stages * 3];
+        gpu.download(&mut t, buf.ptr)?;
+        Ok(Some(MkTrace { grid: self.grid as usize, stages: self.names.clone(), t }))
+    }
+}
+
+/// One megakernel token as each block saw it: per (block, stage) the `%globaltimer` nanoseconds at
+/// the stage's start, when its wait was satisfied (0: it did not wait) and at its end.
+pub struct MkTrace {
+    pub grid: usize,
+    pub stages: Vec<&'static str>,
+    /// `[grid][stages][3]`.
+    pub t: Vec<u64>,
+}
+
+/// Where a traced token's time went, per stage kernel.
+#[derive(Clone, Debug)]
+pub struct MkKindTime {
+    pub kernel: &'static str,
+    pub stages: usize,
+    /// Token time attributed to these stages: from the previous stage's last block to finish to
+    /// this stage's last block to finish, summed.
+    pub critical_us: f64,
+    /// Mean over the blocks that waited, of the wait (start to satisfied), µs.
+    pub wait_us: f64,
+    /// Mean over the blocks that worked, of the time from the wait (or the start) to the end, µs.
+    pub work_us: f64,
+}
+
+impl MkTrace {
+    fn at(&self, block: usize, stage: usize) -> [u64; 3] {
+        let i = 3 * (block * self.stages.len() + stage);
+        [self.t[i], self.t[i + 1], self.t[i + 2]]
+    }
+
+    /// Wall time of the token, µs (first start to last end).
+    pub fn total_us(&self) -> f64 {
+        let n = self.stages.len();
+        let first = (0..self.grid).map(|b| self.at(b, 0)[0]).min().unwrap_or(0);
+        let last = (0..self.grid).map(|b| self.at(b, n - 1)[2]).max().unwrap_or(0);
+        last.saturating_sub(first) as f64 / 1e3
+    }
+
+    /// Per stage kernel: stages, attributed token time, mean wait and work; largest first.
+    pub fn by_kernel(&self) -> Vec<MkKindTime> {
+        let mut out: Vec<MkKindTime> = Vec::new();
+        let mut prev_end = (0..self.grid).map(|b| self.at(b, 0)[0]).min().unwrap_or(0);
+        for (s, &name) in self.stages.iter().enumerate() {
+            let rows: Vec<[u64; 3]> = (0..self.grid).map(|b| self.at(b, s)).collect();
+            let end = rows.iter().map(|r| r[2]).max().unwrap_or(prev_end);
+            let waited: Vec<&[u64; 3]> = rows.iter().filter(|r| r[1] != 0).collect();
+            let mean =
+                |v: Vec<u64>| if v.is_empty() { 0.0 } else { v.iter().sum::<u64>() as f64 / v.len() as f64 / 1e3 };
+            let wait = mean(waited.iter().map(|r| r[1].saturating_sub(r[0])).collect());
+            let work = mean(waited.iter().map(|r| r[2].saturating_sub(r[1])).collect());
+            let k = match out.iter().position(|k| k.kernel == name) {
+                Some(i) => i,
+                None => {
+                    out.push(MkKindTime { kernel: name, stages: 0, critical_us: 0.0, wait_us: 0.0, work_us: 0.0 });
+                    out.len() - 1
+                }
+            };
+            let e = &mut out[k];
+            // Running means over this kernel's stages.
+            e.wait_us = (e.wait_us * e.stages as f64 + wait) / (e.stages + 1) as f64;
+            e.work_us = (e.work_us * e.stages as f64 + work) / (e.stages + 1) as f64;
+            e.stages += 1;
+            e.critical_us += end.saturating_sub(prev_end) as f64 / 1e3;
+            prev_end = end.max(prev_end);
+        }
+        out.sort_by(|a, b| b.critical_us.total_cmp(&a.critical_us));
+        out
+    }
+
+    /// The trace as JSON (times in ns from the token's first start) for `tools/mk_trace.py`.
+    pub fn to_json(&self) -> String {
+        let first = (0..self.grid).map(|b| self.at(b, 0)[0]).min().unwrap_or(0);
+        let rel = |v: u64| if v == 0 { 0 } else { v.saturating_sub(first) };
+        let rows: Vec<String> = (0..self.grid)
+            .map(|b| {
+                let cells: Vec<String> = (0..self.stages.len())
+                    .map(|s| {
+                        let [a, w, e] = self.at(b, s);
+                        format!("[{},{},{}]", rel(a), rel(w), rel(e))
+                    })
+                    .collect();
+                format!("[{}]", cells.join(","))
+            })
+            .collect();
+        let names: Vec<String> = self.stages.iter().map(|n| format!("\"{n}\"")).collect();
+        format!("{{\"grid\":{},\"stages\":[{}],\"t\":[{}]}}\n", self.grid, names.join(","), rows.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two blocks, three stages: block 0 works in every stage, block 1 only in the last.
+    fn trace() -> MkTrace {
+        #[rustfmt::skip]
+        let t = vec![
+            // block 0: (start, waited, end) per stage
+            1000, 1000, 3000,   3000, 4000, 6000,   6000, 7000, 9000,
+            // block 1
+            1000, 0, 1000,      1000, 0, 1000,      1000, 6500, 10000,
+        ];
+        MkTrace { grid: 2, stages: vec!["embed_gather", "matvec_q4t_4", "matvec_q4t_4"], t }
+    }
+
+    #[test]
+    fn trace_time_is_attributed_to_the_last_block_of_each_stage() {
+        let t = trace();
+        assert_eq!(t.total_us(), 9.0);
+        let k = t.by_kernel();
+        assert_eq!(k[0].kernel, "matvec_q4t_4");
+        assert_eq!(k[0].stages, 2);
+        // Stage 1 ends at 6000 (from 3000), stage 2 at 10000: 3 + 4 µs.
+        assert!((k[0].critical_us - 7.0).abs() < 1e-9, "{}", k[0].critical_us);
+        assert!((k[1].critical_us - 2.0).abs() < 1e-9, "{}", k[1].critical_us);
+        // Waits: stage 1 block 0 waited 1 µs; stage 2: blocks waited 1 and 5.5 µs (mean 3.25).
+        assert!((k[0].wait_us - (1.0 + 3.25) / 2.0).abs() < 1e-9, "{}", k[0].wait_us);
+    }
+
+    #[test]
+    fn trace_json_is_relative_to_the_first_start() {
+        let j = trace().to_json();
+        assert!(j.starts_with("{\"grid\":2,\"stages\":[\"embed_gather\",\"matvec_q4t_4\",\"matvec_q4t_4\"]"), "{j}");
+        assert!(j.contains("[[0,0,2000],[2000,3000,5000],[5000,6000,8000]]"), "{j}");
+        assert!(j.contains("[[0,0,0],[0,0,0],[0,5500,9000]]"), "{j}");
     }
 }

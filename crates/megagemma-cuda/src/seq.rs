@@ -7,7 +7,7 @@
 
 use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T, MMA_KERNELS};
 use crate::long_pass::FEW_TOKENS;
-use crate::megakernel::Megakernel;
+use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
@@ -253,6 +253,8 @@ pub struct CudaSeq {
     decode_graph: Option<CudaGraph>,
     decode: Decode,
     megakernel: Option<Megakernel>,
+    /// Record per-block stage timestamps in the megakernel (`MEGAGEMMA_CUDA_MK_TRACE=FILE` too).
+    trace_megakernel: bool,
 }
 
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
@@ -314,6 +316,7 @@ impl CudaSeq {
             decode_graph: None,
             decode: Decode::from_env(),
             megakernel: None,
+            trace_megakernel: false,
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -413,10 +416,26 @@ impl CudaSeq {
             let ran = self.run(1, 0);
             let recorded = gpu.stop_recording();
             ran?;
-            self.megakernel = Some(Megakernel::new(gpu, &recorded)?);
+            let trace = std::env::var_os("MEGAGEMMA_CUDA_MK_TRACE").is_some() || self.trace_megakernel;
+            self.megakernel = Some(Megakernel::new(gpu, &recorded, trace)?);
         }
         let mk = self.megakernel.as_mut().expect("built above");
         mk.launch(&self.model.gpu, skew)
+    }
+
+    /// Megakernel steps record when each block started, finished waiting and ended each stage
+    /// (from the next recording of the step on).
+    pub fn set_megakernel_trace(&mut self, on: bool) {
+        self.trace_megakernel = on;
+        self.megakernel = None;
+    }
+
+    /// The last megakernel step's trace, when tracing.
+    pub fn megakernel_trace(&self) -> Result<Option<MkTrace>> {
+        match &self.megakernel {
+            Some(m) => m.trace(&self.model.gpu),
+            None => Ok(None),
+        }
     }
 
     /// `(stages, blocks)` of the megakernel once a decode step has run with it.
@@ -486,6 +505,13 @@ impl CudaSeq {
         gpu.download(&mut ids, self.s.ids.ptr)?;
         if megakernel {
             self.megakernel.as_mut().expect("launched").check(gpu)?;
+            // MEGAGEMMA_CUDA_MK_TRACE=FILE: each traced step overwrites FILE (tools/mk_trace.py).
+            if let Some(path) = std::env::var_os("MEGAGEMMA_CUDA_MK_TRACE") {
+                if let Some(t) = self.megakernel.as_ref().expect("launched").trace(gpu)? {
+                    std::fs::write(&path, t.to_json())
+                        .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.to_string_lossy())))?;
+                }
+            }
         }
         let mut logits = vec![];
         if want.logits {

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""One megakernel decode step, as each block saw it.
+
+    MEGAGEMMA_CUDA_MK_TRACE=trace.json megagemma bench --synthetic e4b --quant q4 --backend cuda \
+        --decode megakernel --tokens 8
+    python3 tools/mk_trace.py trace.json [--png timeline.png]
+
+The trace (written by the CUDA backend after every megakernel step; the file holds the last one)
+has, per block and stage, the %globaltimer nanoseconds at the stage's start, when its wait was
+satisfied (0: the block did not wait) and at its end. This prints where the token's time goes per
+stage kernel (the same attribution as `gpu_check megakernel`: from the previous stage's last block
+to finish to this stage's last block to finish) and, with --png, draws a timeline: one row per
+block, grey while waiting, coloured by stage kernel while working (needs matplotlib).
+"""
+import argparse
+import json
+import sys
+
+
+def by_kernel(trace):
+    grid, names, t = trace["grid"], trace["stages"], trace["t"]
+    rows = {}
+    prev_end = min(t[b][0][0] for b in range(grid))
+    for s, name in enumerate(names):
+        cells = [t[b][s] for b in range(grid)]
+        end = max(c[2] for c in cells)
+        waited = [c for c in cells if c[1] != 0]
+        wait = sum(c[1] - c[0] for c in waited) / len(waited) / 1e3 if waited else 0.0
+        work = sum(c[2] - c[1] for c in waited) / len(waited) / 1e3 if waited else 0.0
+        r = rows.setdefault(name, {"stages": 0, "critical_us": 0.0, "wait": [], "work": []})
+        r["stages"] += 1
+        r["critical_us"] += max(0, end - prev_end) / 1e3
+        r["wait"].append(wait)
+        r["work"].append(work)
+        prev_end = max(prev_end, end)
+    return sorted(rows.items(), key=lambda kv: -kv[1]["critical_us"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--png", help="write a timeline picture here")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        trace = json.load(f)
+    grid, names, t = trace["grid"], trace["stages"], trace["t"]
+    total = max(t[b][-1][2] for b in range(grid)) / 1e3
+    print(f"{len(names)} stages on {grid} blocks, {total:.1f} us")
+    print(f"{'stage kernel':<26} {'stages':>6} {'token us':>9} {'share':>6} {'mean wait us':>13} {'mean work us':>13}")
+    for name, r in by_kernel(trace):
+        mean = lambda v: sum(v) / len(v)
+        print(f"{name:<26} {r['stages']:>6} {r['critical_us']:>9.1f} {100 * r['critical_us'] / total:>5.1f}% "
+              f"{mean(r['wait']):>13.2f} {mean(r['work']):>13.2f}")
+    if not args.png:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("--png needs matplotlib (pip install matplotlib)")
+    kinds = sorted(set(names))
+    cmap = plt.get_cmap("tab20")
+    colour = {k: cmap(i % 20) for i, k in enumerate(kinds)}
+    fig, ax = plt.subplots(figsize=(16, 8))
+    for b in range(grid):
+        waits, works = [], {k: [] for k in kinds}
+        for s, name in enumerate(names):
+            start, waited, end = t[b][s]
+            if waited > start:
+                waits.append((start / 1e3, (waited - start) / 1e3))
+            begin = max(start, waited)
+            if end > begin:
+                works[name].append((begin / 1e3, (end - begin) / 1e3))
+        ax.broken_barh(waits, (b, 0.9), facecolors="0.85")
+        for k, spans in works.items():
+            if spans:
+                ax.broken_barh(spans, (b, 0.9), facecolors=colour[k])
+    ax.set_xlabel("us since the token's first stage began")
+    ax.set_ylabel("block")
+    ax.set_title(f"megakernel decode step: {len(names)} stages, {total:.0f} us (grey: waiting)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[k]) for k in kinds]
+    ax.legend(handles, kinds, loc="upper right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    print(f"timeline: {args.png}")
+
+
+if __name__ == "__main__":
+    main()
