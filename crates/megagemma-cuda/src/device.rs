@@ -61,7 +61,7 @@ pub const MMA_KERNELS: [&str; 8] = [
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
 /// stream serialization, so each may start (and prefetch its weights) while the kernel before it
 /// finishes.
-const PDL_KERNELS: [&str; 16] = [
+pub(crate) const PDL_KERNELS: [&str; 16] = [
     "matvec_experts",
     "matvec",
     "matvec_q4",

@@ -312,6 +312,31 @@ mod tests {
     }
 
     #[test]
+    fn stage_ids_match_the_kernel_file_and_every_stage_waits_itself() {
+        let src = include_str!("../kernels/megakernel.cu");
+        for (id, name) in MK_KERNELS.iter().enumerate() {
+            // `case ID:  // name` for the plain stages; MK_MMA(ID, …) // name, name_gated.
+            let plain = format!("case {id}:  // {name}\n");
+            let mma = MMA_KERNELS.iter().position(|k| k == name).map(|i| {
+                // The gated entry of MK_MMA(ID) is ID + 4.
+                let first = if i < 4 { id } else { id - 4 };
+                let base = MMA_KERNELS[first - 15];
+                (format!("MK_MMA({first}, "), format!("// {base}, {base}_gated"))
+            });
+            let found = match &mma {
+                Some((call, comment)) => src.lines().any(|l| l.contains(call) && l.contains(comment)),
+                None => src.contains(&plain),
+            };
+            assert!(found, "stage id {id} ({name}) is not dispatched as such in megakernel.cu");
+            // MkStage::new marks every stage as waiting inside its body (pdl_start).
+            assert!(
+                crate::device::PDL_KERNELS.contains(name) || MMA_KERNELS.contains(name),
+                "{name} does not call pdl_start()"
+            );
+        }
+    }
+
+    #[test]
     fn trace_json_is_relative_to_the_first_start() {
         let j = trace().to_json();
         assert!(j.starts_with("{\"grid\":2,\"stages\":[\"embed_gather\",\"matvec_q4t_4\",\"matvec_q4t_4\"]"), "{j}");
