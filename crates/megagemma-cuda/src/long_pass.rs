@@ -40,6 +40,8 @@ pub(crate) struct Workspace {
     bufs: Mutex<[Option<DevBuf>; 8]>,
 }
 
+/// What a workspace buffer holds: widened weights, split inputs; attention's queries, outputs,
+/// gathered keys and values, scores and probabilities.
 #[derive(Clone, Copy)]
 enum Slot {
     Wide,
@@ -80,13 +82,16 @@ fn op(transpose: bool) -> bsys::cublasOperation_t {
 }
 
 /// One column-major cuBLAS product `C = op(A)·op(B) + beta·C` (`m × n`, inner size `k`), `batch`
-/// times with the given element strides; fp16 operands (`half`) or f32, f32 results, f32 sums.
+/// times; fp16 operands (`half`) or f32, f32 results, f32 sums. A row-major `[r, c]` array is a
+/// column-major `[c, r]` one, so the callers' row-major products appear here transposed.
 struct Gemm {
+    /// Transpose A / B.
     ta: bool,
     tb: bool,
     m: usize,
     n: usize,
     k: usize,
+    /// (device pointer, leading dimension, stride between batch entries), in elements.
     a: (u64, usize, usize),
     b: (u64, usize, usize),
     c: (u64, usize, usize),
