@@ -42,6 +42,9 @@ const GROUP_BLOCKS: usize = 8;
 const GROUP_BYTES: usize = 4 * 64;
 /// Vectors quantized per parallel task.
 const QUANT_TASK: usize = 8;
+/// Vectors a row pair is multiplied with per decode: their inputs (~2.3 KB per vector at a width of
+/// 640, ~7 KB at 2048) stay in a core's L2 while the rows stream past.
+const TOKEN_BLOCK: usize = 128;
 
 /// Whether the integer kernels run on this machine: AVX-512 with VNNI (and the byte/word forms,
 /// VBMI and F16C), unless `MEGAGEMMA_INT_DOT=0` turns them off.
@@ -470,7 +473,10 @@ mod avx512 {
         out
     }
 
-    /// Rows `start .. start + n`, each decoded once (two at a time), times every vector.
+    /// Rows `start .. start + n`, two at a time, times every vector: for each block of at most
+    /// `TOKEN_BLOCK` vectors (whose inputs stay in L2 while every row streams past them), each
+    /// row is decoded once. Every (row, vector) product is the same arithmetic whatever the
+    /// blocking and the tile width, so results do not depend on the number of vectors.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     pub(super) unsafe fn rows<F: Format>(
         data: &[u8],
@@ -489,43 +495,46 @@ mod avx512 {
                 *slot = F::decode(p, row_bytes, g);
             }
         };
-        let mut r = 0;
-        while r + 2 <= n {
-            let (a, b) = dec.split_at_mut(groups);
-            decode_row(r, a);
-            decode_row(r + 1, b);
-            let rows = [&a[..], &b[..]];
-            let mut ti = 0;
-            while ti + 4 <= t {
-                let ys = tile::<F, 2, 4>(rows, x, ti);
-                for (dr, yr) in ys.iter().enumerate() {
-                    for (j, y) in yr.iter().enumerate() {
-                        outs[(ti + j) * n + r + dr] = *y;
+        for t0 in (0..t).step_by(TOKEN_BLOCK) {
+            let t1 = t.min(t0 + TOKEN_BLOCK);
+            let mut r = 0;
+            while r + 2 <= n {
+                let (a, b) = dec.split_at_mut(groups);
+                decode_row(r, a);
+                decode_row(r + 1, b);
+                let rows = [&a[..], &b[..]];
+                let mut ti = t0;
+                while ti + 4 <= t1 {
+                    let ys = tile::<F, 2, 4>(rows, x, ti);
+                    for (dr, yr) in ys.iter().enumerate() {
+                        for (j, y) in yr.iter().enumerate() {
+                            outs[(ti + j) * n + r + dr] = *y;
+                        }
                     }
+                    ti += 4;
                 }
-                ti += 4;
-            }
-            for ti in ti..t {
-                let ys = tile::<F, 2, 1>(rows, x, ti);
-                outs[ti * n + r] = ys[0][0];
-                outs[ti * n + r + 1] = ys[1][0];
-            }
-            r += 2;
-        }
-        if r < n {
-            let a = &mut dec[..groups];
-            decode_row(r, a);
-            let rows = [&a[..]];
-            let mut ti = 0;
-            while ti + 4 <= t {
-                let ys = tile::<F, 1, 4>(rows, x, ti);
-                for (j, y) in ys[0].iter().enumerate() {
-                    outs[(ti + j) * n + r] = *y;
+                for ti in ti..t1 {
+                    let ys = tile::<F, 2, 1>(rows, x, ti);
+                    outs[ti * n + r] = ys[0][0];
+                    outs[ti * n + r + 1] = ys[1][0];
                 }
-                ti += 4;
+                r += 2;
             }
-            for ti in ti..t {
-                outs[ti * n + r] = tile::<F, 1, 1>(rows, x, ti)[0][0];
+            if r < n {
+                let a = &mut dec[..groups];
+                decode_row(r, a);
+                let rows = [&a[..]];
+                let mut ti = t0;
+                while ti + 4 <= t1 {
+                    let ys = tile::<F, 1, 4>(rows, x, ti);
+                    for (j, y) in ys[0].iter().enumerate() {
+                        outs[(ti + j) * n + r] = *y;
+                    }
+                    ti += 4;
+                }
+                for ti in ti..t1 {
+                    outs[ti * n + r] = tile::<F, 1, 1>(rows, x, ti)[0][0];
+                }
             }
         }
     }
@@ -687,6 +696,29 @@ mod tests {
                 for r in 0..3 {
                     assert_eq!(part[ti * 3 + r].to_bits(), outs[ti * rows + 3 + r].to_bits(), "{ty}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn vectors_across_token_blocks_equal_lone_vectors() {
+        if !enabled() {
+            return; // the integer kernels cannot run here (checked by the test above)
+        }
+        // Two whole blocks of vectors and a partial third (a tile of 4 and single columns).
+        let (ty, cols, rows, t) = (GgmlType::Q4_K, 256, 3, 2 * TOKEN_BLOCK + 6);
+        let data = random_rows(ty, rows, cols, 11);
+        let rb = ty.row_bytes(cols).unwrap();
+        let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
+        let x = IntInputs::quantize(&xs, cols);
+        let mut outs = vec![0f32; t * rows];
+        dot_rows(ty, &data, rb, 0, &x, &mut outs);
+        for ti in [0, 1, TOKEN_BLOCK - 1, TOKEN_BLOCK, 2 * TOKEN_BLOCK + 3, t - 1] {
+            let one = IntInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+            let mut single = vec![0f32; rows];
+            dot_rows(ty, &data, rb, 0, &one, &mut single);
+            for r in 0..rows {
+                assert_eq!(outs[ti * rows + r].to_bits(), single[r].to_bits(), "row {r} vector {ti} of {t}");
             }
         }
     }
