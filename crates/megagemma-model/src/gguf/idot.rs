@@ -502,39 +502,42 @@ mod avx512 {
                 let (a, b) = dec.split_at_mut(groups);
                 decode_row(r, a);
                 decode_row(r + 1, b);
-                let rows = [&a[..], &b[..]];
-                let mut ti = t0;
-                while ti + 4 <= t1 {
-                    let ys = tile::<F, 2, 4>(rows, x, ti);
-                    for (dr, yr) in ys.iter().enumerate() {
-                        for (j, y) in yr.iter().enumerate() {
-                            outs[(ti + j) * n + r + dr] = *y;
-                        }
-                    }
-                    ti += 4;
-                }
-                for ti in ti..t1 {
-                    let ys = tile::<F, 2, 1>(rows, x, ti);
-                    outs[ti * n + r] = ys[0][0];
-                    outs[ti * n + r + 1] = ys[1][0];
-                }
+                times_vectors::<F, 2>([&a[..], &b[..]], x, t0..t1, outs, n, r);
                 r += 2;
             }
             if r < n {
                 let a = &mut dec[..groups];
                 decode_row(r, a);
-                let rows = [&a[..]];
-                let mut ti = t0;
-                while ti + 4 <= t1 {
-                    let ys = tile::<F, 1, 4>(rows, x, ti);
-                    for (j, y) in ys[0].iter().enumerate() {
-                        outs[(ti + j) * n + r] = *y;
-                    }
-                    ti += 4;
+                times_vectors::<F, 1>([&a[..]], x, t0..t1, outs, n, r);
+            }
+        }
+    }
+
+    /// `R` decoded rows (`r ..`) times vectors `ts`, in tiles of four and then one at a time, into
+    /// `outs` (`[vector][n]`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+    unsafe fn times_vectors<F: Format, const R: usize>(
+        rows: [&[DecGroup]; R],
+        x: &IntInputs,
+        ts: std::ops::Range<usize>,
+        outs: &mut [f32],
+        n: usize,
+        r: usize,
+    ) {
+        let mut ti = ts.start;
+        while ti + 4 <= ts.end {
+            let ys = tile::<F, R, 4>(rows, x, ti);
+            for (dr, yr) in ys.iter().enumerate() {
+                for (j, y) in yr.iter().enumerate() {
+                    outs[(ti + j) * n + r + dr] = *y;
                 }
-                for ti in ti..t1 {
-                    outs[ti * n + r] = tile::<F, 1, 1>(rows, x, ti)[0][0];
-                }
+            }
+            ti += 4;
+        }
+        for ti in ti..ts.end {
+            let ys = tile::<F, R, 1>(rows, x, ti);
+            for (dr, y) in ys.iter().enumerate() {
+                outs[ti * n + r + dr] = y[0];
             }
         }
     }
