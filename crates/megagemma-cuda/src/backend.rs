@@ -115,8 +115,11 @@ impl Backend for CudaBackend {
         Ok(id)
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
-        self.seq_mut(seq)?;
-        Err(Error::msg("fork is not available on the CUDA backend yet: prefill a new sequence instead"))
+        let copy = self.seq_mut(seq)?.fork()?;
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, copy);
+        Ok(id)
     }
     fn free(&mut self, seq: SeqId) -> Result<()> {
         self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))

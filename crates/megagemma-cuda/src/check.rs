@@ -239,3 +239,40 @@ pub fn megakernel_broken_schedule(cm: &Arc<CudaModel>, prompt: &[u32]) -> Result
         Err(e) => Ok((t.elapsed(), e.to_string())),
     }
 }
+
+/// How a forked sequence continues against its original and a fresh run.
+pub struct ForkReport {
+    pub steps: usize,
+    /// Steps whose logits equal the original's bit for bit (fork and original fed the same ids).
+    pub identical: usize,
+    /// Greedy ids of the fork equal those of a fresh sequence prefilled with the same prompt.
+    pub ids_equal_fresh: bool,
+}
+
+impl ForkReport {
+    pub fn ok(&self) -> bool {
+        self.identical == self.steps && self.ids_equal_fresh
+    }
+}
+
+/// Prefills `prompt`, forks the sequence, then runs `steps` greedy steps on the fork and on the
+/// original (the original first, so it writes its cache after the fork was taken).
+pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<ForkReport> {
+    let max_len = prompt.len() + steps + 1;
+    let mut orig = CudaSeq::new(cm, max_len)?;
+    let first = orig.prefill(prompt, false)?.argmax;
+    let mut fork = orig.fork()?;
+    let want = Want { all_positions: false, logits: true };
+    let (mut tok, mut ids, mut identical) = (first, vec![first], 0);
+    for _ in 1..steps {
+        let o = orig.forward(&[tok], want)?.remove(0);
+        orig.commit(1)?;
+        let f = fork.forward(&[tok], want)?.remove(0);
+        fork.commit(1)?;
+        identical += usize::from(o.logits == f.logits);
+        tok = f.argmax;
+        ids.push(tok);
+    }
+    let (fresh, _) = cuda_greedy(cm, prompt, steps, None)?;
+    Ok(ForkReport { steps: steps - 1, identical, ids_equal_fresh: fresh == ids })
+}

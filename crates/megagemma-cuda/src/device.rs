@@ -174,10 +174,23 @@ impl Drop for DevBuf {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated by `Gpu::alloc` in this context and freed once.
-            unsafe {
+            // The free synchronises the device: never during another thread's graph capture.
+            crate::capture::device_wide(|| unsafe {
                 let _ = result::free_sync(self.ptr);
-            }
+            });
         }
+    }
+}
+
+impl Drop for Gpu {
+    /// Destroying the cuBLAS handle and unloading the modules synchronise the device: never
+    /// during another thread's graph capture.
+    fn drop(&mut self) {
+        crate::capture::device_wide(|| {
+            self.blas = None;
+            self.funcs.clear();
+            self.megakernel.take();
+        });
     }
 }
 
@@ -226,6 +239,10 @@ unsafe impl Sync for Gpu {}
 impl Gpu {
     /// Opens device 0, compiles (or loads from the cache) every kernel module.
     pub fn new() -> Result<Gpu> {
+        crate::capture::device_wide(Gpu::open)
+    }
+
+    fn open() -> Result<Gpu> {
         if !driver_present() {
             bail!("no CUDA device found: the CUDA driver library (libcuda.so.1) could not be loaded");
         }
@@ -254,7 +271,8 @@ impl Gpu {
         for (file, names) in FUNCTIONS {
             debug_assert!(KERNEL_FILES.iter().any(|(f, _)| *f == file));
             let cubin = cubin_for(file, &arch, &device_key)?;
-            let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| cuda_err(&format!("load {file}"), e))?;
+            let module = crate::capture::device_wide(|| ctx.load_module(Ptx::from_binary(cubin)))
+                .map_err(|e| cuda_err(&format!("load {file}"), e))?;
             for &n in names {
                 let f = module.load_function(n).map_err(|e| cuda_err(&format!("function {n}"), e))?;
                 funcs.insert(n, f);
@@ -273,7 +291,9 @@ impl Gpu {
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
         let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
         let blas = match std::env::var("MEGAGEMMA_CUDA_CUBLAS").map_or(true, |v| v != "0") && cublas_present() {
-            true => Some(CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?),
+            true => {
+                Some(crate::capture::device_wide(|| CudaBlas::new(stream.clone())).map_err(|e| cuda_err("cuBLAS", e))?)
+            }
             false => None,
         };
         Ok(Gpu {
@@ -299,7 +319,7 @@ impl Gpu {
     pub fn alloc(&self, bytes: usize) -> Result<DevBuf> {
         self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
         // SAFETY: a plain device allocation of at least one byte.
-        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }
+        let ptr = crate::capture::device_wide(|| unsafe { result::malloc_sync(bytes.max(1)) })
             .map_err(|e| cuda_err(&format!("allocating {} MB", bytes >> 20), e))?;
         Ok(DevBuf { ptr, bytes, ctx: self.ctx.clone() })
     }
@@ -337,6 +357,17 @@ impl Gpu {
             result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()).map_err(|e| cuda_err("download", e))?;
         }
         self.sync()
+    }
+
+    /// Device → device copy of `bytes` (ordered on the stream).
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: the caller sized both allocations for `bytes`; both live on this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| cuda_err("device copy", e))
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -458,7 +489,8 @@ impl Gpu {
             return Ok(f);
         }
         let cubin = cubin_for("megakernel.cu", &self.arch, &self.device_key)?;
-        let module = self.ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| cuda_err("load megakernel.cu", e))?;
+        let module = crate::capture::device_wide(|| self.ctx.load_module(Ptx::from_binary(cubin)))
+            .map_err(|e| cuda_err("load megakernel.cu", e))?;
         let f = module.load_function("megakernel").map_err(|e| cuda_err("function megakernel", e))?;
         f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 96 * 1024)
             .map_err(|e| cuda_err("megakernel smem", e))?;

@@ -18,6 +18,7 @@
 //! (the megakernel's per-block trace of each step).
 
 pub mod backend;
+mod capture;
 pub mod check;
 pub mod compile;
 pub mod device;

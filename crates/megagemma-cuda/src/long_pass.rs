@@ -111,37 +111,40 @@ impl Gemm {
             let kind = if self.half { "f16 split" } else { "f32" };
             format!("cuBLAS {kind} {}x{}x{} batch {}", self.m, self.n, self.k, self.batch)
         };
-        gpu.timed(key, || {
-            // SAFETY: every pointer is a live device allocation sized by the caller for these shapes;
-            // alpha and beta are host values read during the call; the handle is on the model's stream.
-            unsafe {
-                blas::gemm_strided_batched_ex(
-                    *h.handle(),
-                    op(self.ta),
-                    op(self.tb),
-                    int(self.m)?,
-                    int(self.n)?,
-                    int(self.k)?,
-                    &alpha as *const f32 as *const c_void,
-                    a.0 as *const c_void,
-                    ty,
-                    int(a.1)?,
-                    a.2 as i64,
-                    b.0 as *const c_void,
-                    ty,
-                    int(b.1)?,
-                    b.2 as i64,
-                    &beta as *const f32 as *const c_void,
-                    c.0 as *mut c_void,
-                    bsys::cudaDataType_t::CUDA_R_32F,
-                    int(c.1)?,
-                    c.2 as i64,
-                    int(self.batch)?,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| cuda_err("cuBLAS GEMM", e))
+        // cuBLAS may allocate on its first use of a shape: not during another thread's capture.
+        crate::capture::device_wide(|| {
+            gpu.timed(key, || {
+                // SAFETY: every pointer is a live device allocation sized by the caller for these shapes;
+                // alpha and beta are host values read during the call; the handle is on the model's stream.
+                unsafe {
+                    blas::gemm_strided_batched_ex(
+                        *h.handle(),
+                        op(self.ta),
+                        op(self.tb),
+                        int(self.m)?,
+                        int(self.n)?,
+                        int(self.k)?,
+                        &alpha as *const f32 as *const c_void,
+                        a.0 as *const c_void,
+                        ty,
+                        int(a.1)?,
+                        a.2 as i64,
+                        b.0 as *const c_void,
+                        ty,
+                        int(b.1)?,
+                        b.2 as i64,
+                        &beta as *const f32 as *const c_void,
+                        c.0 as *mut c_void,
+                        bsys::cudaDataType_t::CUDA_R_32F,
+                        int(c.1)?,
+                        c.2 as i64,
+                        int(self.batch)?,
+                        bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| cuda_err("cuBLAS GEMM", e))
+            })
         })
     }
 }

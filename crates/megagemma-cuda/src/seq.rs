@@ -361,6 +361,28 @@ impl CudaSeq {
         self.upload_kv_table()
     }
 
+    /// A new sequence holding a copy of this one's committed positions (staged rows are not
+    /// copied) and its settings: each cache layer's K/V rows copied on the device — the whole ring
+    /// of a sliding layer, the first `len` rows of a full one.
+    pub fn fork(&self) -> Result<CudaSeq> {
+        let mut copy = CudaSeq::new(&self.model, self.max_len)?;
+        let gpu = &self.model.gpu;
+        for (dst, src) in copy.caches.iter().zip(&self.caches) {
+            if let (Some(d), Some(s)) = (dst, src) {
+                let rows = if s.ring > 0 { s.ring } else { self.len };
+                gpu.copy(d.k.ptr, s.k.ptr, f32s(rows * s.width))?;
+                gpu.copy(d.v.ptr, s.v.ptr, f32s(rows * s.width))?;
+            }
+        }
+        copy.len = self.len;
+        copy.prefill_chunk = self.prefill_chunk;
+        copy.use_graphs = self.use_graphs;
+        copy.decode = self.decode;
+        copy.trace_megakernel = self.trace_megakernel;
+        gpu.sync()?;
+        Ok(copy)
+    }
+
     /// Committed positions.
     pub fn len(&self) -> usize {
         self.len
@@ -383,14 +405,17 @@ impl CudaSeq {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         if self.decode_graph.is_none() {
             let stream = self.model.gpu.stream.clone();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| cuda_err("begin capture", e))?;
-            self.model.gpu.set_capturing(true);
-            let ran = self.run(1, 0);
-            self.model.gpu.set_capturing(false);
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
-            ran?;
+            let graph = crate::capture::capture(|| {
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(|e| cuda_err("begin capture", e))?;
+                self.model.gpu.set_capturing(true);
+                let ran = self.run(1, 0);
+                self.model.gpu.set_capturing(false);
+                let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
+                ran?;
+                graph
+            });
             match graph? {
                 Some(g) => self.decode_graph = Some(g),
                 None => bail!("CUDA graph capture of the decode step produced no graph"),

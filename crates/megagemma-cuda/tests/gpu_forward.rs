@@ -103,3 +103,25 @@ fn load_is_one_clear_error_without_a_gpu() {
         assert!(err.to_string().starts_with("no CUDA device found:"), "{err}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn forked_sequences_continue_like_the_original() {
+    for (dir, label, model) in fixture_models() {
+        let cm = CudaModel::load(&model).expect("upload");
+        let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
+        // Also past several sliding-window wraps, so the copied rings are read in full.
+        let long = long_prompt(&prompt, model.plan.vocab_size, 160);
+        for p in [prompt, long] {
+            let r = check::fork_matches(&cm, &p, 12).expect("fork");
+            assert!(
+                r.ok(),
+                "{label} ({} tokens): {}/{} steps identical, ids equal a fresh run: {}",
+                p.len(),
+                r.identical,
+                r.steps,
+                r.ids_equal_fresh
+            );
+        }
+    }
+}
