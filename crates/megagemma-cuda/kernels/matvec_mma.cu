@@ -65,18 +65,112 @@ __device__ __forceinline__ void q4_fragment(unsigned w, unsigned a[4]) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(a[3]) : "r"(hi1), "r"(0x2C002C00u), "r"(0xD480D480u));
 }
 
+// The `add_norm` (ops.cu) of the sub-block before this matvec, folded into its input (`o`
+// non-null): x' = (x + norm(o)·w1)·scale is the new residual and the input is norm(x')·w2 (or x'
+// itself when w2 is null). Every block recomputes it for its tokens — the two row statistics, then
+// the inputs element by element — with the operations and sums of `add_norm_body` in the same
+// order, so the bits are those of the separate kernel; block 0 writes x' to `x_out`, never to `x`,
+// which the other blocks are still reading. Rows are `cols` wide.
+struct Residual {
+  const float* x;
+  const float* o;
+  const float* w1;
+  const float* w2;
+  float* x_out;
+  float scale;
+  float eps;
+};
+
+// 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j]; block 0 also writes x'.
+// Called by every thread of the block. As in `add_norm_body`, rows of up to RES_EPT·blockDim
+// elements keep each thread's elements (i = tid + e·blockDim) in registers, all loaded at once:
+// one load round trip, not one per element.
+#define RES_EPT 12
+__device__ __forceinline__ void residual_stats(const Residual& res, int j, int dim, bool write, float r[2][8]) {
+  const u64 base = (u64)j * dim;
+  const bool in_regs = dim <= RES_EPT * (int)blockDim.x;
+  float ov[RES_EPT], xv[RES_EPT];
+  double ss = 0.0;
+  if (in_regs) {
+#pragma unroll
+    for (int e = 0; e < RES_EPT; e++) {
+      const int i = threadIdx.x + e * blockDim.x;
+      ov[e] = i < dim ? res.o[base + i] : 0.f;
+      xv[e] = i < dim ? res.x[base + i] : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < RES_EPT; e++) {
+      const double v = ov[e];
+      if (threadIdx.x + e * blockDim.x < dim) ss += v * v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+      const double v = res.o[base + i];
+      ss += v * v;
+    }
+  }
+  ss = block_sum_d(ss);
+  const float r1 = (float)(1.0 / sqrt(ss / (double)dim + (double)res.eps));
+  double ss2 = 0.0;
+  if (in_regs) {
+#pragma unroll
+    for (int e = 0; e < RES_EPT; e++) {
+      const int i = threadIdx.x + e * blockDim.x;
+      if (i >= dim) continue;
+      float v = __fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r1), res.w1[i]));
+      if (res.scale != 1.f) v = __fmul_rn(v, res.scale);
+      if (write) res.x_out[base + i] = v;
+      ss2 += (double)v * (double)v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+      float v = __fadd_rn(res.x[base + i], __fmul_rn(__fmul_rn(res.o[base + i], r1), res.w1[i]));
+      if (res.scale != 1.f) v = __fmul_rn(v, res.scale);
+      if (write) res.x_out[base + i] = v;
+      ss2 += (double)v * (double)v;
+    }
+  }
+  ss2 = block_sum_d(ss2);
+  if (threadIdx.x == 0) {
+    r[0][j] = r1;
+    r[1][j] = (float)(1.0 / sqrt(ss2 / (double)dim + (double)res.eps));
+  }
+}
+
+// Four input elements k .. k+3 of token j with the residual step folded in (see `Residual`).
+__device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8]) {
+  const u64 at = (u64)j * dim + k;
+  const float4 x = *(const float4*)(res.x + at), o = *(const float4*)(res.o + at), w1 = *(const float4*)(res.w1 + k);
+  const float xs[4] = {x.x, x.y, x.z, x.w}, os[4] = {o.x, o.y, o.z, o.w}, w1s[4] = {w1.x, w1.y, w1.z, w1.w};
+  float v[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    v[e] = __fadd_rn(xs[e], __fmul_rn(__fmul_rn(os[e], r[0][j]), w1s[e]));
+    if (res.scale != 1.f) v[e] = __fmul_rn(v[e], res.scale);
+  }
+  if (res.w2) {
+    const float4 w2 = *(const float4*)(res.w2 + k);
+    v[0] = __fmul_rn(__fmul_rn(v[0], r[1][j]), w2.x);
+    v[1] = __fmul_rn(__fmul_rn(v[1], r[1][j]), w2.y);
+    v[2] = __fmul_rn(__fmul_rn(v[2], r[1][j]), w2.z);
+    v[3] = __fmul_rn(__fmul_rn(v[3], r[1][j]), w2.w);
+  }
+  return make_float4(v[0], v[1], v[2], v[3]);
+}
+
 // Shared memory of one block, for the chunks [c0, c0 + n) of a slice:
 //   xf[(kt·H + h)·32 + lane] = uint2 (b0, b1): B fragment of local k-tile kt for lane (gid, tig)
 //     of token group h (tokens 4h .. 4h+3), stored only for the lanes that carry a token below m
 //     (gid < 2·(m − 4h): column 2j holds token j's fp16 high parts, column 2j+1 its low parts);
 //     the other lanes multiply zeros.
 //   xs[u·8 + j] = Σ x over local unit u (64 / UPC columns) for token j, in a fixed order.
-// With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0).
+// With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0);
+// with `res.o` set, the residual step and norm before the matvec (`Residual`; stats in rstat).
 // Every value depends only on its own token's inputs, never on m.
 template <int H, int UPC, bool GATED>
 __device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* __restrict__ x,
                                              const float* __restrict__ gate, int gstride, int cols, int m, int c0,
-                                             int n) {
+                                             int n, const Residual& res, const float rstat[2][8]) {
   constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
@@ -90,7 +184,7 @@ __device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* 
       const int j = e / per_token, k = c0 * 64 + 4 * (e % per_token);
       v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
       if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
-        const float4 t = *(const float4*)(x + (u64)j * cols + k);
+        const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat) : *(const float4*)(x + (u64)j * cols + k);
         v[r][0] = t.x, v[r][1] = t.y, v[r][2] = t.z, v[r][3] = t.w;
         if (GATED) {
           const float4 g = *(const float4*)(gate + (u64)j * gstride + k);
@@ -254,18 +348,84 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   }
 }
 
+// The megakernel's form of `tile_slice` for one token (H = 1): the same chunks in the same order
+// and the same arithmetic (so the same bits), but the weights arrive by cp.async in a ring of
+// MMA_RING chunks per warp in shared memory rather than in register batches. Bytes in flight take
+// no registers, so the matvec fits beside every other stage in the megakernel's 128 registers
+// without spills. A lane copies, and later reads, only its own 16 bytes of codes and 4 bytes per
+// scale unit, so its own `cp.async.wait_group` is all the synchronisation a slot needs.
+#define MMA_RING 8
+#define MMA_RING_SLOT(UPC) (512 + 128 * (UPC))
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+template <int UPC>
+__device__ __forceinline__ void ring_issue(unsigned char* slot, const uint4* codes, const float* sbt, int cc,
+                                           int gsh) {
+  const int lane = threadIdx.x & 31;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(slot + lane * 16)),
+               "l"(codes + (u64)cc * 32 + lane)
+               : "memory");
+#pragma unroll
+  for (int p = 0; p < UPC; p++)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(slot + 512 + p * 128 + lane * 4)),
+                 "l"(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32 + lane)
+                 : "memory");
+}
+
+template <int UPC>
+__device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
+                                           const float* xs, float y[1][2], unsigned char* ring) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2;
+  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
+  // The tile's codes and scales (`ring_issue` adds the lane).
+  const uint4* codes = (const uint4*)W.w + (u64)tile * chunks * 32;
+  const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
+  const int first = c0 + ((ws - c0) & (ks - 1));
+  const int count = first < c0 + n ? (c0 + n - first + ks - 1) / ks : 0;
+  const bool live[1] = {gid < 2};
+#pragma unroll
+  for (int i = 0; i < MMA_RING; i++) {
+    if (i < count) ring_issue<UPC>(ring + i * MMA_RING_SLOT(UPC), codes, sbt, first + i * ks, gsh);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  for (int i = 0; i < count; i++) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
+    unsigned char* slot = ring + (i % MMA_RING) * MMA_RING_SLOT(UPC);
+    Batch<1, UPC> bt;
+    bt.q[0] = *(const uint4*)(slot + lane * 16);
+#pragma unroll
+    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(slot + 512 + p * 128 + lane * 4);
+    if (i + MMA_RING < count) ring_issue<UPC>(slot, codes, sbt, first + (i + MMA_RING) * ks, gsh);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const int cc = first + i * ks;
+    compute_batch<1, 1, UPC>(bt, cc, ks, c0, cc + 1, xf, xs, live, y);
+  }
+}
+
+// Cross-warp sums and the last-arrival flag of `mma_block`: one copy per module, not one per
+// template instance (the megakernel inlines four).
+__shared__ float mma_red[MMA_WARPS][8][16];
+__shared__ int mma_last;
+// Per token, the row statistics of a folded residual step (`residual_stats`).
+__shared__ float mma_rstat[2][8];
+
 // The work of one virtual block of one matrix: tile group g = vb / parts (tiles [g·tpb, (g+1)·tpb),
 // ks = 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
 // `partial` and the last of the group's blocks to finish adds them in part order (a counter per
 // group, reset by that block), so no result depends on timing.
-template <int H, int UPC, bool GATED>
+template <int H, int UPC, bool GATED, bool RING>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, int ks, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint2* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
-                                          unsigned* counters) {
-  __shared__ float red[MMA_WARPS][8][16];
-  __shared__ int last;
+                                          unsigned* counters, unsigned char* ring, const Residual& res) {
+  float(&red)[MMA_WARPS][8][16] = mma_red;
+  int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int tpb = MMA_WARPS / ks, tl = warp / ks, ws = warp % ks;
   const int g = vb / parts, p = vb - g * parts, tile = g * tpb + tl;
@@ -278,11 +438,18 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     const int n = min(slice_chunks, range.y - c0);
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
       __syncthreads();  // its fragments are no longer read
-      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n);
+      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat);
       __syncthreads();
       built = c0;
     }
-    if (tile < tiles) tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
+    if (tile < tiles) {
+      if constexpr (RING) {
+        static_assert(H == 1, "the cp.async ring serves single-token passes");
+        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC));
+      } else {
+        tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
+      }
+    }
   }
   float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
   if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
@@ -333,34 +500,43 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   __syncthreads();  // `last` is reused next
 }
 
+// The (up to three) matrices of a launch, as `mma_kernel` reads them: here the kernel's
+// parameters; the megakernel reads them from its stage table when a virtual block needs one
+// (`MatSlots` in megakernel.cu), so the three never sit in registers.
+struct MatParams {
+  Mat w0, w1, w2;
+  __device__ __forceinline__ Mat get(int i) const { return i == 0 ? w0 : i == 1 ? w1 : w2; }
+};
+
 // Up to three matrices of the same width on the same input in one launch (Q/K/V, gate/up):
 // virtual blocks [0, nb0) compute y0 = W0·x, the next nb1 y1 = W1·x, the rest y2 = W2·x (several
 // matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
-template <int H, int UPC, bool GATED>
-BIG_STAGE void mma_kernel(const int bid, const int nbid, Mat W0, Mat W1, Mat W2, const float* x,
-                                           float* y0, float* y1, float* y2,
-                                           int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead,
-                                           float* partial, unsigned* counters, const float* gate, int gstride) {
+template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams>
+STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
+                      float* y2, int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead, float* partial,
+                      unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int tpb = MMA_WARPS / ks;
-  const int chunks = (W0.cols + 63) / 64;
+  const int chunks = (mats.get(0).cols + 63) / 64;
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / (1024 * H + 32 * UPC));
   uint2* xf = (uint2*)mma_smem;
   float* xs = (float*)(mma_smem + slice_chunks * 1024 * H);
+  // With RING, the warps' rings follow the inputs (16-byte aligned: 32·UPC bytes per chunk).
+  unsigned char* ring = mma_smem + slice_chunks * (1024 * H + 32 * UPC);
   // Which matrix a virtual block belongs to, and its index within that matrix's blocks (one
   // inlined body for all three, selected by value).
   auto pick = [&](int b, Mat& W, float*& y) {
     if (b < nb0) {
-      W = W0, y = y0;
+      W = mats.get(0), y = y0;
       return b;
     }
     if (b < nb0 + nb1) {
-      W = W1, y = y1;
+      W = mats.get(1), y = y1;
       return b - nb0;
     }
-    W = W2, y = y2;
+    W = mats.get(2), y = y2;
     return b - nb0 - nb1;
   };
   Mat W;
@@ -373,6 +549,10 @@ BIG_STAGE void mma_kernel(const int bid, const int nbid, Mat W0, Mat W1, Mat W2,
     }
   }
   pdl_start();
+  if (!GATED && res.o) {
+    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat);
+    __syncthreads();
+  }
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
   for (int vb = bid; vb < nblocks; vb += nbid) {
     const int next = vb + ahead * nbid;
@@ -381,25 +561,28 @@ BIG_STAGE void mma_kernel(const int bid, const int nbid, Mat W0, Mat W1, Mat W2,
       prefetch_block(W, tpb, parts, local);
     }
     const int local = pick(vb, W, y);
-    mma_block<H, UPC, GATED>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built, partial,
-                             counters);
+    mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
+                                   partial, counters, ring, res);
   }
 }
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
-// (1 for groups of ≥ 64 columns, 2 for groups of 32).
+// (1 for groups of ≥ 64 columns, 2 for groups of 32). The plain ones end with a `Residual` (rx …
+// reps; ro null: none).
 #define MMA_ENTRY(NAME, H, UPC)                                                                               \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
-           int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters) {                    \
-    mma_kernel<H, UPC, false>(blockIdx.x, gridDim.x, W0, W1, W2, x, y0, y1, y2, nb0, nb1, m, ks, parts, nblocks, ahead, partial,    \
-                              counters, nullptr, 0);                                                          \
+           int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,     \
+           const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
+    mma_kernel<H, UPC, false>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, ks,   \
+                              parts, nblocks, ahead, partial, counters, nullptr, 0,                           \
+                              Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                              \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<H, UPC, true>(blockIdx.x, gridDim.x, W, W, W, x, y, y, y, nblocks, 0, m, ks, parts, nblocks, ahead, partial, counters, \
-                             gate, gstride);                                                                   \
+    mma_kernel<H, UPC, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, ks, parts,  \
+                             nblocks, ahead, partial, counters, gate, gstride, Residual{});                   \
   }
 
 MMA_ENTRY(matvec_q4t_4, 1, 1)

@@ -28,7 +28,7 @@
 #include "matvec_mma.cu"
 #include "attention.cu"
 
-#define MK_ARGS 26
+#define MK_ARGS 32
 #define MK_TIMEOUT_NS 1000000000ull  // 1 s per wait
 
 // One stage (`MkStage` in src/megakernel.rs): kernel id (MK_KERNELS there, the cases below),
@@ -74,14 +74,31 @@ __device__ void mk_wait() {
   __syncthreads();
 }
 
+// The matrices of a tensor-core matvec stage, read from the table when needed: at slots 0, 4, 8
+// (`stride` 4) or one matrix at slot 0 (`stride` 0).
+struct MatSlots {
+  const u64* a;
+  int stride;
+  __device__ __forceinline__ Mat get(int i) const { return *(const Mat*)(a + i * stride); }
+};
+
+// A stage this entry cannot run: an error for the host, like a timed-out wait.
+__device__ __forceinline__ void mk_unknown_stage() {
+  if (threadIdx.x == 0) {
+    atomicExch(mk_err, 1u);
+    mk_failed = 1;
+  }
+}
+
 #define P(T, i) ((T)st.a[i])
 #define I(i) ((int)(unsigned)st.a[i])
 #define F(i) __uint_as_float((unsigned)st.a[i])
 #define M(i) (*(const Mat*)&st.a[i])
 
 // Block `b` of a stage whose launch had `g` blocks; ids as MK_KERNELS in src/megakernel.rs. The
-// matvecs are real calls (BIG_STAGE): inlined into this switch they would share one register
-// allocation with every other stage and spill far more.
+// CUDA-core and dense matvecs are real calls (BIG_STAGE: they need more registers than the rest);
+// the tensor-core matvec is inlined in its lean cp.async-ring form.
+template <bool GENERAL>
 __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
   switch (st.kernel) {
     case 0:  // embed_gather
@@ -120,40 +137,47 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
       argmax_final_body(b, P(const float2*, 0), I(1), P(unsigned*, 2));
       break;
     case 11:  // matvec
-      matvec_body(b, M(0), P(const float*, 4), P(float*, 5), I(6));
+      if constexpr (GENERAL) matvec_body(b, M(0), P(const float*, 4), P(float*, 5), I(6));
+      else mk_unknown_stage();
       break;
     case 12:  // matvec_q4
-      matvec_q4_run(b, g, M(0), M(4), M(8), P(const float*, 12), P(float*, 13), P(float*, 14), P(float*, 15), I(16),
-                    I(17), I(18), I(19), I(20), I(21));
+      if constexpr (GENERAL)
+        matvec_q4_run(b, g, M(0), M(4), M(8), P(const float*, 12), P(float*, 13), P(float*, 14), P(float*, 15), I(16),
+                      I(17), I(18), I(19), I(20), I(21));
+      else mk_unknown_stage();
       break;
     case 13:  // matvec_q4_gated
-      matvec_q4_gated_run(b, g, M(0), P(const float*, 4), P(float*, 5), I(6), I(7), P(const float*, 8), I(9), I(10),
-                          I(11));
+      if constexpr (GENERAL)
+        matvec_q4_gated_run(b, g, M(0), P(const float*, 4), P(float*, 5), I(6), I(7), P(const float*, 8), I(9), I(10),
+                            I(11));
+      else mk_unknown_stage();
       break;
     case 14:  // attention
       attention_body(b, P(const float*, 0), P(const float*, 1), P(const float*, 2), P(const float*, 3),
                      P(const float*, 4), P(float*, 5), I(6), I(7), I(8), P(const int*, 9), I(10), I(11), F(12), I(13),
                      I(14), P(float*, 15), P(float2*, 16), P(unsigned*, 17));
       break;
-// The tensor-core matvecs (ids 15–18 plain, 19–22 gated): H token groups of four, UPC scale
-// units per 64 columns.
-#define MK_MMA(ID, H, UPC)                                                                                          \
+// The tensor-core matvecs of one token (ids 15 and 17 plain, 19 and 21 gated; UPC scale units
+// per 64 columns), inlined in their cp.async-ring form (`ring_slice` in matvec_mma.cu). Stages of
+// more tokens (ids 16, 18, 20, 22) never occur in a decode step: the host refuses them.
+#define MK_MMA(ID, UPC)                                                                                             \
   case ID:                                                                                                          \
-    mma_kernel<H, UPC, false>(b, g, M(0), M(4), M(8), P(const float*, 12), P(float*, 13), P(float*, 14),            \
-                              P(float*, 15), I(16), I(17), I(18), I(19), I(20), I(21), I(22), P(float*, 23),        \
-                              P(unsigned*, 24), nullptr, 0);                                                        \
+    mma_kernel<1, UPC, false, true>(b, g, MatSlots{st.a, 4}, P(const float*, 12), P(float*, 13), P(float*, 14),      \
+                                    P(float*, 15), I(16), I(17), I(18), I(19), I(20), I(21), I(22),                 \
+                                    P(float*, 23), P(unsigned*, 24), nullptr, 0,                                    \
+                                    Residual{P(const float*, 25), P(const float*, 26), P(const float*, 27),         \
+                                             P(const float*, 28), P(float*, 29), F(30), F(31)});                    \
     break;                                                                                                          \
   case ID + 4:                                                                                                      \
-    mma_kernel<H, UPC, true>(b, g, M(0), M(0), M(0), P(const float*, 4), P(float*, 5), P(float*, 5), P(float*, 5),  \
-                             I(9), 0, I(6), I(7), I(8), I(9), I(10), P(float*, 11), P(unsigned*, 12),              \
-                             P(const float*, 13), I(14));                                                           \
+    mma_kernel<1, UPC, true, true>(b, g, MatSlots{st.a, 0}, P(const float*, 4), P(float*, 5), P(float*, 5),          \
+                                   P(float*, 5), I(9), 0, I(6), I(7), I(8), I(9), I(10), P(float*, 11),             \
+                                   P(unsigned*, 12), P(const float*, 13), I(14), Residual{});                       \
     break;
-      MK_MMA(15, 1, 1)  // matvec_q4t_4, matvec_q4t_4_gated
-      MK_MMA(16, 2, 1)  // matvec_q4t_8, matvec_q4t_8_gated
-      MK_MMA(17, 1, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
-      MK_MMA(18, 2, 2)  // matvec_q4t_8_g32, matvec_q4t_8_g32_gated
+      MK_MMA(15, 1)  // matvec_q4t_4, matvec_q4t_4_gated
+      MK_MMA(17, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
 #undef MK_MMA
-    default:
+    default:  // a kernel the megakernel does not run (the host refuses such tables)
+      mk_unknown_stage();
       break;
   }
 }
@@ -162,9 +186,9 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
 // reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait. trace (when
 // not null): per (block, stage), trace[3·(block·n + s) ..] = %globaltimer at the stage's start, when
 // its wait was satisfied (0 if the block did not wait) and at its end.
-extern "C" __global__ void __launch_bounds__(256, 2)
-megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
-           unsigned long long* trace) {
+template <bool GENERAL>
+__device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen,
+                                       unsigned* err, unsigned long long* trace) {
   if (threadIdx.x == 0) {
     mk_target = gen * gridDim.x;
     mk_err = err;
@@ -180,7 +204,7 @@ megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsign
     const unsigned long long start = trace && threadIdx.x == 0 ? mk_now() : 0;
     const int g = st.grid;
     if (blockIdx.x < g && !st.waits_itself) mk_wait();
-    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch(st, b, g);
+    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL>(st, b, g);
     __syncthreads();
     if (mk_failed) return;
     if (trace && threadIdx.x == 0) {
@@ -194,4 +218,18 @@ megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsign
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
     }
   }
+}
+
+// Entry points (`MK_ENTRIES` in src/device.rs): every stage kernel, or all but the CUDA-core and
+// dense matvecs, which are real calls (BIG_STAGE) whose calling convention costs the rest of the
+// kernel registers: without them the lean entry spills far less and runs ~15% faster (E4B).
+extern "C" __global__ void __launch_bounds__(256, 2)
+megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
+           unsigned long long* trace) {
+  mk_run<true>(stages, n, counters, gen, err, trace);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+megakernel_lean(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
+                unsigned long long* trace) {
+  mk_run<false>(stages, n, counters, gen, err, trace);
 }

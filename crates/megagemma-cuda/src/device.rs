@@ -182,6 +182,10 @@ impl Drop for DevBuf {
     }
 }
 
+/// The megakernel's entry points (`kernels/megakernel.cu`): every stage kernel, or all but the
+/// CUDA-core and dense matvecs (whose calls cost the rest of the kernel registers).
+pub const MK_ENTRIES: [&str; 2] = ["megakernel", "megakernel_lean"];
+
 impl Drop for Gpu {
     /// Destroying the cuBLAS handle and unloading the modules synchronise the device: never
     /// during another thread's graph capture.
@@ -215,7 +219,7 @@ pub struct Gpu {
     recording: std::sync::Mutex<Option<Vec<Recorded>>>,
     recording_on: AtomicBool,
     /// The megakernel (`kernels/megakernel.cu`), compiled on first use.
-    megakernel: std::sync::OnceLock<CudaFunction>,
+    megakernel: std::sync::OnceLock<Vec<CudaFunction>>,
     arch: String,
     device_key: String,
 }
@@ -394,7 +398,7 @@ impl Gpu {
         }
         let f = match self.funcs.get(name) {
             Some(f) => f,
-            None if name == "megakernel" => self.megakernel_fn()?,
+            None if MK_ENTRIES.contains(&name) => self.megakernel_fn(name)?,
             None => bail!("no kernel named {name}"),
         };
         let mut args = args.to_vec();
@@ -483,18 +487,32 @@ impl Gpu {
         self.recording.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default()
     }
 
-    /// The megakernel, compiled (or read from the kernel cache) on first use.
-    pub fn megakernel_fn(&self) -> Result<&CudaFunction> {
-        if let Some(f) = self.megakernel.get() {
-            return Ok(f);
+    /// The megakernel's entry points (`MK_ENTRIES`: general, lean), compiled (or read from the
+    /// kernel cache) on first use.
+    pub fn megakernel_fn(&self, name: &str) -> Result<&CudaFunction> {
+        let fs = match self.megakernel.get() {
+            Some(fs) => fs,
+            None => {
+                let cubin = cubin_for("megakernel.cu", &self.arch, &self.device_key)?;
+                let module = crate::capture::device_wide(|| self.ctx.load_module(Ptx::from_binary(cubin)))
+                    .map_err(|e| cuda_err("load megakernel.cu", e))?;
+                let mut fs = Vec::new();
+                for n in MK_ENTRIES {
+                    let f = module.load_function(n).map_err(|e| cuda_err(&format!("function {n}"), e))?;
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        96 * 1024,
+                    )
+                    .map_err(|e| cuda_err("megakernel smem", e))?;
+                    fs.push(f);
+                }
+                self.megakernel.get_or_init(|| fs)
+            }
+        };
+        match MK_ENTRIES.iter().position(|&n| n == name) {
+            Some(i) => Ok(&fs[i]),
+            None => bail!("no megakernel entry named {name}"),
         }
-        let cubin = cubin_for("megakernel.cu", &self.arch, &self.device_key)?;
-        let module = crate::capture::device_wide(|| self.ctx.load_module(Ptx::from_binary(cubin)))
-            .map_err(|e| cuda_err("load megakernel.cu", e))?;
-        let f = module.load_function("megakernel").map_err(|e| cuda_err("function megakernel", e))?;
-        f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 96 * 1024)
-            .map_err(|e| cuda_err("megakernel smem", e))?;
-        Ok(self.megakernel.get_or_init(|| f))
     }
 
     /// While set, kernel launches are being captured into a graph and are not counted.

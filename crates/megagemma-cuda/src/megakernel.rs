@@ -4,7 +4,7 @@
 //! own device functions, a counter per stage. Results are bit-identical to the graph path
 //! (`gpu_check megakernel`). Selected with `--decode megakernel` or `MEGAGEMMA_CUDA_DECODE=megakernel`.
 
-use crate::device::{cuda_err, Arg, DevBuf, Gpu, Recorded, MMA_KERNELS};
+use crate::device::{cuda_err, Arg, DevBuf, Gpu, Recorded, MK_ENTRIES, MMA_KERNELS};
 use megagemma_model::{bail, Result};
 
 /// Kernels the megakernel runs, by stage id (the `case`s of `mk_dispatch` in `megakernel.cu`).
@@ -35,13 +35,18 @@ pub const MK_KERNELS: [&str; 23] = [
 ];
 
 /// Argument slots of a stage (`MK_ARGS`).
-const MK_ARGS: usize = 26;
+const MK_ARGS: usize = 32;
 /// Threads per block: every stage kernel of a decode step is launched with this many (or fewer).
 const MK_THREADS: u32 = 256;
 /// Blocks per SM the megakernel's registers allow (`__launch_bounds__(256, 2)`).
 const MK_BLOCKS_PER_SM: u32 = 2;
 /// Dynamic shared memory the megakernel may use (`megakernel_fn` sets it).
 const MK_SMEM_MAX: u32 = 96 * 1024;
+/// Shared memory of the tensor-core matvec's cp.async rings beside its inputs (`MMA_RING` slots
+/// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps).
+fn mma_ring_bytes(upc: u32) -> u32 {
+    8 * 8 * (512 + 128 * upc)
+}
 
 /// One stage as the device reads it (`struct MkStage`).
 #[repr(C)]
@@ -66,6 +71,10 @@ impl MkStage {
                 r.grid,
                 r.block
             );
+        }
+        // The megakernel runs the tensor-core matvecs of one token only (a decode step's).
+        if r.name.starts_with("matvec_q4t_8") {
+            bail!("the megakernel runs single-token stages only ({})", r.name);
         }
         let mut a = [0u64; MK_ARGS];
         let mut i = 0;
@@ -94,6 +103,8 @@ impl MkStage {
 
 /// A sequence's recorded decode step on the device, and its counters.
 pub(crate) struct Megakernel {
+    /// Which of `MK_ENTRIES` runs this table.
+    entry: &'static str,
     table: DevBuf,
     stages: usize,
     /// Each stage's kernel, for the trace.
@@ -113,11 +124,22 @@ impl Megakernel {
     /// when `trace`).
     pub(crate) fn new(gpu: &Gpu, recorded: &[Recorded], trace: bool) -> Result<Megakernel> {
         let stages: Vec<MkStage> = recorded.iter().map(MkStage::new).collect::<Result<_>>()?;
-        let smem = recorded.iter().map(|r| r.smem).max().unwrap_or(0);
+        // Each tensor-core matvec keeps its warps' cp.async rings after its inputs.
+        let smem = recorded
+            .iter()
+            .map(|r| match r.name.starts_with("matvec_q4t_") {
+                true => r.smem + mma_ring_bytes(if r.name.contains("g32") { 2 } else { 1 }),
+                false => r.smem,
+            })
+            .max()
+            .unwrap_or(0);
         if smem > MK_SMEM_MAX {
             bail!("a stage needs {smem} bytes of shared memory: the megakernel has {MK_SMEM_MAX}");
         }
-        let f = gpu.megakernel_fn()?;
+        // The lean entry when no stage needs the CUDA-core or dense matvecs (ids 11–13).
+        let lean = !stages.iter().any(|s| (11..=13).contains(&s.kernel));
+        let entry = MK_ENTRIES[usize::from(lean)];
+        let f = gpu.megakernel_fn(entry)?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(MK_THREADS, smem as usize, None)
             .map_err(|e| cuda_err("megakernel occupancy", e))?
@@ -132,7 +154,7 @@ impl Megakernel {
         let grid = per_sm * gpu.sms;
         let names = stages.iter().map(|s| MK_KERNELS[s.kernel as usize]).collect();
         let trace = if trace { Some(gpu.alloc_zeros(grid as usize * stages.len() * 3 * 8)?) } else { None };
-        Ok(Megakernel { table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
+        Ok(Megakernel { entry, table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
     }
 
     /// Stages per token.
@@ -163,7 +185,7 @@ impl Megakernel {
                 // The trace indexes stages within a launch: only whole-token launches are traced.
                 Arg::Ptr(self.trace.as_ref().filter(|_| !stepwise).map_or(0, |t| t.ptr)),
             ];
-            gpu.launch("megakernel", self.grid, MK_THREADS, self.smem, &args)?;
+            gpu.launch(self.entry, self.grid, MK_THREADS, self.smem, &args)?;
         }
         Ok(())
     }
@@ -177,7 +199,10 @@ impl Megakernel {
             gpu.upload(self.counters.ptr, &vec![0u32; self.stages * 32])?;
             gpu.upload(self.err.ptr, &[0u32])?;
             self.gen = 0;
-            bail!("megakernel: a block waited more than a second for a stage (schedule error); the step was abandoned");
+            bail!(
+                "megakernel: a block waited more than a second for a stage, or met a stage it cannot run \
+                 (schedule error); the step was abandoned"
+            );
         }
         Ok(())
     }
@@ -327,6 +352,13 @@ mod tests {
                 Some((call, comment)) => src.lines().any(|l| l.contains(call) && l.contains(comment)),
                 None => src.contains(&plain),
             };
+            // Multi-token tensor-core stages never occur in a decode step: refused, not dispatched.
+            if name.starts_with("matvec_q4t_8") {
+                assert!(!found, "stage id {id} ({name}) is dispatched, but the host refuses it");
+                let r = Recorded { name: name.to_string(), grid: (1, 1), block: 256, smem: 0, args: vec![] };
+                assert!(MkStage::new(&r).is_err(), "{name} is accepted into a stage table");
+                continue;
+            }
             assert!(found, "stage id {id} ({name}) is not dispatched as such in megakernel.cu");
             // MkStage::new marks every stage as waiting inside its body (pdl_start).
             assert!(

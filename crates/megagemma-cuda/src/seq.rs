@@ -39,6 +39,18 @@ const MMA_COUNTERS: usize = 1 << 16;
 /// Blocks per row of the softcap + argmax pass.
 const ARGMAX_SPLIT: usize = 64;
 
+/// A residual step not run yet (`add_norm`: `x = (x + norm(o)·w1)·scale`, then the next input
+/// `norm(x)·w2`, or `x` itself when `w2` is 0). The next tensor-core matvec folds it into its input
+/// (`Residual` in `kernels/matvec_mma.cu`: each block recomputes it; the new `x` goes to the other
+/// residual buffer); any other consumer runs it first on its own.
+#[derive(Clone, Copy)]
+struct PendingNorm {
+    o: u64,
+    w1: u64,
+    scale: f32,
+    w2: u64,
+}
+
 /// The second input of a gated projection: `[t, ≥ cols]` floats with row stride `stride`.
 #[derive(Clone, Copy)]
 struct Gate {
@@ -115,7 +127,10 @@ struct KvLayerDesc {
 /// Activation scratch, f32 `[tokens, width]` each (tokens: the sequence's longest pass so far;
 /// logits and argmax partials for `MAX_VERIFY` positions).
 pub(crate) struct Scratch {
+    /// The residual stream: `x`, or `x2` after an odd number of folded residual steps in a pass
+    /// (`CudaSeq::xcur`).
     x: DevBuf,
+    x2: DevBuf,
     a: DevBuf,
     pub(crate) q: DevBuf,
     pub(crate) att: DevBuf,
@@ -205,6 +220,7 @@ impl Scratch {
         let out = t.min(MAX_VERIFY);
         Ok(Scratch {
             x: gpu.alloc_zeros(f32s(t * h))?,
+            x2: gpu.alloc_zeros(f32s(t * h))?,
             a: gpu.alloc_zeros(f32s(t * h))?,
             q: gpu.alloc_zeros(f32s(t * max_q))?,
             att: gpu.alloc_zeros(f32s(t * max_q))?,
@@ -255,6 +271,11 @@ pub struct CudaSeq {
     megakernel: Option<Megakernel>,
     /// Record per-block stage timestamps in the megakernel (`MEGAGEMMA_CUDA_MK_TRACE=FILE` too).
     trace_megakernel: bool,
+    /// While a pass is being launched: whether the residual stream is in `s.x2` (`xcur`).
+    x_in_x2: std::cell::Cell<bool>,
+    /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
+    /// the arithmetic, and so every result, is the same either way).
+    fold_norms: bool,
 }
 
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
@@ -317,6 +338,8 @@ impl CudaSeq {
             decode: Decode::from_env(),
             megakernel: None,
             trace_megakernel: false,
+            x_in_x2: Default::default(),
+            fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -684,7 +707,16 @@ impl CudaSeq {
 
     /// Tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`) of up to three tiled matrices of the
     /// same width and group class on the same input, or one gated matrix: launches of ≤ 8 columns.
-    fn matvec_mma(&self, mats: &[(&DevMat, u64)], x: u64, gate: Option<Gate>, t: usize) -> Result<()> {
+    /// With `res` (plain launches only), the pending residual step of rows `row0 ..` is folded into
+    /// the input (`x` unused): each launch's block 0 writes the new residual to the other buffer.
+    fn matvec_mma(
+        &self,
+        mats: &[(&DevMat, u64)],
+        x: u64,
+        gate: Option<Gate>,
+        t: usize,
+        res: Option<(PendingNorm, usize)>,
+    ) -> Result<()> {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
@@ -739,6 +771,7 @@ impl CudaSeq {
                         Arg::I32(nb.get(1).copied().unwrap_or(0) as i32),
                     ];
                     let args: [Arg; 16] = join(head, split);
+                    let args: [Arg; 23] = join(args, self.residual_args(res, c0, cols));
                     self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
             }
@@ -753,6 +786,68 @@ impl CudaSeq {
         self.elementwise("gelu_gate", t * cols, &args)
     }
 
+    /// Whether these matrices (same input) take one tensor-core matvec launch per eight columns.
+    fn one_mma_launch(mats: &[(&DevMat, u64)]) -> bool {
+        let (cols, g32) = (mats[0].0.cols, mats[0].0.gs == 32);
+        let one_part = (cols as usize).div_ceil(64) <= MMA_PART_CHUNKS;
+        mats.len() <= 3
+            && (mats.len() == 1 || one_part)
+            && mats.iter().all(|(w, _)| w.fmt == FMT_Q4T && w.cols == cols && (w.gs == 32) == g32)
+    }
+
+    /// The residual stream's buffer at this point of the pass being launched.
+    fn xcur(&self) -> u64 {
+        if self.x_in_x2.get() {
+            self.s.x2.ptr
+        } else {
+            self.s.x.ptr
+        }
+    }
+
+    /// The plain tensor-core entry points' trailing `Residual` arguments for the launch of columns
+    /// `c0 ..` (all zero without one).
+    fn residual_args(&self, res: Option<(PendingNorm, usize)>, c0: usize, cols: usize) -> [Arg; 7] {
+        let eps = self.model.plan.eps;
+        let Some((p, row0)) = res else {
+            return [Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::F32(1.0), Arg::F32(eps)];
+        };
+        let (xin, xout) =
+            if self.x_in_x2.get() { (self.s.x2.ptr, self.s.x.ptr) } else { (self.s.x.ptr, self.s.x2.ptr) };
+        let at = f32s((row0 + c0) * cols) as u64;
+        [
+            Arg::Ptr(xin + at),
+            Arg::Ptr(p.o + at),
+            Arg::Ptr(p.w1),
+            Arg::Ptr(p.w2),
+            Arg::Ptr(xout + at),
+            Arg::F32(p.scale),
+            Arg::F32(eps),
+        ]
+    }
+
+    /// `y_i = W_i·x` (as `matvec_many`) after the pending residual step, if any: folded into the
+    /// matvec when it is one tensor-core launch on hidden-wide rows (`x` is then the step's output
+    /// by construction: its norm, or the new residual), else run first with `add_norm`. `row0`: the
+    /// first row of the step the matvec reads (the LM head reads the wanted positions only).
+    fn matvec_after(
+        &self,
+        mats: &[(&DevMat, u64)],
+        x: u64,
+        pending: Option<PendingNorm>,
+        row0: usize,
+        t: usize,
+    ) -> Result<()> {
+        let Some(p) = pending else { return self.matvec_many(mats, x, t) };
+        let h = self.model.plan.hidden;
+        if self.fold_norms && !self.long_pass(t) && Self::one_mma_launch(mats) && mats[0].0.cols as usize == h {
+            self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
+            self.x_in_x2.set(!self.x_in_x2.get());
+            return Ok(());
+        }
+        self.add_norm(p.o, p.w1, p.scale, p.w2, row0 + t)?;
+        self.matvec_many(mats, x, t)
+    }
+
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
     /// per eight columns when all are 4-bit in the same layout, else one matvec each.
     fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
@@ -760,13 +855,8 @@ impl CudaSeq {
             return Ok(());
         }
         let cols = mats[0].0.cols;
-        let g32 = mats[0].0.gs == 32;
-        let one_part = (cols as usize).div_ceil(64) <= MMA_PART_CHUNKS;
-        if mats.len() <= 3
-            && (mats.len() == 1 || one_part)
-            && mats.iter().all(|(w, _)| w.fmt == FMT_Q4T && w.cols == cols && (w.gs == 32) == g32)
-        {
-            return self.matvec_mma(mats, x, None, t);
+        if Self::one_mma_launch(mats) {
+            return self.matvec_mma(mats, x, None, t, None);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
             return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
@@ -814,11 +904,11 @@ impl CudaSeq {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t),
-                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t),
+                None => self.matvec_mma(&[(w, y)], x, None, t, None),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None),
                 Some(g) => {
                     self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t)
+                    self.matvec_mma(&[(w, y)], x, None, t, None)
                 }
             };
         }
@@ -876,6 +966,7 @@ impl CudaSeq {
         let m = &*self.model;
         let (plan, w, s) = (&m.plan, m.weights(), &self.s);
         let h = plan.hidden;
+        self.x_in_x2.set(false);
 
         // §2.1 embedding · sqrt(H).
         let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
@@ -904,17 +995,18 @@ impl CudaSeq {
             self.gpu().launch("ple_combine", t as u32, 256, 0, &args)?;
         }
 
-        // Each layer starts with `a` = its input norm of `x` and ends by writing the next layer's
-        // (or the final) norm into `a`.
+        // Each layer starts with `a` = its input norm of `x` (or that step pending) and ends with
+        // the residual step whose norm is the next layer's (or the final) input, pending.
         self.norm(s.a.ptr, s.x.ptr, w.layers[0].input_norm, h, t, false)?;
+        let mut pending = None;
         for (i, (lp, lw)) in plan.layers.iter().zip(&w.layers).enumerate() {
             let next_norm = w.layers.get(i + 1).map_or(w.final_norm, |l| l.input_norm);
-            self.layer(lp, lw, next_norm, t)?;
+            pending = Some(self.layer(lp, lw, next_norm, t, pending)?);
         }
 
         // §2.4 LM head on the final-normed wanted positions, softcap, argmax.
         let n = t - first;
-        self.matvec(&w.lm_head, s.a.at(f32s(first * h)), s.logits.ptr, n)?;
+        self.matvec_after(&[(&w.lm_head, s.logits.ptr)], s.a.at(f32s(first * h)), pending, first, n)?;
         let cap = plan.final_softcap.unwrap_or(0.0);
         let v = plan.vocab_size as i32;
         let args = [
@@ -929,9 +1021,17 @@ impl CudaSeq {
         self.gpu().launch("argmax_final", n as u32, 32, 0, &args)
     }
 
-    /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, on exit `s.a`
-    /// holds `x` normed with `next_norm`.
-    fn layer(&self, lp: &LayerPlan, lw: &DevLayer, next_norm: u64, t: usize) -> Result<()> {
+    /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, or `pending` the
+    /// residual step that gives it; returns the layer's last residual step (whose norm with
+    /// `next_norm` is the next input), not run yet.
+    fn layer(
+        &self,
+        lp: &LayerPlan,
+        lw: &DevLayer,
+        next_norm: u64,
+        t: usize,
+        pending: Option<PendingNorm>,
+    ) -> Result<PendingNorm> {
         let m = &*self.model;
         let (plan, s) = (&m.plan, &self.s);
         let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
@@ -944,10 +1044,10 @@ impl CudaSeq {
             (Some(wk), Some(k_norm), Some(c)) => {
                 let (sk, sv) = (c.staged_k.ptr, c.staged_v.ptr);
                 match &lw.v {
-                    Some(wv) => self.matvec_many(&[(&lw.q, s.q.ptr), (wk, sk), (wv, sv)], s.a.ptr, t)?,
+                    Some(wv) => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk), (wv, sv)], s.a.ptr, pending, 0, t)?,
                     // k_eq_v: values are the raw key projection (before k_norm and RoPE).
                     None => {
-                        self.matvec_many(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, t)?;
+                        self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, pending, 0, t)?;
                         let n = t * c.width;
                         self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
                     }
@@ -956,7 +1056,7 @@ impl CudaSeq {
                 nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
                 k_args = (sk, k_norm, sv);
             }
-            _ => self.matvec(&lw.q, s.a.ptr, s.q.ptr, t)?,
+            _ => self.matvec_after(&[(&lw.q, s.q.ptr)], s.a.ptr, pending, 0, t)?,
         }
         let args = [
             Arg::Ptr(s.q.ptr),
@@ -976,17 +1076,17 @@ impl CudaSeq {
         self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 256, 0, &args)?;
 
         // 12–15: attention over the source layer's cache, O projection, post-attention norm and
-        // residual, then the pre-feed-forward norm.
+        // residual, then the pre-feed-forward norm (folded into the feed-forward's first matvec).
         if self.long_pass(t) {
             self.attention_long(lp, t)?;
         } else {
             self.attention(lp, t)?;
         }
         self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
-        self.add_norm(s.o.ptr, lw.post_attn_norm, 1.0, lw.pre_ffn_norm, t)?;
+        let post_attn = PendingNorm { o: s.o.ptr, w1: lw.post_attn_norm, scale: 1.0, w2: lw.pre_ffn_norm };
 
         // 16–19: feed-forward (dense MLP, plus the MoE branch).
-        self.mlp(&lw.gate, &lw.up, &lw.down, s.a.ptr, s.f.ptr, t)?;
+        self.mlp(&lw.gate, &lw.up, &lw.down, post_attn, s.f.ptr, t)?;
         if let Some(moe) = &lw.moe {
             self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
             self.moe(moe, t)?;
@@ -994,18 +1094,19 @@ impl CudaSeq {
         }
 
         // 20–25: per-layer embedding injection, the per-layer scalar, the next norm.
-        match &lw.ple {
+        let post_ffn = PendingNorm { o: s.f.ptr, w1: lw.post_ffn_norm, scale: 1.0, w2: 0 };
+        Ok(match &lw.ple {
             Some(ple) => {
-                self.add_norm(s.f.ptr, lw.post_ffn_norm, 1.0, 0, t)?;
                 let p = plan.ple_dim;
                 let lpw = plan.layers.len() * p;
-                self.matvec(&ple.gate, s.x.ptr, s.pg.ptr, t)?;
+                // The PLE gate reads the residual after the feed-forward step itself (no norm).
+                self.matvec_after(&[(&ple.gate, s.pg.ptr)], self.xcur(), Some(post_ffn), 0, t)?;
                 let gate = Gate { ptr: s.pli.at(f32s(lp.index * p)), stride: lpw };
                 self.matvec_gated(&ple.proj, s.pg.ptr, gate, s.o.ptr, t)?;
-                self.add_norm(s.o.ptr, ple.post_norm, lw.layer_scalar, next_norm, t)
+                PendingNorm { o: s.o.ptr, w1: ple.post_norm, scale: lw.layer_scalar, w2: next_norm }
             }
-            None => self.add_norm(s.f.ptr, lw.post_ffn_norm, lw.layer_scalar, next_norm, t),
-        }
+            None => PendingNorm { scale: lw.layer_scalar, w2: next_norm, ..post_ffn },
+        })
     }
 
     /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
@@ -1013,7 +1114,7 @@ impl CudaSeq {
         let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
         let s = &self.s;
         let args = [
-            Arg::Ptr(s.x.ptr),
+            Arg::Ptr(self.xcur()),
             Arg::Ptr(o),
             Arg::Ptr(w1),
             Arg::F32(scale),
@@ -1063,10 +1164,11 @@ impl CudaSeq {
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
-    /// `out = down(gelu(gate·x) · up·x)` for `t` columns.
-    fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, x: u64, out: u64, t: usize) -> Result<()> {
+    /// `out = down(gelu(gate·a) · up·a)` for `t` columns, `a` the input the pending residual
+    /// step gives.
+    fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, pending: PendingNorm, out: u64, t: usize) -> Result<()> {
         let s = &self.s;
-        self.matvec_many(&[(gate, s.g.ptr), (up, s.u.ptr)], x, t)?;
+        self.matvec_after(&[(gate, s.g.ptr), (up, s.u.ptr)], s.a.ptr, Some(pending), 0, t)?;
         self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
     }
 
@@ -1080,7 +1182,7 @@ impl CudaSeq {
         if e_count > 256 {
             bail!("{e_count} experts: the router kernel handles at most 256");
         }
-        self.norm(s.zr.ptr, s.x.ptr, 0, h, t, false)?;
+        self.norm(s.zr.ptr, self.xcur(), 0, h, t, false)?;
         let root = (h as f64).powf(-0.5) as f32;
         let args =
             [Arg::Ptr(s.zr.ptr), Arg::Ptr(moe.router_scale), Arg::F32(root), Arg::I32(h as i32), Arg::I32(t as i32)];
@@ -1096,7 +1198,7 @@ impl CudaSeq {
             Arg::I32(t as i32),
         ];
         self.gpu().launch("moe_route", t.div_ceil(64) as u32, 64, 0, &args)?;
-        self.norm(s.a.ptr, s.x.ptr, moe.pre_norm_2, h, t, false)?;
+        self.norm(s.a.ptr, self.xcur(), moe.pre_norm_2, h, t, false)?;
         // Only each token's k routed experts run: (token, slot) pairs p = t·k + s.
         let pairs = t * k;
         let inter = moe.experts[0][0].rows as usize;
