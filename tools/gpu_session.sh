@@ -8,7 +8,9 @@
 #     Also a random model of E4B's widths (tools/make_bench_model.py), whose matrices reach the
 #     tensor-core matvec's split paths, against the CPU backend.
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
-#     with and without speculative drafting (lookup, oracle).
+#     with and without speculative drafting (lookup, oracle), and with the decode megakernel
+#     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
+#     synccheck, memcheck) over a few megakernel steps of one fixture.
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
@@ -69,7 +71,9 @@ for dir in tests/fixtures/*/; do
   [ -f "$dir/expected.json" ] || continue
   for ids in $(python3 -c "import json,sys; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$dir/expected.json'))['cases'][:2]]"); do
     cpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
-    for extra in "" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4"; do
+    extras=("" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4")
+    case "$dir" in *moe*) ;; *) extras+=("--decode megakernel" "--decode megakernel --draft lookup") ;; esac
+    for extra in "${extras[@]}"; do
       gpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
       if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
       echo "$r $(basename "$dir") [$ids] ${extra:-plain}" | tee -a "$OUT/cli_fixtures.log"
@@ -77,8 +81,20 @@ for dir in tests/fixtures/*/; do
   done
 done
 
+# The megakernel under compute-sanitizer: no races, no barrier misuse, no bad accesses.
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
+for tool in racecheck synccheck memcheck; do
+  timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
+    --prompt-ids "$san_ids" --greedy --ignore-eos -n 4 --output ids --backend cuda --decode megakernel \
+    > "$OUT/sanitizer_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
+  echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log"))"
+done
+
 for m in e4b e2b; do
   timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 2>&1 | tee "$OUT/bench_$m.log" || fail=1
+  timeout 300 "$MG" bench --synthetic $m --quant q4 --backend cuda --prompt-len 64 --tokens 256 --decode megakernel \
+    --trace "$OUT/trace_$m.json" 2>&1 | tee "$OUT/bench_${m}_megakernel.log" || fail=1
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1

@@ -308,16 +308,7 @@ fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
                 seq.commit(1)?;
                 seq.forward(&[tok], Want { all_positions: false, logits: false })?;
                 if let Some(t) = seq.megakernel_trace()? {
-                    println!(
-                        "  traced step: {:.1} us; per stage kernel (token time, mean wait, mean work):",
-                        t.total_us()
-                    );
-                    for k in t.by_kernel() {
-                        println!(
-                            "    {:<26} {:>4} stages {:>8.1} us  wait {:>6.2} us  work {:>6.2} us",
-                            k.kernel, k.stages, k.critical_us, k.wait_us, k.work_us
-                        );
-                    }
+                    print!("  {}", t.table());
                 }
             }
         }

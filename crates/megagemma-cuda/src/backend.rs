@@ -102,6 +102,27 @@ impl Backend for CudaBackend {
     fn measure_read_bandwidth(&mut self) -> Result<Option<f64>> {
         Ok(Some(self.model.read_bandwidth(8 << 30)?))
     }
+    fn trace_decode_step(&mut self, seq: SeqId, token: u32, path: &std::path::Path) -> Result<String> {
+        if self.decode != Decode::Megakernel {
+            return Err(Error::invalid_input("a decode-step trace needs --decode megakernel"));
+        }
+        self.check(seq, &[token, token])?;
+        let s = self.seq_mut(seq)?;
+        let len = s.len();
+        s.set_megakernel_trace(true);
+        // The first step records the stage table again (now with a trace buffer); the second is
+        // the traced one. Neither is kept.
+        let want = SeqWant { all_positions: false, logits: false };
+        let next = s.forward(&[token], want)?[0].argmax;
+        s.commit(1)?;
+        s.forward(&[next], want)?;
+        let trace = s.megakernel_trace()?;
+        s.set_megakernel_trace(false);
+        s.truncate_to(len)?;
+        let t = trace.ok_or_else(|| Error::msg("the megakernel recorded no trace"))?;
+        std::fs::write(path, t.to_json()).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+        Ok(t.table())
+    }
     fn launches_per_token(&self) -> Option<f64> {
         (self.step_tokens > 0).then(|| self.step_launches as f64 / self.step_tokens as f64)
     }

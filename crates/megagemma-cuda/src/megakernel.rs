@@ -286,6 +286,23 @@ impl MkTrace {
         out
     }
 
+    /// Where the token's time went, one line per stage kernel (largest first).
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "traced step: {:.1} us, {} stages on {} blocks; per stage kernel (token time, mean wait, mean work):\n",
+            self.total_us(),
+            self.stages.len(),
+            self.grid
+        );
+        for k in self.by_kernel() {
+            out += &format!(
+                "    {:<26} {:>4} stages {:>8.1} us  wait {:>6.2} us  work {:>6.2} us\n",
+                k.kernel, k.stages, k.critical_us, k.wait_us, k.work_us
+            );
+        }
+        out
+    }
+
     /// The trace as JSON (times in ns from the token's first start) for `tools/mk_trace.py`.
     pub fn to_json(&self) -> String {
         let first = (0..self.grid).map(|b| self.at(b, 0)[0]).min().unwrap_or(0);

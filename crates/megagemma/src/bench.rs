@@ -44,6 +44,11 @@ pub struct BenchArgs {
     /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
     #[arg(long, value_name = "graph|megakernel")]
     pub decode: Option<String>,
+    /// After the timed run, one more decode step with a per-block timeline recorded (CUDA,
+    /// --decode megakernel), written to FILE as JSON (`tools/mk_trace.py FILE --png` draws it),
+    /// and a table of where its time went.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
     /// Worker threads on the CPU (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
@@ -68,6 +73,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     if args.prompt_len == 0 || args.tokens == 0 {
         bail!("--prompt-len and --tokens must be at least 1");
+    }
+    if args.trace.is_some() && args.decode.as_deref() != Some("megakernel") {
+        bail!("--trace records the decode megakernel: give --backend cuda --decode megakernel");
     }
     let kind: BackendKind = args.backend.parse()?;
     let decode = args.decode.as_deref().map(str::parse).transpose()?;
@@ -95,6 +103,14 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     let f = measure(backend.as_mut(), &args, &draft)?;
     report(&label, backend.as_ref(), &args, &f);
+    if let Some(path) = &args.trace {
+        let seq = backend.new_sequence()?;
+        let prompt = prompt_ids(args.prompt_len, backend.vocab_size());
+        let tok = backend.prefill(seq, &prompt, Want::Argmax)?.argmax;
+        print!("{}", backend.trace_decode_step(seq, tok, path)?);
+        println!("trace            {} (tools/mk_trace.py {} --png timeline.png)", path.display(), path.display());
+        backend.free(seq)?;
+    }
     Ok(())
 }
 

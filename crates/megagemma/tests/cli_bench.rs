@@ -46,6 +46,7 @@ fn bench_errors_are_one_line() {
         (vec!["bench", "--synthetic", "e4b", "--backend", "cpu"], "GPU"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--tokens", "0"], "--tokens"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--ctx", "16"], "--ctx"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--trace", "t.json"], "--decode megakernel"),
     ] {
         let out = megagemma(&args);
         assert!(!out.status.success(), "{args:?} should fail");
