@@ -88,7 +88,7 @@ for tool in racecheck synccheck memcheck; do
   timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
     --prompt-ids "$san_ids" --greedy --ignore-eos -n 4 --output ids --backend cuda --decode megakernel \
     > "$OUT/sanitizer_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
-  echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 'ERROR SUMMARY' "$OUT/sanitizer_$tool.log"))"
+  echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_$tool.log"))"
 done
 
 for m in e4b e2b; do

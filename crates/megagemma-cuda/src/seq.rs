@@ -826,7 +826,7 @@ impl CudaSeq {
     }
 
     /// `y_i = W_i·x` (as `matvec_many`) after the pending residual step, if any: folded into the
-    /// matvec when it is one tensor-core launch on hidden-wide rows (`x` is then the step's output
+    /// matvec in single-token passes when it is one tensor-core launch on hidden-wide rows (`x` is then the step's output
     /// by construction: its norm, or the new residual), else run first with `add_norm`. `row0`: the
     /// first row of the step the matvec reads (the LM head reads the wanted positions only).
     fn matvec_after(
@@ -839,7 +839,10 @@ impl CudaSeq {
     ) -> Result<()> {
         let Some(p) = pending else { return self.matvec_many(mats, x, t) };
         let h = self.model.plan.hidden;
-        if self.fold_norms && !self.long_pass(t) && Self::one_mma_launch(mats) && mats[0].0.cols as usize == h {
+        // Single-token passes only: the folded step computes each token's row statistics in turn,
+        // so a verify or short prefill pass of t tokens would pay t times its latency in every
+        // block (measured: a 4-column verify 1.27x -> 1.49x a decode step).
+        if self.fold_norms && t == 1 && Self::one_mma_launch(mats) && mats[0].0.cols as usize == h {
             self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
