@@ -15,7 +15,8 @@
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
-#     32 streaming clients; requests/s, TTFT p50/p99, aggregate tok/s).
+#     32 streaming clients; requests/s, TTFT p50/p99, aggregate tok/s), and tools/serve_fork_check.py
+#     (n = 2 and the prefix cache, both forks on the device).
 set -uo pipefail
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -119,5 +120,9 @@ for m in e4b e2b; do
 done
 timeout 300 python3 tools/bench_serve.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda \
   --max-tokens 64 --requests-per-client 8 --json "$OUT/bench_serve_fixture.json" 2>&1 | tee "$OUT/bench_serve.log" || fail=1
+# The server's forks on CUDA: n = 2 greedy choices equal, and the prefix cache's fork gives the same text.
+timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda 2>&1 \
+  | grep -v '^starting' | tee "$OUT/serve_fork.log"
+[ "${PIPESTATUS[0]}" = 0 ] || fail=1
 echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
 exit $fail
