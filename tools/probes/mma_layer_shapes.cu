@@ -1,0 +1,158 @@
+// Probe for the decode matvecs (issue 9/10, docs/perf-notes.md "Megakernel, second round"): how fast
+// does a tensor-core 4-bit GEMV run at the shapes of one E4B layer, one launch per matrix on cold
+// weights, against the same kernel on one huge matrix (shared/probes/q4_mma_gemv.cu: 82% of the read
+// bandwidth)? megagemma's own kernel streams gate+up at ~1.5 TB/s as a separate kernel and ~1.1 TB/s
+// inside the megakernel; this separates "the shape is too small to stream" from "the kernel is slow".
+//
+// Kernel: the layout and arithmetic of shared/probes/q4_mma_gemv.cu (weights in mma.m16n8k16
+// A-fragment order, one uint4 per lane per 16 rows × 64 columns; x as fp16 in column 0 of B), with
+// the columns of each 16-row tile optionally split S ways (partial sums added atomically), since a
+// 2560-row matrix has only 160 tiles for ~1000 warps. Weights are random bytes: only time matters.
+// For every shape, 42 distinct matrices (one per layer, far beyond L2) are multiplied back to back,
+// 5 rounds; reported per launch.
+//
+// Build and run on the GPU machine:
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/p tools/probes/mma_layer_shapes.cu && /tmp/p
+#include <cstdio>
+#include <cstdint>
+#include <vector>
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// y[N] (+)= W[N, K]·x[K]; work item i = (tile i / S, column part i % S), items spread over all warps.
+template <int UNROLL>
+__global__ void __launch_bounds__(256) gemv(const uint4* __restrict__ w, const half2* __restrict__ sb,
+                                            const float* __restrict__ x, float* __restrict__ y, int N, int K, int S) {
+  extern __shared__ unsigned char smem[];
+  half* xh = (half*)smem;
+  float* gsum = (float*)(smem + K * 2);
+  const int G = K / 64;
+  for (int i = threadIdx.x; i < K; i += blockDim.x) xh[i] = __float2half_rn(x[i]);
+  __syncthreads();
+  for (int g = threadIdx.x; g < G; g += blockDim.x) {
+    float t = 0;
+    for (int i = 0; i < 64; ++i) t += __half2float(xh[g * 64 + i]);
+    gsum[g] = t;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
+  const int items = (N / 16) * S, per = G / S;
+  const half2 off = __float2half2_rn(1032.f);
+  for (int it = warp; it < items; it += nwarps) {
+    const int t = it / S, g_lo = (it % S) * per, g_hi = g_lo + per;
+    const uint4* wt = w + (size_t)t * G * 32;
+    const half2* st = sb + (size_t)t * G * 16;
+    float y0 = 0.f, y1 = 0.f;
+    for (int g0 = g_lo; g0 < g_hi; g0 += UNROLL) {
+      uint4 q[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) q[u] = g0 + u < g_hi ? __ldcs(&wt[(g0 + u) * 32 + lane]) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int g = g0 + u;
+        if (g >= g_hi) break;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint32_t ws[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt) {
+          uint32_t a[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            uint32_t m = ((ws[kt] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
+            half2 v = __hsub2(*reinterpret_cast<half2*>(&m), off);
+            a[i] = *reinterpret_cast<uint32_t*>(&v);
+          }
+          const int k0 = g * 64 + kt * 16;
+          uint32_t b0 = 0, b1 = 0;
+          if (gid == 0) {
+            b0 = *(const uint32_t*)&xh[k0 + tig * 2];
+            b1 = *(const uint32_t*)&xh[k0 + tig * 2 + 8];
+          }
+          mma16816(c, a, b0, b1);
+        }
+        if (tig == 0) {
+          float2 s0 = __half22float2(st[g * 16 + gid]), s1 = __half22float2(st[g * 16 + gid + 8]);
+          y0 += s0.x * c[0] + (s0.y + 8.f * s0.x) * gsum[g];
+          y1 += s1.x * c[2] + (s1.y + 8.f * s1.x) * gsum[g];
+        }
+      }
+    }
+    if (tig == 0) {
+      if (S == 1) {
+        y[t * 16 + gid] = y0;
+        y[t * 16 + gid + 8] = y1;
+      } else {
+        atomicAdd(&y[t * 16 + gid], y0);
+        atomicAdd(&y[t * 16 + gid + 8], y1);
+      }
+    }
+  }
+}
+
+struct Shape {
+  const char* name;
+  int N, K;
+};
+
+int main() {
+  int sms;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int LAYERS = 42, ROUNDS = 5;
+  const Shape shapes[] = {{"gate+up 20480x2560", 20480, 2560}, {"down 2560x10240", 2560, 10240},
+                          {"qkv 3072x2560", 3072, 2560},       {"o 2560x2048", 2560, 2048},
+                          {"lm head 262144x2560", 262144, 2560}};
+  float *x, *y;
+  cudaMalloc(&x, 10240 * 4);
+  cudaMalloc(&y, 262144 * 4);
+  cudaMemset(x, 0x3c, 10240 * 4);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  printf("%-22s %6s %5s %3s %9s %9s\n", "shape", "blocks", "unrl", "S", "us/launch", "GB/s");
+  for (const Shape& sh : shapes) {
+    const int layers = sh.N > 100000 ? 2 : LAYERS;  // the LM head once per token
+    const size_t wbytes = (size_t)sh.N * sh.K / 2, sbytes = (size_t)sh.N * (sh.K / 64) * 4;
+    std::vector<uint4*> ws(layers);
+    std::vector<half2*> ss(layers);
+    for (int l = 0; l < layers; ++l) {
+      cudaMalloc(&ws[l], wbytes);
+      cudaMalloc(&ss[l], sbytes);
+      cudaMemset(ws[l], 0x5a, wbytes);
+      cudaMemset(ss[l], 0x1c, sbytes);
+    }
+    const int smem = sh.K * 2 + (sh.K / 64) * 4;
+    for (int bps : {2, 4, 8}) {
+      for (int S : {1, 2, 4, 8}) {
+        if ((sh.K / 64) % S) continue;
+        for (int unroll : {4, 8}) {
+          auto kern = unroll == 4 ? gemv<4> : gemv<8>;
+          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          auto launch = [&](int l) { kern<<<sms * bps, 256, smem>>>(ws[l], ss[l], x, y, sh.N, sh.K, S); };
+          for (int l = 0; l < layers; ++l) launch(l);  // warm-up
+          cudaDeviceSynchronize();
+          cudaEventRecord(e0);
+          for (int r = 0; r < ROUNDS; ++r)
+            for (int l = 0; l < layers; ++l) launch(l);
+          cudaEventRecord(e1);
+          cudaEventSynchronize(e1);
+          float ms;
+          cudaEventElapsedTime(&ms, e0, e1);
+          const double us = ms * 1e3 / (ROUNDS * layers);
+          printf("%-22s %6d %5d %3d %9.2f %9.0f %s\n", sh.name, sms * bps, unroll, S, us, (wbytes + sbytes) / us / 1e3,
+                 cudaGetErrorString(cudaGetLastError()));
+        }
+      }
+    }
+    for (int l = 0; l < layers; ++l) {
+      cudaFree(ws[l]);
+      cudaFree(ss[l]);
+    }
+  }
+  return 0;
+}
