@@ -98,17 +98,24 @@ class Server:
                 self.proc.wait()
 
 
-def get_json(url, path, api_key):
+def request_json(url, method, path, api_key, body=None, timeout=60):
+    """One request; the decoded JSON reply (an error unless the status is 200)."""
     u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    conn.request("GET", path, headers=headers)
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    conn.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
     r = conn.getresponse()
-    body = r.read()
+    data = r.read()
     conn.close()
     if r.status != 200:
-        raise RuntimeError(f"GET {path}: {r.status} {body[:200]!r}")
-    return json.loads(body)
+        raise RuntimeError(f"{method} {path}: {r.status} {data[:300]!r}")
+    return json.loads(data)
+
+
+def get_json(url, path, api_key):
+    return request_json(url, "GET", path, api_key)
 
 
 def stream_one(url, body, api_key, timeout):

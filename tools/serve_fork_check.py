@@ -8,26 +8,15 @@ request again (its prompt found in the prefix cache, forked from there) must ret
 Prints one line per check and exits non-zero if any fails.
 """
 import argparse
-import http.client
-import json
 import os
 import sys
-import urllib.parse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serve import Server, get_json  # noqa: E402
+from bench_serve import Server, get_json, request_json  # noqa: E402
 
 
 def post(url, body):
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
-    if r.status != 200:
-        raise RuntimeError(f"POST /v1/chat/completions: {r.status} {data[:300]!r}")
-    return json.loads(data)
+    return request_json(url, "POST", "/v1/chat/completions", None, body, timeout=600)
 
 
 def main():
