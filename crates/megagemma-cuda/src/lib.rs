@@ -15,7 +15,8 @@
 //! (4-bit matvec grid and L2 look-ahead; no result depends on them), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`
 //! (tokens per prefill pass), `MEGAGEMMA_CUDA_DECODE=graph|megakernel`, `MEGAGEMMA_CUDA_MK_TRACE=FILE`
-//! (the megakernel's per-block trace of each step).
+//! (the megakernel's per-block trace of each step), `MEGAGEMMA_CUDA_FOLD_NORMS=0` (residual steps as
+//! their own kernels rather than folded into the next matvec).
 
 pub mod backend;
 mod capture;
