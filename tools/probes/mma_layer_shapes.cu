@@ -4,10 +4,11 @@
 // bandwidth)? megagemma's own kernel streams gate+up at ~1.5 TB/s as a separate kernel and ~1.1 TB/s
 // inside the megakernel; this separates "the shape is too small to stream" from "the kernel is slow".
 //
-// Kernel: the layout and arithmetic of shared/probes/q4_mma_gemv.cu (weights in mma.m16n8k16
+// Kernels: the layout and arithmetic of shared/probes/q4_mma_gemv.cu (weights in mma.m16n8k16
 // A-fragment order, one uint4 per lane per 16 rows × 64 columns; x as fp16 in column 0 of B), with
 // the columns of each 16-row tile optionally split S ways (partial sums added atomically), since a
-// 2560-row matrix has only 160 tiles for ~1000 warps. Weights are random bytes: only time matters.
+// 2560-row matrix has only 160 tiles for ~1000 warps; codes in registers (that probe's form) or in a
+// cp.async ring per warp (the megakernel's form). Weights are random bytes: only time matters.
 // For every shape, 42 distinct matrices (one per layer, far beyond L2) are multiplied back to back,
 // 5 rounds; reported per launch.
 //
@@ -24,26 +25,74 @@ __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// y[N] (+)= W[N, K]·x[K]; work item i = (tile i / S, column part i % S), items spread over all warps.
+// The inputs in shared memory (fp16) and their sums per 64-column group; every block builds them.
+__device__ __forceinline__ void load_x(half* xh, float* gsum, const float* x, int K) {
+  for (int i = threadIdx.x; i < K; i += blockDim.x) xh[i] = __float2half_rn(x[i]);
+  __syncthreads();
+  for (int g = threadIdx.x; g < K / 64; g += blockDim.x) {
+    float t = 0;
+    for (int i = 0; i < 64; ++i) t += __half2float(xh[g * 64 + i]);
+    gsum[g] = t;
+  }
+  __syncthreads();
+}
+
+// One 64-column group of a 16-row tile: the lane's code word q (A fragments of four k-tiles) times x,
+// scaled, into y0 (row gid) and y1 (row gid + 8) on the lanes with tig == 0.
+__device__ __forceinline__ void group(uint4 q, const half2* st, const half* xh, const float* gsum, int g, float& y0,
+                                      float& y1) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const half2 off = __float2half2_rn(1032.f);
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint32_t ws[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    uint32_t a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t m = ((ws[kt] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
+      half2 v = __hsub2(*reinterpret_cast<half2*>(&m), off);
+      a[i] = *reinterpret_cast<uint32_t*>(&v);
+    }
+    const int k0 = g * 64 + kt * 16;
+    uint32_t b0 = 0, b1 = 0;
+    if (gid == 0) {
+      b0 = *(const uint32_t*)&xh[k0 + tig * 2];
+      b1 = *(const uint32_t*)&xh[k0 + tig * 2 + 8];
+    }
+    mma16816(c, a, b0, b1);
+  }
+  if (tig == 0) {
+    float2 s0 = __half22float2(st[g * 16 + gid]), s1 = __half22float2(st[g * 16 + gid + 8]);
+    y0 += s0.x * c[0] + (s0.y + 8.f * s0.x) * gsum[g];
+    y1 += s1.x * c[2] + (s1.y + 8.f * s1.x) * gsum[g];
+  }
+}
+
+__device__ __forceinline__ void store(float* y, int t, int S, float y0, float y1) {
+  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  if (tig != 0) return;
+  if (S == 1) {
+    y[t * 16 + gid] = y0;
+    y[t * 16 + gid + 8] = y1;
+  } else {
+    atomicAdd(&y[t * 16 + gid], y0);
+    atomicAdd(&y[t * 16 + gid + 8], y1);
+  }
+}
+
+// Register form (shared/probes/q4_mma_gemv.cu): y[N] (+)= W[N, K]·x[K]; work item i = (tile i / S,
+// column part i % S), items spread over all warps; UNROLL groups' codes in registers at a time.
 template <int UNROLL>
 __global__ void __launch_bounds__(256) gemv(const uint4* __restrict__ w, const half2* __restrict__ sb,
                                             const float* __restrict__ x, float* __restrict__ y, int N, int K, int S) {
   extern __shared__ unsigned char smem[];
   half* xh = (half*)smem;
   float* gsum = (float*)(smem + K * 2);
-  const int G = K / 64;
-  for (int i = threadIdx.x; i < K; i += blockDim.x) xh[i] = __float2half_rn(x[i]);
-  __syncthreads();
-  for (int g = threadIdx.x; g < G; g += blockDim.x) {
-    float t = 0;
-    for (int i = 0; i < 64; ++i) t += __half2float(xh[g * 64 + i]);
-    gsum[g] = t;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  load_x(xh, gsum, x, K);
+  const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
-  const int items = (N / 16) * S, per = G / S;
-  const half2 off = __float2half2_rn(1032.f);
+  const int G = K / 64, items = (N / 16) * S, per = G / S;
   for (int it = warp; it < items; it += nwarps) {
     const int t = it / S, g_lo = (it % S) * per, g_hi = g_lo + per;
     const uint4* wt = w + (size_t)t * G * 32;
@@ -54,43 +103,63 @@ __global__ void __launch_bounds__(256) gemv(const uint4* __restrict__ w, const h
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) q[u] = g0 + u < g_hi ? __ldcs(&wt[(g0 + u) * 32 + lane]) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int g = g0 + u;
-        if (g >= g_hi) break;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint32_t ws[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-          uint32_t a[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            uint32_t m = ((ws[kt] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-            half2 v = __hsub2(*reinterpret_cast<half2*>(&m), off);
-            a[i] = *reinterpret_cast<uint32_t*>(&v);
-          }
-          const int k0 = g * 64 + kt * 16;
-          uint32_t b0 = 0, b1 = 0;
-          if (gid == 0) {
-            b0 = *(const uint32_t*)&xh[k0 + tig * 2];
-            b1 = *(const uint32_t*)&xh[k0 + tig * 2 + 8];
-          }
-          mma16816(c, a, b0, b1);
-        }
-        if (tig == 0) {
-          float2 s0 = __half22float2(st[g * 16 + gid]), s1 = __half22float2(st[g * 16 + gid + 8]);
-          y0 += s0.x * c[0] + (s0.y + 8.f * s0.x) * gsum[g];
-          y1 += s1.x * c[2] + (s1.y + 8.f * s1.x) * gsum[g];
-        }
-      }
+      for (int u = 0; u < UNROLL; ++u)
+        if (g0 + u < g_hi) group(q[u], st, xh, gsum, g0 + u, y0, y1);
     }
-    if (tig == 0) {
-      if (S == 1) {
-        y[t * 16 + gid] = y0;
-        y[t * 16 + gid + 8] = y1;
-      } else {
-        atomicAdd(&y[t * 16 + gid], y0);
-        atomicAdd(&y[t * 16 + gid + 8], y1);
-      }
+    store(y, t, S, y0, y1);
+  }
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// Ring form (megagemma's megakernel matvec): the same work, but each warp keeps DEPTH groups' codes in
+// flight by cp.async into a ring in shared memory, streaming on across its work items (one commit
+// group per group of codes; the lane waits for its own copies only).
+template <int DEPTH>
+__global__ void __launch_bounds__(256) gemv_ring(const uint4* __restrict__ w, const half2* __restrict__ sb,
+                                                 const float* __restrict__ x, float* __restrict__ y, int N, int K,
+                                                 int S) {
+  extern __shared__ unsigned char smem[];
+  half* xh = (half*)smem;
+  float* gsum = (float*)(smem + K * 2);
+  uint4* ring = (uint4*)(smem + ((K * 2 + (K / 64) * 4 + 15) / 16) * 16) + (threadIdx.x >> 5) * DEPTH * 32;
+  load_x(xh, gsum, x, K);
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
+  const int G = K / 64, items = (N / 16) * S, per = G / S;
+  // The warp's groups in order: item it = warp + j·nwarps, group g_lo(it) + i; n = its count.
+  const int mine = warp < items ? (items - warp + nwarps - 1) / nwarps : 0, n = mine * per;
+  auto src = [&](int k) {  // the k-th group of this warp's sequence
+    const int it = warp + (k / per) * nwarps, t = it / S, g = (it % S) * per + k % per;
+    return w + ((size_t)t * G + g) * 32 + lane;
+  };
+  int issued = 0;
+  for (; issued < min(n, DEPTH); ++issued) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(ring + (issued % DEPTH) * 32 + lane)),
+                 "l"(src(issued)) : "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  float y0 = 0.f, y1 = 0.f;
+  for (int k = 0; k < n; ++k) {
+    // Copies still allowed pending: those issued after group k (at most DEPTH - 1).
+    if (issued - k - 1 >= DEPTH - 1) asm volatile("cp.async.wait_group %0;" ::"n"(DEPTH - 1) : "memory");
+    else asm volatile("cp.async.wait_group 0;" ::: "memory");
+    const uint4 q = ring[(k % DEPTH) * 32 + lane];
+    if (issued < n) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(ring + (issued % DEPTH) * 32 + lane)),
+                   "l"(src(issued)) : "memory");
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      ++issued;
+    }
+    const int it = warp + (k / per) * nwarps, t = it / S, g = (it % S) * per + k % per;
+    group(q, sb + (size_t)t * G * 16, xh, gsum, g, y0, y1);
+    if (k % per == per - 1) {
+      store(y, t, S, y0, y1);
+      y0 = y1 = 0.f;
     }
   }
 }
@@ -114,7 +183,7 @@ int main() {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  printf("%-22s %6s %5s %3s %9s %9s\n", "shape", "blocks", "unrl", "S", "us/launch", "GB/s");
+  printf("%-22s %-8s %6s %3s %9s %9s\n", "shape", "kernel", "blocks", "S", "us/launch", "GB/s");
   for (const Shape& sh : shapes) {
     const int layers = sh.N > 100000 ? 2 : LAYERS;  // the LM head once per token
     const size_t wbytes = (size_t)sh.N * sh.K / 2, sbytes = (size_t)sh.N * (sh.K / 64) * 4;
@@ -126,14 +195,22 @@ int main() {
       cudaMemset(ws[l], 0x5a, wbytes);
       cudaMemset(ss[l], 0x1c, sbytes);
     }
-    const int smem = sh.K * 2 + (sh.K / 64) * 4;
-    for (int bps : {2, 4, 8}) {
-      for (int S : {1, 2, 4, 8}) {
-        if ((sh.K / 64) % S) continue;
-        for (int unroll : {4, 8}) {
-          auto kern = unroll == 4 ? gemv<4> : gemv<8>;
-          cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-          auto launch = [&](int l) { kern<<<sms * bps, 256, smem>>>(ws[l], ss[l], x, y, sh.N, sh.K, S); };
+    const int xbytes = ((sh.K * 2 + (sh.K / 64) * 4 + 15) / 16) * 16;
+    // Kernel variants: register form with 4 or 8 groups per batch, ring form 8 or 16 deep.
+    struct Variant {
+      const char* name;
+      void (*kern)(const uint4*, const half2*, const float*, float*, int, int, int);
+      int smem;
+    } variants[] = {{"regs 4", gemv<4>, xbytes},
+                    {"regs 8", gemv<8>, xbytes},
+                    {"ring 8", gemv_ring<8>, xbytes + 8 * 8 * 512},
+                    {"ring 16", gemv_ring<16>, xbytes + 8 * 16 * 512}};
+    for (const Variant& v : variants) {
+      cudaFuncSetAttribute(v.kern, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem);
+      for (int bps : {1, 2, 4}) {
+        for (int S : {1, 2, 4, 8}) {
+          if ((sh.K / 64) % S) continue;
+          auto launch = [&](int l) { v.kern<<<sms * bps, 256, v.smem>>>(ws[l], ss[l], x, y, sh.N, sh.K, S); };
           for (int l = 0; l < layers; ++l) launch(l);  // warm-up
           cudaDeviceSynchronize();
           cudaEventRecord(e0);
@@ -144,8 +221,8 @@ int main() {
           float ms;
           cudaEventElapsedTime(&ms, e0, e1);
           const double us = ms * 1e3 / (ROUNDS * layers);
-          printf("%-22s %6d %5d %3d %9.2f %9.0f %s\n", sh.name, sms * bps, unroll, S, us, (wbytes + sbytes) / us / 1e3,
-                 cudaGetErrorString(cudaGetLastError()));
+          printf("%-22s %-8s %6d %3d %9.2f %9.0f %s\n", sh.name, v.name, sms * bps, S, us,
+                 (wbytes + sbytes) / us / 1e3, cudaGetErrorString(cudaGetLastError()));
         }
       }
     }
