@@ -3,7 +3,7 @@
 
     MEGAGEMMA_CUDA_MK_TRACE=trace.json megagemma bench --synthetic e4b --quant q4 --backend cuda \
         --decode megakernel --tokens 8
-    python3 tools/mk_trace.py trace.json [--png timeline.png]
+    python3 tools/mk_trace.py trace.json [--png timeline.png] [--stages 81:89]
 
 The trace (written by the CUDA backend after every megakernel step; the file holds the last one)
 has, per block and stage, the %globaltimer nanoseconds at the stage's start, when its wait was
@@ -36,10 +36,30 @@ def by_kernel(trace):
     return sorted(rows.items(), key=lambda kv: -kv[1]["critical_us"])
 
 
+def per_stage(trace, first, last):
+    """Rows for stages [first, last): critical-path µs (previous stage's last block to finish to this
+    stage's), blocks that worked, when their waits were satisfied (µs after the previous stage
+    ended: first, last) and their work (min, median, max µs)."""
+    grid, names, t = trace["grid"], trace["stages"], trace["t"]
+    prev_end = max(t[b][first - 1][2] for b in range(grid)) if first > 0 else min(t[b][0][0] for b in range(grid))
+    rows = []
+    for s in range(first, last):
+        cells = [t[b][s] for b in range(grid)]
+        end = max(c[2] for c in cells)
+        waited = [c for c in cells if c[1] != 0]
+        work = sorted(c[2] - c[1] for c in waited) or [0]
+        sat = [c[1] - prev_end for c in waited] or [0]
+        rows.append((s, names[s], (end - prev_end) / 1e3, len(waited), min(sat) / 1e3, max(sat) / 1e3,
+                     work[0] / 1e3, work[len(work) // 2] / 1e3, work[-1] / 1e3))
+        prev_end = max(prev_end, end)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--png", help="write a timeline picture here")
+    ap.add_argument("--stages", metavar="FIRST:LAST", help="also one line per stage in [FIRST, LAST) (e.g. one layer)")
     args = ap.parse_args()
     with open(args.trace) as f:
         trace = json.load(f)
@@ -51,6 +71,14 @@ def main():
         mean = lambda v: sum(v) / len(v)
         print(f"{name:<26} {r['stages']:>6} {r['critical_us']:>9.1f} {100 * r['critical_us'] / total:>5.1f}% "
               f"{mean(r['wait']):>13.2f} {mean(r['work']):>13.2f}")
+    if args.stages:
+        first, last = (int(v) for v in args.stages.split(":"))
+        if not 0 <= first < last <= len(names):
+            sys.exit(f"--stages: need 0 <= FIRST < LAST <= {len(names)}")
+        print(f"\n{'stage':>5} {'kernel':<26} {'critical us':>11} {'blocks':>6} {'waits met us':>13} "
+              f"{'work min/med/max us':>21}")
+        for s, name, crit, n, s0, s1, w0, w1, w2 in per_stage(trace, first, last):
+            print(f"{s:>5} {name:<26} {crit:>11.2f} {n:>6} {s0:>6.2f}..{s1:<5.2f} {w0:>6.2f} {w1:>6.2f} {w2:>7.2f}")
     if not args.png:
         return
     try:

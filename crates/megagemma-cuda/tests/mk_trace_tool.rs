@@ -1,0 +1,64 @@
+//! `tools/mk_trace.py` reads the JSON `MkTrace::to_json` writes and attributes a traced token's
+//! time as `MkTrace::by_kernel` does (no GPU needed: the trace is built by hand).
+
+use megagemma_cuda::MkTrace;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Three blocks, four stages: a one-block stage, two stages every block works in (one with a slow
+/// block), and a stage two blocks skip.
+fn trace() -> MkTrace {
+    #[rustfmt::skip]
+    let t = vec![
+        // block 0: (start, waited, end) per stage, ns
+        1_000, 0, 5_000,      5_000, 6_000, 9_000,     9_000, 12_000, 20_000,   20_000, 21_000, 23_000,
+        // block 1
+        1_000, 0, 1_000,      1_000, 6_000, 11_000,    11_000, 12_500, 15_000,  15_000, 0, 15_000,
+        // block 2
+        1_000, 0, 1_000,      1_000, 5_500, 8_000,     8_000, 12_000, 14_000,   14_000, 0, 14_000,
+    ];
+    MkTrace { grid: 3, stages: vec!["embed_gather", "matvec_q4t_4", "matvec_q4t_4", "argmax_final"], t }
+}
+
+fn run_tool(args: &[&str]) -> String {
+    let tool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/mk_trace.py");
+    let out = Command::new("python3").arg(tool).args(args).output().expect("python3 runs");
+    assert!(out.status.success(), "mk_trace.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+#[test]
+fn the_tool_attributes_time_as_the_backend_does() {
+    let t = trace();
+    let path = std::env::temp_dir().join(format!("megagemma-mk-trace-{}.json", std::process::id()));
+    std::fs::write(&path, t.to_json()).unwrap();
+    let out = run_tool(&[path.to_str().unwrap(), "--stages", "0:4"]);
+    std::fs::remove_file(&path).ok();
+
+    // Per kernel: the token µs column equals Rust's attribution.
+    let kinds = t.by_kernel();
+    assert_eq!(kinds.len(), 3);
+    for k in &kinds {
+        let line = out.lines().find(|l| l.starts_with(k.kernel)).unwrap_or_else(|| panic!("no line for {}", k.kernel));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let (stages, us): (usize, f64) = (cols[1].parse().unwrap(), cols[2].parse().unwrap());
+        assert_eq!(stages, k.stages, "{line}");
+        assert!((us - k.critical_us).abs() < 0.05, "{line}: Rust says {:.2} us", k.critical_us);
+    }
+    // matvec stages: from the one-block stage's end (5 µs) to the slow block's (11), then on to 20.
+    let mv = kinds.iter().find(|k| k.kernel == "matvec_q4t_4").unwrap();
+    assert!((mv.critical_us - 15.0).abs() < 1e-9, "{}", mv.critical_us);
+
+    // Per stage: critical paths sum to the token's time; the third stage's work spans 2.5–8 µs.
+    let rows: Vec<Vec<&str>> = out
+        .lines()
+        .skip_while(|l| !l.contains("critical us"))
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    let total: f64 = rows.iter().map(|r| r[2].parse::<f64>().unwrap()).sum();
+    assert!((total - t.total_us()).abs() < 0.05, "{total} vs {}", t.total_us());
+    assert_eq!(rows[2][3], "3", "{out}");
+    assert_eq!((rows[2][5], rows[2][6], rows[2][7]), ("2.00", "2.50", "8.00"), "{out}");
+}
