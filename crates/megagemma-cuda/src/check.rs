@@ -2,7 +2,7 @@
 //! `gpu_check` example and the opt-in GPU tests: greedy ids and logits on the same prompt, and
 //! multi-token (verify) columns against single decode steps, bit for bit.
 
-use crate::{CudaModel, CudaSeq, Decode, Want};
+use crate::{CudaModel, CudaSeq, Decode, PosOut, Want};
 use megagemma_model::cpu::forward::forward_chunk;
 use megagemma_model::cpu::kv::KvCache;
 use megagemma_model::cpu::ops::argmax;
@@ -200,6 +200,22 @@ pub struct MegakernelReport {
     pub max_rel_l2: f64,
 }
 
+/// `steps` greedy decode steps of two sequences fed the same ids (`a`'s argmax, from `tok` on),
+/// each committed: the two outputs of every step.
+fn lockstep(a: &mut CudaSeq, b: &mut CudaSeq, mut tok: u32, steps: usize) -> Result<Vec<(PosOut, PosOut)>> {
+    let want = Want { all_positions: false, logits: true };
+    let mut outs = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let oa = a.forward(&[tok], want)?.remove(0);
+        a.commit(1)?;
+        let ob = b.forward(&[tok], want)?.remove(0);
+        b.commit(1)?;
+        tok = oa.argmax;
+        outs.push((oa, ob));
+    }
+    Ok(outs)
+}
+
 /// `steps` greedy decode steps after `prompt`, once with the graph-launched step and once with the
 /// megakernel, on two sequences (ids follow the graph's).
 pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<MegakernelReport> {
@@ -207,20 +223,14 @@ pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usiz
     let (mut graph, mut mk) = (CudaSeq::new(cm, max_len)?, CudaSeq::new(cm, max_len)?);
     graph.set_decode(Decode::Graph);
     mk.set_decode(Decode::Megakernel);
-    let mut tok = graph.prefill(prompt, false)?.argmax;
+    let tok = graph.prefill(prompt, false)?.argmax;
     mk.prefill(prompt, false)?;
-    let want = Want { all_positions: false, logits: true };
     let mut r = MegakernelReport { identical: 0, ids_equal: 0, max_rel_l2: 0.0 };
-    for _ in 0..steps {
-        let g = graph.forward(&[tok], want)?.remove(0);
-        let m = mk.forward(&[tok], want)?.remove(0);
+    for (g, m) in lockstep(&mut graph, &mut mk, tok, steps)? {
         r.identical += usize::from(g.logits == m.logits);
         r.ids_equal += usize::from(g.argmax == m.argmax);
         let (gl, ml) = (g.logits.unwrap_or_default(), m.logits.unwrap_or_default());
         r.max_rel_l2 = r.max_rel_l2.max(rel_l2(&ml, &gl));
-        graph.commit(1)?;
-        mk.commit(1)?;
-        tok = g.argmax;
     }
     Ok(r)
 }
@@ -262,17 +272,9 @@ pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result
     let mut orig = CudaSeq::new(cm, max_len)?;
     let first = orig.prefill(prompt, false)?.argmax;
     let mut fork = orig.fork()?;
-    let want = Want { all_positions: false, logits: true };
-    let (mut tok, mut ids, mut identical) = (first, vec![first], 0);
-    for _ in 1..steps {
-        let o = orig.forward(&[tok], want)?.remove(0);
-        orig.commit(1)?;
-        let f = fork.forward(&[tok], want)?.remove(0);
-        fork.commit(1)?;
-        identical += usize::from(o.logits == f.logits);
-        tok = f.argmax;
-        ids.push(tok);
-    }
+    let outs = lockstep(&mut orig, &mut fork, first, steps - 1)?;
+    let identical = outs.iter().filter(|(o, f)| o.logits == f.logits).count();
+    let ids: Vec<u32> = std::iter::once(first).chain(outs.iter().map(|(_, f)| f.argmax)).collect();
     let (fresh, _) = cuda_greedy(cm, prompt, steps, None)?;
     Ok(ForkReport { steps: steps - 1, identical, ids_equal_fresh: fresh == ids })
 }

@@ -241,7 +241,9 @@ unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
 impl Gpu {
-    /// Opens device 0, compiles (or loads from the cache) every kernel module.
+    /// Opens device 0, compiles (or loads from the cache) every kernel module. All of it runs as
+    /// one device-wide call (context, stream, module loads, cuBLAS handle; the NVRTC compilation
+    /// too, which a cold kernel cache makes long for other threads waiting to capture).
     pub fn new() -> Result<Gpu> {
         crate::capture::device_wide(Gpu::open)
     }
@@ -275,8 +277,7 @@ impl Gpu {
         for (file, names) in FUNCTIONS {
             debug_assert!(KERNEL_FILES.iter().any(|(f, _)| *f == file));
             let cubin = cubin_for(file, &arch, &device_key)?;
-            let module = crate::capture::device_wide(|| ctx.load_module(Ptx::from_binary(cubin)))
-                .map_err(|e| cuda_err(&format!("load {file}"), e))?;
+            let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| cuda_err(&format!("load {file}"), e))?;
             for &n in names {
                 let f = module.load_function(n).map_err(|e| cuda_err(&format!("function {n}"), e))?;
                 funcs.insert(n, f);
@@ -295,9 +296,7 @@ impl Gpu {
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
         let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
         let blas = match std::env::var("MEGAGEMMA_CUDA_CUBLAS").map_or(true, |v| v != "0") && cublas_present() {
-            true => {
-                Some(crate::capture::device_wide(|| CudaBlas::new(stream.clone())).map_err(|e| cuda_err("cuBLAS", e))?)
-            }
+            true => Some(CudaBlas::new(stream.clone()).map_err(|e| cuda_err("cuBLAS", e))?),
             false => None,
         };
         Ok(Gpu {

@@ -12,7 +12,7 @@
 //! [`FEW_TOKENS`] tokens keep their columns bit-identical to single steps.
 
 use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4T};
-use crate::seq::CudaSeq;
+use crate::seq::{f32s, CudaSeq};
 use cudarc::cublas::{result as blas, sys as bsys};
 use megagemma_model::plan::LayerPlan;
 use megagemma_model::{bail, Result};
@@ -67,10 +67,6 @@ impl Workspace {
         }
         Ok(b.as_ref().expect("allocated above").ptr)
     }
-}
-
-fn f32s(n: usize) -> usize {
-    n * 4
 }
 
 fn op(transpose: bool) -> bsys::cublasOperation_t {

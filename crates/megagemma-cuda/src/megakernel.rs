@@ -105,6 +105,9 @@ impl MkStage {
 pub(crate) struct Megakernel {
     /// Which of `MK_ENTRIES` runs this table.
     entry: &'static str,
+    /// `MEGAGEMMA_CUDA_MK_STEPWISE=1`: one launch per stage (a debugging aid: the stages' order is
+    /// then kept by the stream as well as by the counter).
+    stepwise: bool,
     table: DevBuf,
     stages: usize,
     /// Each stage's kernel, for the trace.
@@ -154,7 +157,8 @@ impl Megakernel {
         let grid = per_sm * gpu.sms;
         let names = stages.iter().map(|s| MK_KERNELS[s.kernel as usize]).collect();
         let trace = if trace { Some(gpu.alloc_zeros(grid as usize * stages.len() * 3 * 8)?) } else { None };
-        Ok(Megakernel { entry, table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
+        let stepwise = std::env::var("MEGAGEMMA_CUDA_MK_STEPWISE").is_ok_and(|v| v == "1");
+        Ok(Megakernel { entry, stepwise, table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
     }
 
     /// Stages per token.
@@ -170,9 +174,7 @@ impl Megakernel {
     /// Enqueues one decode step. `skew` shifts what the waits expect (a test of the timeout: a
     /// large skew can never be met).
     pub(crate) fn launch(&mut self, gpu: &Gpu, skew: u32) -> Result<()> {
-        // MEGAGEMMA_CUDA_MK_STEPWISE=1: one launch per stage (a debugging aid: the stages' order
-        // is then kept by the stream as well as by the counter).
-        let stepwise = std::env::var("MEGAGEMMA_CUDA_MK_STEPWISE").is_ok_and(|v| v == "1");
+        let stepwise = self.stepwise;
         let per_launch = if stepwise { 1 } else { self.stages };
         self.gen = self.gen.wrapping_add(1);
         for first in (0..self.stages).step_by(per_launch) {

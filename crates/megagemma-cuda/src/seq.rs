@@ -269,8 +269,10 @@ pub struct CudaSeq {
     decode_graph: Option<CudaGraph>,
     decode: Decode,
     megakernel: Option<Megakernel>,
-    /// Record per-block stage timestamps in the megakernel (`MEGAGEMMA_CUDA_MK_TRACE=FILE` too).
+    /// Record per-block stage timestamps in the megakernel.
     trace_megakernel: bool,
+    /// `MEGAGEMMA_CUDA_MK_TRACE=FILE`: every megakernel step traced, each overwriting FILE.
+    trace_file: Option<std::path::PathBuf>,
     /// While a pass is being launched: whether the residual stream is in `s.x2` (`xcur`).
     x_in_x2: std::cell::Cell<bool>,
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
@@ -288,7 +290,8 @@ fn join<const A: usize, const B: usize, const C: usize>(a: [Arg; A], b: [Arg; B]
     std::array::from_fn(|i| if i < A { a[i] } else { b[i - A] })
 }
 
-fn f32s(n: usize) -> usize {
+/// Bytes of `n` f32s.
+pub(crate) fn f32s(n: usize) -> usize {
     n * 4
 }
 
@@ -322,6 +325,7 @@ impl CudaSeq {
         let kv_table = gpu.alloc_zeros((kv_layers * std::mem::size_of::<KvLayerDesc>()).max(1))?;
         let use_graphs = std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let chunk = std::env::var("MEGAGEMMA_CUDA_PREFILL_CHUNK").ok().and_then(|v| v.parse().ok());
+        let trace_file = std::env::var_os("MEGAGEMMA_CUDA_MK_TRACE").map(std::path::PathBuf::from);
         let mut seq = CudaSeq {
             model: model.clone(),
             max_len,
@@ -337,7 +341,8 @@ impl CudaSeq {
             decode_graph: None,
             decode: Decode::from_env(),
             megakernel: None,
-            trace_megakernel: false,
+            trace_megakernel: trace_file.is_some(),
+            trace_file,
             x_in_x2: Default::default(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
         };
@@ -402,6 +407,7 @@ impl CudaSeq {
         copy.use_graphs = self.use_graphs;
         copy.decode = self.decode;
         copy.trace_megakernel = self.trace_megakernel;
+        copy.trace_file = self.trace_file.clone();
         gpu.sync()?;
         Ok(copy)
     }
@@ -464,17 +470,16 @@ impl CudaSeq {
             let ran = self.run(1, 0);
             let recorded = gpu.stop_recording();
             ran?;
-            let trace = std::env::var_os("MEGAGEMMA_CUDA_MK_TRACE").is_some() || self.trace_megakernel;
-            self.megakernel = Some(Megakernel::new(gpu, &recorded, trace)?);
+            self.megakernel = Some(Megakernel::new(gpu, &recorded, self.trace_megakernel)?);
         }
         let mk = self.megakernel.as_mut().expect("built above");
         mk.launch(&self.model.gpu, skew)
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
-    /// (from the next recording of the step on).
+    /// (from the next recording of the step on); always with `MEGAGEMMA_CUDA_MK_TRACE`.
     pub fn set_megakernel_trace(&mut self, on: bool) {
-        self.trace_megakernel = on;
+        self.trace_megakernel = on || self.trace_file.is_some();
         self.megakernel = None;
     }
 
@@ -554,10 +559,10 @@ impl CudaSeq {
         if megakernel {
             self.megakernel.as_mut().expect("launched").check(gpu)?;
             // MEGAGEMMA_CUDA_MK_TRACE=FILE: each traced step overwrites FILE (tools/mk_trace.py).
-            if let Some(path) = std::env::var_os("MEGAGEMMA_CUDA_MK_TRACE") {
+            if let Some(path) = &self.trace_file {
                 if let Some(t) = self.megakernel.as_ref().expect("launched").trace(gpu)? {
-                    std::fs::write(&path, t.to_json())
-                        .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.to_string_lossy())))?;
+                    std::fs::write(path, t.to_json())
+                        .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.display())))?;
                 }
             }
         }

@@ -1,7 +1,9 @@
 //! Backend selection: which compute backend runs a loaded model.
 
 use anyhow::{bail, Result};
-use megagemma_cuda::{CudaBackend, CudaModel, Decode};
+/// How CUDA decode steps launch (`--decode graph|megakernel`).
+pub use megagemma_cuda::Decode;
+use megagemma_cuda::{CudaBackend, CudaModel};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
 use megagemma_model::cpu::CpuBackend;

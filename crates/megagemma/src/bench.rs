@@ -10,7 +10,7 @@
 use crate::run::{resolve_model, DraftArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions, Decode};
 use megagemma_engine::generate::{generate, DraftMode, GenerateParams};
 use megagemma_model::backend::{Backend, Want};
 use std::path::PathBuf;
@@ -74,11 +74,11 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if args.prompt_len == 0 || args.tokens == 0 {
         bail!("--prompt-len and --tokens must be at least 1");
     }
-    if args.trace.is_some() && args.decode.as_deref() != Some("megakernel") {
+    let kind: BackendKind = args.backend.parse()?;
+    let decode: Option<Decode> = args.decode.as_deref().map(str::parse).transpose()?;
+    if args.trace.is_some() && decode != Some(Decode::Megakernel) {
         bail!("--trace records the decode megakernel: give --backend cuda --decode megakernel");
     }
-    let kind: BackendKind = args.backend.parse()?;
-    let decode = args.decode.as_deref().map(str::parse).transpose()?;
     let opts = BackendOptions { kind, max_context: args.ctx, decode };
     let (label, mut backend): (String, Box<dyn Backend>) = match (&args.model, &args.synthetic) {
         (Some(m), None) => {
