@@ -363,16 +363,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return r;
 }
 
+// Copies chunk cc's codes (this lane's 16 bytes) and scales to the slot at shared address `dst`
+// (this warp's slot; the lane's offsets are added here). `codes` is the chunk's codes for this lane.
 template <int UPC>
-__device__ __forceinline__ void ring_issue(unsigned char* slot, const uint4* codes, const float* sbt, int cc,
-                                           int gsh) {
+__device__ __forceinline__ void ring_issue(unsigned dst, const uint4* codes, const float* sbt, int cc, int gsh) {
   const int lane = threadIdx.x & 31;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(slot + lane * 16)),
-               "l"(codes + (u64)cc * 32 + lane)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + lane * 16), "l"(codes) : "memory");
 #pragma unroll
   for (int p = 0; p < UPC; p++)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(slot + 512 + p * 128 + lane * 4)),
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst + 512 + p * 128 + lane * 4),
                  "l"(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32 + lane)
                  : "memory");
 }
@@ -380,27 +379,31 @@ __device__ __forceinline__ void ring_issue(unsigned char* slot, const uint4* cod
 template <int UPC>
 __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
                                            const float* xs, float y[1][2], unsigned char* ring) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2;
+  const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
-  // The tile's codes and scales (`ring_issue` adds the lane).
-  const uint4* codes = (const uint4*)W.w + (u64)tile * chunks * 32;
-  const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
   const int first = c0 + ((ws - c0) & (ks - 1));
   const int count = first < c0 + n ? (c0 + n - first + ks - 1) / ks : 0;
-  const bool live[1] = {gid < 2};
+  // This lane's codes of the warp's first chunk, the step to its next, the tile's scales; the
+  // ring's shared-memory address, computed once (a generic-to-shared conversion is not free).
+  const uint4* codes = (const uint4*)W.w + ((u64)tile * chunks + first) * 32 + lane;
+  const u64 step = (u64)ks * 32;
+  const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
+  const unsigned ring_s = smem_addr(ring);
+  const bool live[1] = {(lane >> 2) < 2};
 #pragma unroll
   for (int i = 0; i < MMA_RING; i++) {
-    if (i < count) ring_issue<UPC>(ring + i * MMA_RING_SLOT(UPC), codes, sbt, first + i * ks, gsh);
+    if (i < count) ring_issue<UPC>(ring_s + i * MMA_RING_SLOT(UPC), codes + i * step, sbt, first + i * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   for (int i = 0; i < count; i++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
-    unsigned char* slot = ring + (i % MMA_RING) * MMA_RING_SLOT(UPC);
+    const int off = (i % MMA_RING) * MMA_RING_SLOT(UPC);
     Batch<1, UPC> bt;
-    bt.q[0] = *(const uint4*)(slot + lane * 16);
+    bt.q[0] = *(const uint4*)(ring + off + lane * 16);
 #pragma unroll
-    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(slot + 512 + p * 128 + lane * 4);
-    if (i + MMA_RING < count) ring_issue<UPC>(slot, codes, sbt, first + (i + MMA_RING) * ks, gsh);
+    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(ring + off + 512 + p * 128 + lane * 4);
+    if (i + MMA_RING < count)
+      ring_issue<UPC>(ring_s + off, codes + (i + MMA_RING) * step, sbt, first + (i + MMA_RING) * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const int cc = first + i * ks;
     compute_batch<1, 1, UPC>(bt, cc, ks, c0, cc + 1, xf, xs, live, y);

@@ -181,7 +181,7 @@ struct AttentionSplit {
 }
 
 impl AttentionSplit {
-    const SPLIT_KEYS: usize = 64;
+    const SPLIT_KEYS: usize = 32;
     const FEW_TOKENS: usize = 8;
     const MAX_SPLITS: usize = 64;
     const LONG_SPLITS: usize = 4;
@@ -1237,5 +1237,44 @@ impl CudaSeq {
         ];
         self.elementwise("moe_combine", t * h, &args)?;
         self.norm(s.e.ptr, s.e.ptr, moe.post_norm_2, h, t, false)
+    }
+}
+
+#[cfg(test)]
+mod attention_split_tests {
+    use super::AttentionSplit;
+
+    /// The value of `#define NAME v` in attention.cu.
+    fn kernel_define(name: &str) -> usize {
+        let src = include_str!("../kernels/attention.cu");
+        let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+        line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).expect(name)
+    }
+
+    /// The host sizes the grid and the shared memory from the split the kernel computes for
+    /// itself: the two must agree (a kernel splitting into more keys per block than the host's
+    /// `keys_per_block` overruns its shared memory; into more splits than `grid_splits`, skips keys).
+    #[test]
+    fn host_split_matches_the_kernel() {
+        assert_eq!(AttentionSplit::SPLIT_KEYS, kernel_define("ATT_SPLIT_KEYS"));
+        assert_eq!(AttentionSplit::FEW_TOKENS, kernel_define("ATT_FEW_TOKENS"));
+        assert_eq!(AttentionSplit::MAX_SPLITS, kernel_define("ATT_MAX_SPLITS"));
+        assert_eq!(AttentionSplit::LONG_SPLITS, kernel_define("ATT_LONG_SPLITS"));
+        // The kernel's split of n keys (att_splits) fits the host's grid and shared memory.
+        for t in [1, 4, 8, 9, 64] {
+            for max_keys in [1, 31, 32, 33, 200, 512, 4096, 131072] {
+                let host = AttentionSplit::new(max_keys, t);
+                for n in 1..=max_keys.min(5000) {
+                    let cap = if t <= AttentionSplit::FEW_TOKENS {
+                        AttentionSplit::MAX_SPLITS
+                    } else {
+                        AttentionSplit::LONG_SPLITS
+                    };
+                    let nsplit = n.div_ceil(AttentionSplit::SPLIT_KEYS).min(cap);
+                    assert!(nsplit <= host.grid_splits, "t {t} max_keys {max_keys} n {n}");
+                    assert!(n.div_ceil(nsplit) <= host.keys_per_block, "t {t} max_keys {max_keys} n {n}");
+                }
+            }
+        }
     }
 }
