@@ -12,6 +12,10 @@
 // For every shape, 42 distinct matrices (one per layer, far beyond L2) are multiplied back to back,
 // 5 rounds; reported per launch.
 //
+// Measured on the H200, 2026-12-01 (docs/perf-notes.md, "Sixth session"): best per launch, regs form —
+// gate+up 19.6 µs (1.50 TB/s), down 24.6, Q/K/V 7.7, O 6.6, LM head 139 µs (2.72 TB/s at 528 blocks,
+// 2.0 at 264); the ring form about half as fast at every shape (gate+up 33.3 µs, LM head 1.12 TB/s).
+//
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/p tools/probes/mma_layer_shapes.cu && /tmp/p
 #include <cstdio>
