@@ -1,0 +1,59 @@
+//! `tools/gpu_ab.sh` runs every variant's bench with that variant's environment only, in the
+//! order and with the labels it prints (no GPU needed: a stand-in `megagemma` echoes what it got).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+#[test]
+fn each_variant_runs_with_its_own_environment() {
+    let dir = std::env::temp_dir().join(format!("megagemma-gpu-ab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("megagemma");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"decode waves=${MEGAGEMMA_CUDA_MMA_WAVES:-unset} keys=${MEGAGEMMA_CUDA_ATT_SPLIT_KEYS:-unset} $*\"\n",
+    )
+    .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let tool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/gpu_ab.sh");
+    let out = Command::new("bash")
+        .arg(&tool)
+        .arg(&dir)
+        // base after w3: a variant's environment must not leak into the next.
+        .args([
+            "w3:MEGAGEMMA_CUDA_MMA_WAVES=3",
+            "base",
+            "both:MEGAGEMMA_CUDA_MMA_WAVES=3,MEGAGEMMA_CUDA_ATT_SPLIT_KEYS=16",
+        ])
+        .env("ROUNDS", "1")
+        .env("MODELS", "e2b")
+        .env("DECODES", "megakernel")
+        .env_remove("MEGAGEMMA_CUDA_MMA_WAVES")
+        .env_remove("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS")
+        .output()
+        .expect("bash runs");
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(out.status.success(), "gpu_ab.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    let expect = [("w3", "waves=3 keys=unset"), ("base", "waves=unset keys=unset"), ("both", "waves=3 keys=16")];
+    for (line, (label, env)) in lines.iter().zip(expect) {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(&fields[..5], ["round", "1", "e2b", "megakernel", label], "{line}");
+        assert!(line.contains(env), "{line}");
+        assert!(
+            line.contains("--synthetic e2b --quant q4 --backend cuda") && line.contains("--decode megakernel"),
+            "{line}"
+        );
+    }
+
+    // No variants: one error line and a non-zero exit.
+    let none = Command::new("bash").arg(&tool).arg("/nonexistent").output().expect("bash runs");
+    assert!(!none.status.success());
+    assert_eq!(String::from_utf8_lossy(&none.stderr).trim(), "tools/gpu_ab.sh: no variants given");
+}
