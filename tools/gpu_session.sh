@@ -10,7 +10,8 @@
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
 #     with and without speculative drafting (lookup, oracle), and with the decode megakernel
 #     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
-#     synccheck, memcheck) over a few megakernel steps of one fixture.
+#     synccheck, memcheck) over a few megakernel steps of one fixture. The real Gemma 3 270M GGUF
+#     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
@@ -84,6 +85,20 @@ for dir in tests/fixtures/*/; do
     done
   done
 done
+
+# The real Gemma 3 270M GGUF (Q4_K / Q6_K / Q8_0 rows), sent in pieces by tools/ship_gguf.sh: CUDA's
+# greedy ids equal transformers' up to each case's first near tie, plain, with the megakernel and
+# with lookup drafting.
+GGUF=${REAL_GGUF:-.gpu-gguf/gemma-3-270m-q4_k_m.gguf}
+if [ -f "$GGUF" ]; then
+  for extra in "" "--decode megakernel" "--draft lookup"; do
+    log="$OUT/gguf_check${extra// /_}.log"
+    timeout 300 python3 tools/gguf_check.py --binary "$MG" --model "$GGUF" -- --backend cuda $extra > "$log" 2>&1 || fail=1
+    grep -v "^ok " "$log"
+  done
+else
+  echo "real 270M GGUF: NOT RUN ($GGUF is absent: tools/ship_gguf.sh sends it)"
+fi
 
 # The megakernel under compute-sanitizer: no races, no barrier misuse, no bad accesses.
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

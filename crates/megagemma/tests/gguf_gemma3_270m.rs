@@ -118,3 +118,50 @@ fn speculative_decoding_on_real_weights_equals_greedy() {
         assert_eq!(stdout(&out), stdout(&plain), "{extra:?} changed the output on real weights");
     }
 }
+
+/// `tools/gguf_check.py` (the GPU session's check of the real file on CUDA) agrees with the test
+/// above on the CPU backend, and reports a case whose ids differ before its first near tie.
+#[test]
+fn the_gguf_check_tool_passes_on_the_cpu_and_catches_a_difference() {
+    let model = model_path();
+    let tool = repo_root().join("tools/gguf_check.py");
+    let run = |fixture: &std::path::Path| {
+        Command::new("python3")
+            .arg(&tool)
+            .args(["--binary", env!("CARGO_BIN_EXE_megagemma"), "--model", model.to_str().unwrap()])
+            .arg("--fixture")
+            .arg(fixture)
+            .args(["--", "--backend", "cpu"])
+            .output()
+            .unwrap()
+    };
+    let out = run(&fixture_dir());
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().filter(|l| l.starts_with("ok ")).count(), 6, "{}", stdout(&out));
+
+    // One case whose second expected id is wrong (its margin there is far from a tie).
+    let mut expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap()).unwrap();
+    let case = expected["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["margins"].as_array().unwrap().iter().take(3).all(|m| m.as_f64().unwrap() > 0.1))
+        .unwrap()
+        .clone();
+    let mut case = case;
+    let id = case["greedy_ids"][1].as_u64().unwrap();
+    case["greedy_ids"][1] = (id + 1).into();
+    expected["cases"] = Value::Array(vec![case]);
+    let dir = std::env::temp_dir().join(format!("megagemma-gguf-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("expected.json"), expected.to_string()).unwrap();
+    let out = run(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(out.status.code(), Some(1), "{}{}", stdout(&out), stderr(&out));
+    assert!(
+        stdout(&out).lines().any(|l| l.starts_with("DIFF ") && l.contains("first difference: step 1")),
+        "{}",
+        stdout(&out)
+    );
+}
