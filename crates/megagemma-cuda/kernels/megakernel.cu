@@ -157,6 +157,9 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
                      P(const float*, 4), P(float*, 5), I(6), I(7), I(8), P(const int*, 9), I(10), I(11), F(12), I(13),
                      I(14), P(float*, 15), P(float2*, 16), P(unsigned*, 17));
       break;
+    case 23:  // kv_commit_step
+      kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1));
+      break;
 // The tensor-core matvecs of one token (ids 15 and 17 plain, 19 and 21 gated; UPC scale units
 // per 64 columns), inlined in their cp.async-ring form (`ring_slice` in matvec_mma.cu). Stages of
 // more tokens (ids 16, 18, 20, 22) never occur in a decode step: the host refuses them.

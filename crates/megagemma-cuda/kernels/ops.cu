@@ -259,15 +259,32 @@ struct KvLayer {
   int width, ring;
 };
 
-extern "C" __global__ void kv_commit(const KvLayer* __restrict__ layers, int accepted, int p0) {
-  const KvLayer L = layers[blockIdx.x >> 1];
-  const int i = blockIdx.y;
+// Row i of layer-half b (layer b / 2, K or V by b's low bit).
+__device__ __forceinline__ void kv_commit_row(const KvLayer* __restrict__ layers, int b, int i, int accepted, int p0) {
+  const KvLayer L = layers[b >> 1];
   if (L.ring > 0 && i < accepted - L.ring) return;
-  float* cache = (float*)((blockIdx.x & 1) ? L.v : L.k);
-  const float* staged = (const float*)((blockIdx.x & 1) ? L.staged_v : L.staged_k);
+  float* cache = (float*)((b & 1) ? L.v : L.k);
+  const float* staged = (const float*)((b & 1) ? L.staged_v : L.staged_k);
   const int pos = p0 + i;
   const u64 slot = L.ring > 0 ? (u64)(pos % L.ring) : (u64)pos;
   for (int c = threadIdx.x; c < L.width; c += blockDim.x) cache[slot * L.width + c] = staged[(u64)i * L.width + c];
+}
+
+extern "C" __global__ void kv_commit(const KvLayer* __restrict__ layers, int accepted, int p0) {
+  kv_commit_row(layers, blockIdx.x, blockIdx.y, accepted, p0);
+}
+
+// The last stage of a decode step that commits its own row (one launch per token): the single
+// staged row, at the position the step ran (meta[0], as every stage reads it), after every
+// stage before it. Grid: layers·2 blocks.
+STAGE void kv_commit_step_body(int b, const KvLayer* __restrict__ layers, const int* __restrict__ meta) {
+  const int p0 = meta[0];
+  pdl_start();
+  kv_commit_row(layers, b, 0, 1, p0);
+}
+
+extern "C" __global__ void kv_commit_step(const KvLayer* __restrict__ layers, const int* __restrict__ meta) {
+  kv_commit_step_body(blockIdx.x, layers, meta);
 }
 
 // (value, index) pair order for the argmax: larger value first, then the lower index.

@@ -111,11 +111,9 @@ impl Backend for CudaBackend {
         let len = s.len();
         s.set_megakernel_trace(true);
         // The first step records the stage table again (now with a trace buffer); the second is
-        // the traced one. Neither is kept.
-        let want = SeqWant { all_positions: false, logits: false };
-        let next = s.forward(&[token], want)?[0].argmax;
-        s.commit(1)?;
-        s.forward(&[next], want)?;
+        // the traced one. Both are the committing steps `step` runs; neither is kept.
+        let next = s.step(token, false)?.argmax;
+        s.step(next, false)?;
         let trace = s.megakernel_trace()?;
         s.set_megakernel_trace(false);
         s.truncate_to(len)?;
@@ -169,14 +167,11 @@ impl Backend for CudaBackend {
         let mut outs = Vec::with_capacity(batch.len());
         for (seq, tok) in batch {
             let before = self.model.launches();
-            let s = self.seq_mut(*seq)?;
-            let mut o =
-                s.forward(std::slice::from_ref(tok), SeqWant { all_positions: false, logits: needs_logits(want) })?;
-            s.commit(1)?;
+            // The pass and the commit of its K/V row: one launch on the graph and megakernel paths.
+            let o = self.seq_mut(*seq)?.step(*tok, needs_logits(want))?;
             self.step_launches += self.model.launches() - before;
             self.step_tokens += 1;
             self.stats.passes += 1;
-            let o = o.pop().ok_or_else(|| Error::msg("the CUDA forward returned no output"))?;
             outs.push(self.host_output(o, want));
         }
         Ok(outs)

@@ -200,16 +200,33 @@ pub struct MegakernelReport {
     pub max_rel_l2: f64,
 }
 
+/// How a lockstep sequence runs a decode step: `forward` then `commit(1)` (two launches), or
+/// `step` (the commit inside the pass's launch on the graph and megakernel paths).
+#[derive(Clone, Copy)]
+enum StepForm {
+    ForwardCommit,
+    Step,
+}
+
+fn decode_one(s: &mut CudaSeq, tok: u32, form: StepForm) -> Result<PosOut> {
+    match form {
+        StepForm::Step => s.step(tok, true),
+        StepForm::ForwardCommit => {
+            let o = s.forward(&[tok], Want { all_positions: false, logits: true })?.remove(0);
+            s.commit(1)?;
+            Ok(o)
+        }
+    }
+}
+
 /// `steps` greedy decode steps of two sequences fed the same ids (`a`'s argmax, from `tok` on),
-/// each committed: the two outputs of every step.
+/// each committed (`a` through `step`, `b` through `forward` and `commit`, so every comparison
+/// also checks the committing launch against the separate commit): the two outputs of every step.
 fn lockstep(a: &mut CudaSeq, b: &mut CudaSeq, mut tok: u32, steps: usize) -> Result<Vec<(PosOut, PosOut)>> {
-    let want = Want { all_positions: false, logits: true };
     let mut outs = Vec::with_capacity(steps);
     for _ in 0..steps {
-        let oa = a.forward(&[tok], want)?.remove(0);
-        a.commit(1)?;
-        let ob = b.forward(&[tok], want)?.remove(0);
-        b.commit(1)?;
+        let oa = decode_one(a, tok, StepForm::Step)?;
+        let ob = decode_one(b, tok, StepForm::ForwardCommit)?;
         tok = oa.argmax;
         outs.push((oa, ob));
     }
@@ -217,7 +234,7 @@ fn lockstep(a: &mut CudaSeq, b: &mut CudaSeq, mut tok: u32, steps: usize) -> Res
 }
 
 /// `steps` greedy decode steps after `prompt`, once with the graph-launched step and once with the
-/// megakernel, on two sequences (ids follow the graph's).
+/// megakernel, on two sequences (ids follow the megakernel's).
 pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<MegakernelReport> {
     let max_len = prompt.len() + steps + 1;
     let (mut graph, mut mk) = (CudaSeq::new(cm, max_len)?, CudaSeq::new(cm, max_len)?);
@@ -226,7 +243,8 @@ pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usiz
     let tok = graph.prefill(prompt, false)?.argmax;
     mk.prefill(prompt, false)?;
     let mut r = MegakernelReport { identical: 0, ids_equal: 0, max_rel_l2: 0.0 };
-    for (g, m) in lockstep(&mut graph, &mut mk, tok, steps)? {
+    // The megakernel commits inside its launch; the graph's reference commits separately.
+    for (m, g) in lockstep(&mut mk, &mut graph, tok, steps)? {
         r.identical += usize::from(g.logits == m.logits);
         r.ids_equal += usize::from(g.argmax == m.argmax);
         let (gl, ml) = (g.logits.unwrap_or_default(), m.logits.unwrap_or_default());
@@ -266,7 +284,8 @@ impl ForkReport {
 }
 
 /// Prefills `prompt`, forks the sequence, then runs `steps` greedy steps on the fork and on the
-/// original (the original first, so it writes its cache after the fork was taken).
+/// original (the original first, so it writes its cache after the fork was taken; the original
+/// through `step`, the fork through `forward` and `commit`).
 pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<ForkReport> {
     let max_len = prompt.len() + steps + 1;
     let mut orig = CudaSeq::new(cm, max_len)?;

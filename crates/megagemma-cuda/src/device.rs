@@ -32,6 +32,7 @@ const FUNCTIONS: [(&str, &[&str]); 6] = [
             "moe_route",
             "moe_combine",
             "kv_commit",
+            "kv_commit_step",
             "softcap_argmax_partial",
             "argmax_final",
         ],
@@ -61,7 +62,7 @@ pub const MMA_KERNELS: [&str; 8] = [
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
 /// stream serialization, so each may start (and prefetch its weights) while the kernel before it
 /// finishes.
-pub(crate) const PDL_KERNELS: [&str; 16] = [
+pub(crate) const PDL_KERNELS: [&str; 17] = [
     "matvec_experts",
     "matvec",
     "matvec_q4",
@@ -78,6 +79,7 @@ pub(crate) const PDL_KERNELS: [&str; 16] = [
     "copy",
     "softcap_argmax_partial",
     "argmax_final",
+    "kv_commit_step",
 ];
 
 /// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of

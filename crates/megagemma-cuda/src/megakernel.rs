@@ -8,7 +8,7 @@ use crate::device::{cuda_err, Arg, DevBuf, Gpu, Recorded, MK_ENTRIES, MMA_KERNEL
 use megagemma_model::{bail, Result};
 
 /// Kernels the megakernel runs, by stage id (the `case`s of `mk_dispatch` in `megakernel.cu`).
-pub const MK_KERNELS: [&str; 23] = [
+pub const MK_KERNELS: [&str; 24] = [
     "embed_gather",
     "rms_norm",
     "qkv_norm_rope",
@@ -32,6 +32,7 @@ pub const MK_KERNELS: [&str; 23] = [
     MMA_KERNELS[5],
     MMA_KERNELS[6],
     MMA_KERNELS[7],
+    "kv_commit_step",
 ];
 
 /// Argument slots of a stage (`MK_ARGS`).

@@ -266,9 +266,15 @@ pub struct CudaSeq {
     s: Scratch,
     /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
     use_graphs: bool,
-    decode_graph: Option<CudaGraph>,
+    /// The single-token pass as a graph and as a megakernel table, each without and with the
+    /// commit of its K/V row (`[plain, committing]`: `step` commits in the same launch).
+    decode_graph: [Option<CudaGraph>; 2],
     decode: Decode,
-    megakernel: Option<Megakernel>,
+    megakernel: [Option<Megakernel>; 2],
+    /// Which `megakernel` ran last (its trace, shape and error flag are the ones reported).
+    mk_last: usize,
+    /// While `step` runs its pass: the single-token launch commits the row too.
+    commit_in_step: bool,
     /// Record per-block stage timestamps in the megakernel.
     trace_megakernel: bool,
     /// `MEGAGEMMA_CUDA_MK_TRACE=FILE`: every megakernel step traced, each overwriting FILE.
@@ -338,9 +344,11 @@ impl CudaSeq {
             caches,
             s,
             use_graphs,
-            decode_graph: None,
+            decode_graph: [None, None],
             decode: Decode::from_env(),
-            megakernel: None,
+            megakernel: [None, None],
+            mk_last: 0,
+            commit_in_step: false,
             trace_megakernel: trace_file.is_some(),
             trace_file,
             x_in_x2: Default::default(),
@@ -378,8 +386,8 @@ impl CudaSeq {
         let t = t.next_multiple_of(64).min(MAX_CHUNK);
         let gpu = &self.model.gpu;
         gpu.sync()?;
-        self.decode_graph = None;
-        self.megakernel = None;
+        self.decode_graph = [None, None];
+        self.megakernel = [None, None];
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
             c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
@@ -432,25 +440,26 @@ impl CudaSeq {
     /// one graph serves every step.
     fn decode_graph(&mut self) -> Result<()> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        if self.decode_graph.is_none() {
+        let which = self.commit_in_step as usize;
+        if self.decode_graph[which].is_none() {
             let stream = self.model.gpu.stream.clone();
             let graph = crate::capture::capture(|| {
                 stream
                     .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                     .map_err(|e| cuda_err("begin capture", e))?;
                 self.model.gpu.set_capturing(true);
-                let ran = self.run(1, 0);
+                let ran = self.run_step();
                 self.model.gpu.set_capturing(false);
                 let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
                 ran?;
                 graph
             });
             match graph? {
-                Some(g) => self.decode_graph = Some(g),
+                Some(g) => self.decode_graph[which] = Some(g),
                 None => bail!("CUDA graph capture of the decode step produced no graph"),
             }
         }
-        let g = self.decode_graph.as_ref().expect("captured above");
+        let g = self.decode_graph[which].as_ref().expect("captured above");
         self.model.gpu.count_launch();
         g.launch().map_err(|e| cuda_err("graph launch", e))
     }
@@ -464,28 +473,61 @@ impl CudaSeq {
     /// graph captures them), then the megakernel runs the recorded stages. `skew` ≠ 0 makes
     /// every wait unsatisfiable (the timeout test).
     fn decode_megakernel(&mut self, skew: u32) -> Result<()> {
-        if self.megakernel.is_none() {
+        let which = self.commit_in_step as usize;
+        if self.megakernel[which].is_none() {
             let gpu = &self.model.gpu;
             gpu.start_recording();
-            let ran = self.run(1, 0);
+            let ran = self.run_step();
             let recorded = gpu.stop_recording();
             ran?;
-            self.megakernel = Some(Megakernel::new(gpu, &recorded, self.trace_megakernel)?);
+            self.megakernel[which] = Some(Megakernel::new(gpu, &recorded, self.trace_megakernel)?);
         }
-        let mk = self.megakernel.as_mut().expect("built above");
+        self.mk_last = which;
+        let mk = self.megakernel[which].as_mut().expect("built above");
         mk.launch(&self.model.gpu, skew)
+    }
+
+    /// The launches of a single-token pass, and with `commit_in_step` the commit of its K/V row
+    /// at the position the pass ran (read from `meta` on the device, so a captured graph or a
+    /// megakernel table serves every step).
+    fn run_step(&self) -> Result<()> {
+        self.run(1, 0)?;
+        if self.commit_in_step && self.kv_layers > 0 {
+            let args = [Arg::Ptr(self.kv_table.ptr), Arg::Ptr(self.s.meta.ptr)];
+            self.gpu().launch("kv_commit_step", 2 * self.kv_layers as u32, 128, 0, &args)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step of `token` at position `len()`, committed: the same arithmetic as
+    /// `forward(&[token])` and `commit(1)`, but on the graph and megakernel paths in one launch
+    /// (the commit is the pass's last stage).
+    pub fn step(&mut self, token: u32, logits: bool) -> Result<PosOut> {
+        let fused = self.use_graphs;
+        self.commit_in_step = fused;
+        let out = self.forward(std::slice::from_ref(&token), Want { all_positions: false, logits });
+        self.commit_in_step = false;
+        let out = out?.pop().ok_or_else(|| megagemma_model::Error::msg("the CUDA forward returned no output"))?;
+        if fused {
+            // forward staged the row and the launch committed it.
+            self.len += 1;
+            self.staged = 0;
+        } else {
+            self.commit(1)?;
+        }
+        Ok(out)
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
     /// (from the next recording of the step on); always with `MEGAGEMMA_CUDA_MK_TRACE`.
     pub fn set_megakernel_trace(&mut self, on: bool) {
         self.trace_megakernel = on || self.trace_file.is_some();
-        self.megakernel = None;
+        self.megakernel = [None, None];
     }
 
     /// The last megakernel step's trace, when tracing.
     pub fn megakernel_trace(&self) -> Result<Option<MkTrace>> {
-        match &self.megakernel {
+        match &self.megakernel[self.mk_last] {
             Some(m) => m.trace(&self.model.gpu),
             None => Ok(None),
         }
@@ -493,7 +535,7 @@ impl CudaSeq {
 
     /// `(stages, blocks)` of the megakernel once a decode step has run with it.
     pub fn megakernel_shape(&self) -> Option<(usize, u32)> {
-        self.megakernel.as_ref().map(|m| (m.stages(), m.grid()))
+        self.megakernel[self.mk_last].as_ref().map(|m| (m.stages(), m.grid()))
     }
 
     /// A decode step of `token` through the megakernel with a schedule no wait can satisfy: it
@@ -503,7 +545,7 @@ impl CudaSeq {
         self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
         self.decode_megakernel(1 << 20)?;
         self.model.gpu.sync()?;
-        self.megakernel.as_mut().expect("launched").check(&self.model.gpu)
+        self.megakernel[self.mk_last].as_mut().expect("launched").check(&self.model.gpu)
     }
 
     /// Rows staged by the last forward and not yet committed.
@@ -557,10 +599,10 @@ impl CudaSeq {
         let mut ids = vec![0u32; n];
         gpu.download(&mut ids, self.s.ids.ptr)?;
         if megakernel {
-            self.megakernel.as_mut().expect("launched").check(gpu)?;
+            self.megakernel[self.mk_last].as_mut().expect("launched").check(gpu)?;
             // MEGAGEMMA_CUDA_MK_TRACE=FILE: each traced step overwrites FILE (tools/mk_trace.py).
             if let Some(path) = &self.trace_file {
-                if let Some(t) = self.megakernel.as_ref().expect("launched").trace(gpu)? {
+                if let Some(t) = self.megakernel[self.mk_last].as_ref().expect("launched").trace(gpu)? {
                     std::fs::write(path, t.to_json())
                         .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.display())))?;
                 }
