@@ -14,7 +14,7 @@
 
 use megagemma_cuda::check::{
     compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt, megakernel_broken_schedule,
-    megakernel_matches_graph, verify_columns,
+    megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS,
 };
 use megagemma_cuda::{CudaModel, CudaSeq, Decode, Want};
 use megagemma_model::Result;
@@ -248,11 +248,13 @@ fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
     let mut report = |label: &str, cm: &Arc<CudaModel>, prompt: &[u32]| -> Result<()> {
         match megakernel_matches_graph(cm, prompt, STEPS) {
             Ok(r) => {
-                ok &= r.identical == STEPS;
-                let verdict = if r.identical == STEPS { "ok" } else { "FAIL" };
+                let nv = MK_VERIFY_TOKENS.len();
+                let good = r.identical == STEPS && r.verify_identical == nv;
+                ok &= good;
+                let verdict = if good { "ok" } else { "FAIL" };
                 println!(
-                    "megakernel {label:<28} {:>2}/{STEPS} steps bit-identical to the graph, ids {:>2}/{STEPS}, max rel L2 {:.1e}  {verdict}",
-                    r.identical, r.ids_equal, r.max_rel_l2
+                    "megakernel {label:<28} {:>2}/{STEPS} steps bit-identical to the graph, ids {:>2}/{STEPS}, max rel L2 {:.1e}, verify passes {}/{nv}  {verdict}",
+                    r.identical, r.ids_equal, r.max_rel_l2, r.verify_identical
                 );
             }
             Err(e) if e.to_string().contains("does not run kernel") => println!("megakernel {label:<28} not run: {e}"),

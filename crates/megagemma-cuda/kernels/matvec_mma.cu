@@ -348,7 +348,7 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   }
 }
 
-// The megakernel's form of `tile_slice` for one token (H = 1): the same chunks in the same order
+// The megakernel's form of `tile_slice` for up to four tokens (H = 1): the same chunks in the same order
 // and the same arithmetic (so the same bits), but the weights arrive by cp.async in a ring of
 // MMA_RING chunks per warp in shared memory rather than in register batches. Bytes in flight take
 // no registers, so the matvec fits beside every other stage in the megakernel's 128 registers
@@ -378,7 +378,7 @@ __device__ __forceinline__ void ring_issue(unsigned dst, const uint4* codes, con
 
 template <int UPC>
 __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
-                                           const float* xs, float y[1][2], unsigned char* ring) {
+                                           const float* xs, float y[1][2], unsigned char* ring, int m) {
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const int first = c0 + ((ws - c0) & (ks - 1));
@@ -389,7 +389,7 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   const u64 step = (u64)ks * 32;
   const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
   const unsigned ring_s = smem_addr(ring);
-  const bool live[1] = {(lane >> 2) < 2};
+  const bool live[1] = {(lane >> 2) < 2 * m};  // as in tile_slice: columns past the pass's m ≤ 4 tokens read zeros
 #pragma unroll
   for (int i = 0; i < MMA_RING; i++) {
     if (i < count) ring_issue<UPC>(ring_s + i * MMA_RING_SLOT(UPC), codes + i * step, sbt, first + i * ks, gsh);
@@ -447,8 +447,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     }
     if (tile < tiles) {
       if constexpr (RING) {
-        static_assert(H == 1, "the cp.async ring serves single-token passes");
-        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC));
+        static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
+        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m);
       } else {
         tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
       }

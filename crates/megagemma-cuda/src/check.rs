@@ -198,7 +198,13 @@ pub struct MegakernelReport {
     pub ids_equal: usize,
     /// Largest relative L2 between the two paths' logits.
     pub max_rel_l2: f64,
+    /// Verify passes of 2, 3 and 4 tokens (the megakernel's multi-column passes) whose every
+    /// position's logits are bit-identical to the graph path's (its stages launched one by one).
+    pub verify_identical: usize,
 }
+
+/// Token counts of the verify passes `megakernel_matches_graph` compares.
+pub const MK_VERIFY_TOKENS: [usize; 3] = [2, 3, 4];
 
 /// How a lockstep sequence runs a decode step: `forward` then `commit(1)` (two launches), or
 /// `step` (the commit inside the pass's launch on the graph and megakernel paths).
@@ -234,21 +240,32 @@ fn lockstep(a: &mut CudaSeq, b: &mut CudaSeq, mut tok: u32, steps: usize) -> Res
 }
 
 /// `steps` greedy decode steps after `prompt`, once with the graph-launched step and once with the
-/// megakernel, on two sequences (ids follow the megakernel's).
+/// megakernel, on two sequences (ids follow the megakernel's); then verify passes of
+/// `MK_VERIFY_TOKENS` tokens on both (staged, not committed).
 pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<MegakernelReport> {
-    let max_len = prompt.len() + steps + 1;
+    let max_len = prompt.len() + steps + 1 + MK_VERIFY_TOKENS.iter().max().expect("not empty");
     let (mut graph, mut mk) = (CudaSeq::new(cm, max_len)?, CudaSeq::new(cm, max_len)?);
     graph.set_decode(Decode::Graph);
     mk.set_decode(Decode::Megakernel);
     let tok = graph.prefill(prompt, false)?.argmax;
     mk.prefill(prompt, false)?;
-    let mut r = MegakernelReport { identical: 0, ids_equal: 0, max_rel_l2: 0.0 };
+    let mut r = MegakernelReport { identical: 0, ids_equal: 0, max_rel_l2: 0.0, verify_identical: 0 };
     // The megakernel commits inside its launch; the graph's reference commits separately.
+    let mut last = tok;
     for (m, g) in lockstep(&mut mk, &mut graph, tok, steps)? {
         r.identical += usize::from(g.logits == m.logits);
         r.ids_equal += usize::from(g.argmax == m.argmax);
         let (gl, ml) = (g.logits.unwrap_or_default(), m.logits.unwrap_or_default());
         r.max_rel_l2 = r.max_rel_l2.max(rel_l2(&ml, &gl));
+        last = m.argmax;
+    }
+    let vocab = cm.plan.vocab_size as u32;
+    let want = Want { all_positions: true, logits: true };
+    for t in MK_VERIFY_TOKENS {
+        // The last output, then arbitrary drafts.
+        let tokens: Vec<u32> = std::iter::once(last).chain((1..t as u32).map(|i| (last + 7 * i) % vocab)).collect();
+        let (m, g) = (mk.forward(&tokens, want)?, graph.forward(&tokens, want)?);
+        r.verify_identical += usize::from(m.len() == t && m.iter().zip(&g).all(|(a, b)| a.logits == b.logits));
     }
     Ok(r)
 }

@@ -266,12 +266,13 @@ pub struct CudaSeq {
     s: Scratch,
     /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
     use_graphs: bool,
-    /// The single-token pass as a graph and as a megakernel table, each without and with the
-    /// commit of its K/V row (`[plain, committing]`: `step` commits in the same launch).
+    /// The single-token pass as a graph, without and with the commit of its K/V row (`[plain,
+    /// committing]`: `step` commits in the same launch).
     decode_graph: [Option<CudaGraph>; 2],
     decode: Decode,
-    megakernel: [Option<Megakernel>; 2],
-    /// Which `megakernel` ran last (its trace, shape and error flag are the ones reported).
+    /// Megakernel tables recorded so far, one per kind of pass (tokens, outputs, commit).
+    megakernels: Vec<(MkPass, Megakernel)>,
+    /// Which of `megakernels` ran last (its trace, shape and error flag are the ones reported).
     mk_last: usize,
     /// While `step` runs its pass: the single-token launch commits the row too.
     commit_in_step: bool,
@@ -289,6 +290,19 @@ pub struct CudaSeq {
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
 // API may be called from any thread once the context is bound (every call binds it).
 unsafe impl Send for CudaSeq {}
+
+/// Most tokens a megakernel pass takes: its tensor-core matvec runs one group of four columns
+/// (`ring_slice`); longer passes (verify of more drafts, prefill) launch their stages.
+pub const MK_MAX_TOKENS: usize = 4;
+
+/// What a recorded megakernel table computes: a pass of `tokens` tokens with outputs from
+/// position `first` on, committing its K/V row (`step`) or staging it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct MkPass {
+    tokens: usize,
+    first: usize,
+    commit: bool,
+}
 
 /// Two argument lists as one array (`C = A + B`), without allocating.
 fn join<const A: usize, const B: usize, const C: usize>(a: [Arg; A], b: [Arg; B]) -> [Arg; C] {
@@ -346,7 +360,7 @@ impl CudaSeq {
             use_graphs,
             decode_graph: [None, None],
             decode: Decode::from_env(),
-            megakernel: [None, None],
+            megakernels: Vec::new(),
             mk_last: 0,
             commit_in_step: false,
             trace_megakernel: trace_file.is_some(),
@@ -387,7 +401,7 @@ impl CudaSeq {
         let gpu = &self.model.gpu;
         gpu.sync()?;
         self.decode_graph = [None, None];
-        self.megakernel = [None, None];
+        self.megakernels.clear();
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
             c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
@@ -469,29 +483,38 @@ impl CudaSeq {
         self.decode = decode;
     }
 
-    /// The single-token pass in one persistent launch: its launches recorded on first use (as the
-    /// graph captures them), then the megakernel runs the recorded stages. `skew` ≠ 0 makes
-    /// every wait unsatisfiable (the timeout test).
-    fn decode_megakernel(&mut self, skew: u32) -> Result<()> {
-        let which = self.commit_in_step as usize;
-        if self.megakernel[which].is_none() {
-            let gpu = &self.model.gpu;
-            gpu.start_recording();
-            let ran = self.run_step();
-            let recorded = gpu.stop_recording();
-            ran?;
-            self.megakernel[which] = Some(Megakernel::new(gpu, &recorded, self.trace_megakernel)?);
-        }
-        self.mk_last = which;
-        let mk = self.megakernel[which].as_mut().expect("built above");
-        mk.launch(&self.model.gpu, skew)
+    /// A pass of `t` ≤ [`MK_MAX_TOKENS`] tokens (outputs from position `first` on) in one
+    /// persistent launch: its launches recorded on first use (as the graph captures them), then
+    /// the megakernel runs the recorded stages. `skew` ≠ 0 makes every wait unsatisfiable (the
+    /// timeout test).
+    fn megakernel_pass(&mut self, t: usize, first: usize, skew: u32) -> Result<()> {
+        let pass = MkPass { tokens: t, first, commit: self.commit_in_step };
+        let i = match self.megakernels.iter().position(|(p, _)| *p == pass) {
+            Some(i) => i,
+            None => {
+                let gpu = &self.model.gpu;
+                gpu.start_recording();
+                let ran = self.run_pass(t, first);
+                let recorded = gpu.stop_recording();
+                ran?;
+                self.megakernels.push((pass, Megakernel::new(gpu, &recorded, self.trace_megakernel)?));
+                self.megakernels.len() - 1
+            }
+        };
+        self.mk_last = i;
+        self.megakernels[i].1.launch(&self.model.gpu, skew)
     }
 
-    /// The launches of a single-token pass, and with `commit_in_step` the commit of its K/V row
-    /// at the position the pass ran (read from `meta` on the device, so a captured graph or a
-    /// megakernel table serves every step).
+    /// The single-token pass the decode graph captures.
     fn run_step(&self) -> Result<()> {
-        self.run(1, 0)?;
+        self.run_pass(1, 0)
+    }
+
+    /// The launches of a pass, and with `commit_in_step` (single-token passes) the commit of its
+    /// K/V row at the position the pass ran (read from `meta` on the device, so a captured graph
+    /// or a megakernel table serves every step).
+    fn run_pass(&self, t: usize, first: usize) -> Result<()> {
+        self.run(t, first)?;
         if self.commit_in_step && self.kv_layers > 0 {
             let args = [Arg::Ptr(self.kv_table.ptr), Arg::Ptr(self.s.meta.ptr)];
             self.gpu().launch("kv_commit_step", 2 * self.kv_layers as u32, 128, 0, &args)?;
@@ -522,20 +545,20 @@ impl CudaSeq {
     /// (from the next recording of the step on); always with `MEGAGEMMA_CUDA_MK_TRACE`.
     pub fn set_megakernel_trace(&mut self, on: bool) {
         self.trace_megakernel = on || self.trace_file.is_some();
-        self.megakernel = [None, None];
+        self.megakernels.clear();
     }
 
     /// The last megakernel step's trace, when tracing.
     pub fn megakernel_trace(&self) -> Result<Option<MkTrace>> {
-        match &self.megakernel[self.mk_last] {
-            Some(m) => m.trace(&self.model.gpu),
+        match self.megakernels.get(self.mk_last) {
+            Some((_, m)) => m.trace(&self.model.gpu),
             None => Ok(None),
         }
     }
 
     /// `(stages, blocks)` of the megakernel once a decode step has run with it.
     pub fn megakernel_shape(&self) -> Option<(usize, u32)> {
-        self.megakernel[self.mk_last].as_ref().map(|m| (m.stages(), m.grid()))
+        self.megakernels.get(self.mk_last).map(|(_, m)| (m.stages(), m.grid()))
     }
 
     /// A decode step of `token` through the megakernel with a schedule no wait can satisfy: it
@@ -543,9 +566,9 @@ impl CudaSeq {
     pub fn megakernel_step_with_broken_schedule(&mut self, token: u32) -> Result<()> {
         self.staged = 0;
         self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
-        self.decode_megakernel(1 << 20)?;
+        self.megakernel_pass(1, 0, 1 << 20)?;
         self.model.gpu.sync()?;
-        self.megakernel[self.mk_last].as_mut().expect("launched").check(&self.model.gpu)
+        self.megakernels[self.mk_last].1.check(&self.model.gpu)
     }
 
     /// Rows staged by the last forward and not yet committed.
@@ -584,9 +607,9 @@ impl CudaSeq {
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
         self.model.gpu.upload(self.s.meta.ptr, &meta)?;
         let first = if want.all_positions { 0 } else { t - 1 };
-        let megakernel = t == 1 && self.use_graphs && self.decode == Decode::Megakernel;
+        let megakernel = t <= MK_MAX_TOKENS && self.use_graphs && self.decode == Decode::Megakernel;
         if megakernel {
-            self.decode_megakernel(0)?;
+            self.megakernel_pass(t, first, 0)?;
         } else if t == 1 && self.use_graphs {
             self.decode_graph()?;
         } else {
@@ -599,10 +622,10 @@ impl CudaSeq {
         let mut ids = vec![0u32; n];
         gpu.download(&mut ids, self.s.ids.ptr)?;
         if megakernel {
-            self.megakernel[self.mk_last].as_mut().expect("launched").check(gpu)?;
+            self.megakernels[self.mk_last].1.check(gpu)?;
             // MEGAGEMMA_CUDA_MK_TRACE=FILE: each traced step overwrites FILE (tools/mk_trace.py).
             if let Some(path) = &self.trace_file {
-                if let Some(t) = self.megakernel[self.mk_last].as_ref().expect("launched").trace(gpu)? {
+                if let Some(t) = self.megakernels[self.mk_last].1.trace(gpu)? {
                     std::fs::write(path, t.to_json())
                         .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", path.display())))?;
                 }

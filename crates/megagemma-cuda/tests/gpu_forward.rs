@@ -81,7 +81,10 @@ fn megakernel_matches_graph_and_fails_cleanly() {
         let cm = CudaModel::load(&model).expect("upload");
         let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
         match check::megakernel_matches_graph(&cm, &prompt, 8) {
-            Ok(r) => assert_eq!(r.identical, 8, "{label}: megakernel steps bit-identical to the graph's"),
+            Ok(r) => {
+                assert_eq!(r.identical, 8, "{label}: megakernel steps bit-identical to the graph's");
+                assert_eq!(r.verify_identical, check::MK_VERIFY_TOKENS.len(), "{label}: megakernel verify passes");
+            }
             // MoE layers are not among the megakernel's stages yet.
             Err(e) => assert!(e.to_string().contains("does not run kernel"), "{label}: {e}"),
         }
