@@ -6,22 +6,22 @@
 // one block each, so a long context streams from many SMs at once. Each block writes its range's
 // maximum score m, Σ exp(s − m) and Σ exp(s − m)·v; the last of the query's blocks to finish (an
 // arrival counter per query, reset by that block) combines them in split order. nsplit depends only
-// on n and on whether the pass has at most ATT_FEW_TOKENS tokens (decode and speculative verify
+// on n, on the host's `split_keys` and on whether the pass has at most ATT_FEW_TOKENS tokens (decode and speculative verify
 // split alike), and every reduction runs in a fixed order, so a query's result never depends on the
 // other tokens of its pass or on timing.
 #include "common.cuh"
 
 #define ATT_MAX_DPL 16      // dims per lane: head dims up to 512
 #define ATT_WARPS 8
-#define ATT_SPLIT_KEYS 32   // fewest keys a split gets (32: E4B graph 3.86 -> 3.70 ms/token over 64)
 #define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
 #define ATT_MAX_SPLITS 64
 #define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
 
 // Splits of a query over n keys in a pass of T tokens.
-__device__ __forceinline__ int att_splits(int n, int T) {
+// split_keys: the fewest keys a split gets (the host's choice, `AttentionSplit` in src/seq.rs).
+__device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
   const int cap = T <= ATT_FEW_TOKENS ? ATT_MAX_SPLITS : ATT_LONG_SPLITS;
-  return min(cap, (n + ATT_SPLIT_KEYS - 1) / ATT_SPLIT_KEYS);
+  return min(cap, (n + split_keys - 1) / split_keys);
 }
 
 // q, out: [T, heads·hd]. Committed rows: kc/vc [slots or max_len, kv_heads·hd]; staged rows
@@ -32,7 +32,7 @@ __device__ __forceinline__ int att_splits(int n, int T) {
 STAGE void attention_body(const int vb, const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
-          int grid_splits, float* part_o, float2* part_ml, unsigned* counters) {
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys) {
   extern __shared__ float smem[];
   __shared__ int last;
   // The positions and the committed cache rows were written before this pass began (positions
@@ -45,7 +45,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const int pos = p0 + t;
   const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
   const int n = pos - lo + 1;
-  const int nsplit = att_splits(n, T);
+  const int nsplit = att_splits(n, T, split_keys);
   if (split >= nsplit) return;
   const int per = (n + nsplit - 1) / nsplit;
   const int k0 = lo + split * per, nk = min(per, n - split * per);  // keys k0 .. k0 + nk
@@ -156,4 +156,4 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
-          int grid_splits, float* part_o, float2* part_ml, unsigned* counters) { attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits, part_o, part_ml, counters); }
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys) { attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits, part_o, part_ml, counters, split_keys); }

@@ -38,7 +38,7 @@ struct MkStage {
   int kernel;
   int grid;
   int waits_itself;
-  int pad;
+  unsigned prefetch;  // bit i: ask L2 for stage s + 1 + i's matvec weights at this stage's start
   u64 a[MK_ARGS];
 };
 
@@ -155,7 +155,7 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
     case 14:  // attention
       attention_body(b, P(const float*, 0), P(const float*, 1), P(const float*, 2), P(const float*, 3),
                      P(const float*, 4), P(float*, 5), I(6), I(7), I(8), P(const int*, 9), I(10), I(11), F(12), I(13),
-                     I(14), P(float*, 15), P(float2*, 16), P(unsigned*, 17));
+                     I(14), P(float*, 15), P(float2*, 16), P(unsigned*, 17), I(18));
       break;
     case 23:  // kv_commit_step
       kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1));
@@ -185,6 +185,22 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
   }
 }
 
+// Weights never depend on activations: a block asks L2 for every virtual block it will run in a
+// later tensor-core matvec stage (ids as in MK_MMA), where the host's plan says so (`prefetch`).
+__device__ __noinline__ void mk_prefetch_mma(const MkStage& st) {
+  const int g = st.grid;
+  const bool gated = st.kernel == 19 || st.kernel == 21;
+  const int nb0 = gated ? I(9) : I(16), nb1 = gated ? 0 : I(17);
+  const int ks = gated ? I(7) : I(19), parts = gated ? I(8) : I(20), nblocks = gated ? I(9) : I(21);
+  const MatSlots mats{st.a, gated ? 0 : 4};
+  const int tpb = MMA_WARPS / ks;
+  for (int vb = blockIdx.x; vb < nblocks; vb += g) {
+    const int which = vb < nb0 ? 0 : vb < nb0 + nb1 ? 1 : 2;
+    const int local = vb - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0);
+    prefetch_block(mats.get(which), tpb, parts, local);
+  }
+}
+
 // Runs stages [0, n) for one token, the `gen`-th launch: stage s's counter (counters[32·s])
 // reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait. trace (when
 // not null): per (block, stage), trace[3·(block·n + s) ..] = %globaltimer at the stage's start, when
@@ -199,6 +215,10 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
   }
   for (int s = 0; s < n; s++) {
     const MkStage& st = stages[s];
+    for (unsigned p = st.prefetch; p; p &= p - 1) {
+      const MkStage& later = stages[s + 1 + __ffs(p) - 1];
+      if (blockIdx.x < later.grid) mk_prefetch_mma(later);
+    }
     if (threadIdx.x == 0) {
       mk_counter = s > 0 ? counters + 32 * (s - 1) : nullptr;
       mk_waited = 0;

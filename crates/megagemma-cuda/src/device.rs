@@ -82,6 +82,10 @@ pub(crate) const PDL_KERNELS: [&str; 17] = [
     "kv_commit_step",
 ];
 
+/// Default fewest keys per attention block. Measured on the H200 (E4B q4 graph, 64–192-key
+/// contexts): 64 keys 3.86 ms/token, 32 keys 3.70; 16 keys 3.62 (kernel alone, not yet checked).
+pub const ATT_SPLIT_KEYS: usize = 32;
+
 /// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of
 /// virtual blocks) and how many virtual blocks ahead each asks L2 for. Results do not depend on
 /// either. `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` and `MEGAGEMMA_CUDA_Q4_AHEAD` override them.
@@ -212,6 +216,10 @@ pub struct Gpu {
     /// `MEGAGEMMA_CUDA_PDL=0`, and while profiling).
     pdl: bool,
     pub q4_stream: Q4Stream,
+    /// Fewest keys one attention block takes (`MEGAGEMMA_CUDA_ATT_SPLIT_KEYS`, default
+    /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
+    /// decode and verify.
+    pub att_split_keys: usize,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
@@ -311,6 +319,11 @@ impl Gpu {
             capturing: AtomicBool::new(false),
             pdl,
             q4_stream: Q4Stream::from_env(),
+            att_split_keys: std::env::var("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&k: &usize| (1..=4096).contains(&k))
+                .unwrap_or(ATT_SPLIT_KEYS),
             profile,
             blas,
             recording: Default::default(),

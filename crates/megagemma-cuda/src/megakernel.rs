@@ -56,8 +56,35 @@ struct MkStage {
     kernel: i32,
     grid: i32,
     waits_itself: i32,
-    pad: i32,
+    /// Bit i: at this stage's start each block asks L2 for its share of stage s + 1 + i's weights
+    /// (a tensor-core matvec stage; `prefetch_plan`).
+    prefetch: u32,
     a: [u64; MK_ARGS],
+}
+
+/// Whether stage kernel `id` (an index of `MK_KERNELS`) is a tensor-core matvec.
+fn is_mma(id: i32) -> bool {
+    MK_KERNELS.get(id as usize).is_some_and(|n| MMA_KERNELS.contains(n))
+}
+
+/// Which later matvec stages each stage asks L2 for (`MkStage::prefetch`). Weights never depend
+/// on activations, and HBM idles between a layer's matvecs (q/k/v norms, attention: ~20 µs per
+/// E4B layer), so at the first stage after a run of matvec stages every block asks L2 for the next
+/// `count` matvec stages within 8 stages (the O projection and gate+up: 36 MB for E4B, within
+/// L2). Never during a matvec stage: there the next one's bytes competed with the stage's own
+/// (E4B 5.70 → 6.16 ms when every stage prefetched the next matvec).
+fn prefetch_plan(kernels: &[i32], count: usize) -> Vec<u32> {
+    (0..kernels.len())
+        .map(|s| {
+            if count == 0 || s == 0 || is_mma(kernels[s]) || !is_mma(kernels[s - 1]) {
+                return 0;
+            }
+            (0..8)
+                .filter(|i| kernels.get(s + 1 + i).is_some_and(|&k| is_mma(k)))
+                .take(count)
+                .fold(0u32, |m, i| m | 1 << i)
+        })
+        .collect()
 }
 
 impl MkStage {
@@ -98,7 +125,7 @@ impl MkStage {
             i += words.len();
         }
         // Every kernel the megakernel runs waits inside its body (`pdl_start()`).
-        Ok(MkStage { kernel: kernel as i32, grid: r.grid.0 as i32, waits_itself: 1, pad: 0, a })
+        Ok(MkStage { kernel: kernel as i32, grid: r.grid.0 as i32, waits_itself: 1, prefetch: 0, a })
     }
 }
 
@@ -127,7 +154,14 @@ impl Megakernel {
     /// Uploads the recorded launches of one decode step as a stage table (with a trace buffer
     /// when `trace`).
     pub(crate) fn new(gpu: &Gpu, recorded: &[Recorded], trace: bool) -> Result<Megakernel> {
-        let stages: Vec<MkStage> = recorded.iter().map(MkStage::new).collect::<Result<_>>()?;
+        let mut stages: Vec<MkStage> = recorded.iter().map(MkStage::new).collect::<Result<_>>()?;
+        // `MEGAGEMMA_CUDA_MK_PREFETCH=N`: at the first stage after a layer's matvecs, the next N
+        // matvec stages' weights into L2 (default 0 until measured; results never depend on it).
+        let ahead = std::env::var("MEGAGEMMA_CUDA_MK_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let kernels: Vec<i32> = stages.iter().map(|s| s.kernel).collect();
+        for (s, p) in stages.iter_mut().zip(prefetch_plan(&kernels, ahead)) {
+            s.prefetch = p;
+        }
         // Each tensor-core matvec keeps its warps' cp.async rings after its inputs.
         let smem = recorded
             .iter()
@@ -385,6 +419,23 @@ mod tests {
                 crate::device::PDL_KERNELS.contains(name) || MMA_KERNELS.contains(name),
                 "{name} does not call pdl_start()"
             );
+        }
+    }
+
+    #[test]
+    fn prefetch_plan_asks_for_the_next_matvecs_where_hbm_idles() {
+        let id = |name: &str| MK_KERNELS.iter().position(|&k| k == name).expect(name) as i32;
+        let (mma, gated) = (id("matvec_q4t_4"), id("matvec_q4t_4_gated"));
+        let (rope, att, argmax) = (id("qkv_norm_rope"), id("attention"), id("argmax_final"));
+        // Q/K/V, norms, attention, O, gate+up, down, PLE gate, PLE projection, next Q/K/V, norms.
+        let layer = [mma, rope, att, mma, mma, gated, gated, mma, mma, rope, att, mma, argmax];
+        let plan = prefetch_plan(&layer, 2);
+        // At the norms after Q/K/V: stages +2 (O) and +3 (gate+up); nowhere else.
+        assert_eq!(plan, [0, 0b110, 0, 0, 0, 0, 0, 0, 0, 0b10, 0, 0, 0]);
+        assert!(prefetch_plan(&layer, 0).iter().all(|&p| p == 0));
+        // Only matvec stages are ever asked for.
+        for (s, p) in prefetch_plan(&layer, 8).iter().enumerate() {
+            (0..8).filter(|i| p >> i & 1 == 1).for_each(|i| assert!(is_mma(layer[s + 1 + i])));
         }
     }
 

@@ -171,8 +171,9 @@ fn attention_keys(lp: &LayerPlan, max_len: usize) -> usize {
 }
 
 /// How the attention kernel splits a query's keys over blocks (`kernels/attention.cu`: splits of at
-/// least `ATT_SPLIT_KEYS` keys, at most `ATT_MAX_SPLITS` of them in passes of up to
-/// `ATT_FEW_TOKENS` tokens, `ATT_LONG_SPLITS` in longer ones).
+/// least `split_keys` keys, at most `ATT_MAX_SPLITS` of them in passes of up to `ATT_FEW_TOKENS`
+/// tokens, `ATT_LONG_SPLITS` in longer ones). `split_keys` is an argument of the kernel: the host
+/// chooses it (`Gpu::att_split_keys`) and sizes the grid and shared memory from the same value.
 struct AttentionSplit {
     /// Blocks per query in the grid (enough for the longest query).
     grid_splits: usize,
@@ -181,23 +182,22 @@ struct AttentionSplit {
 }
 
 impl AttentionSplit {
-    const SPLIT_KEYS: usize = 32;
     const FEW_TOKENS: usize = 8;
     const MAX_SPLITS: usize = 64;
     const LONG_SPLITS: usize = 4;
 
-    fn new(max_keys: usize, t: usize) -> AttentionSplit {
+    fn new(max_keys: usize, t: usize, split_keys: usize) -> AttentionSplit {
         let cap = if t <= Self::FEW_TOKENS { Self::MAX_SPLITS } else { Self::LONG_SPLITS };
-        let grid_splits = max_keys.div_ceil(Self::SPLIT_KEYS).clamp(1, cap);
-        AttentionSplit { grid_splits, keys_per_block: Self::SPLIT_KEYS.max(max_keys.div_ceil(cap)) }
+        let grid_splits = max_keys.div_ceil(split_keys).clamp(1, cap);
+        AttentionSplit { grid_splits, keys_per_block: split_keys.max(max_keys.div_ceil(cap)) }
     }
 
     /// Partial outputs (`[queries·grid_splits, hd]` floats) the largest pass of a layer needs.
-    fn scratch_floats(lp: &LayerPlan, max_len: usize) -> usize {
+    fn scratch_floats(lp: &LayerPlan, max_len: usize, split_keys: usize) -> usize {
         let keys = attention_keys(lp, max_len);
         [Self::FEW_TOKENS, MAX_VERIFY]
             .into_iter()
-            .map(|t| t * lp.num_heads * Self::new(keys, t).grid_splits * lp.head_dim)
+            .map(|t| t * lp.num_heads * Self::new(keys, t, split_keys).grid_splits * lp.head_dim)
             .max()
             .unwrap_or(0)
     }
@@ -214,7 +214,12 @@ impl Scratch {
         let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
         let lp = plan.layers.len() * plan.ple_dim;
         let top_k = plan.moe_top_k.max(1);
-        let att_floats = plan.layers.iter().map(|l| AttentionSplit::scratch_floats(l, max_len)).max().unwrap_or(0);
+        let att_floats = plan
+            .layers
+            .iter()
+            .map(|l| AttentionSplit::scratch_floats(l, max_len, gpu.att_split_keys))
+            .max()
+            .unwrap_or(0);
         let min_hd = plan.layers.iter().map(|l| l.head_dim).min().unwrap_or(1).max(1);
         let max_heads = plan.layers.iter().map(|l| l.num_heads).max().unwrap_or(1);
         let out = t.min(MAX_VERIFY);
@@ -1208,7 +1213,8 @@ impl CudaSeq {
             bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
         }
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
-        let split = AttentionSplit::new(attention_keys(lp, self.max_len), t);
+        let split_keys = self.gpu().att_split_keys;
+        let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
         let smem = f32s(lp.head_dim + split.keys_per_block + ATTENTION_WARPS * lp.head_dim);
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
@@ -1232,6 +1238,7 @@ impl CudaSeq {
             Arg::Ptr(s.att_o.ptr),
             Arg::Ptr(s.att_ml.ptr),
             Arg::Ptr(s.att_counters.ptr),
+            Arg::I32(split_keys as i32),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
@@ -1308,6 +1315,7 @@ impl CudaSeq {
 #[cfg(test)]
 mod attention_split_tests {
     use super::AttentionSplit;
+    use crate::device::ATT_SPLIT_KEYS;
 
     /// The value of `#define NAME v` in attention.cu.
     fn kernel_define(name: &str) -> usize {
@@ -1317,25 +1325,24 @@ mod attention_split_tests {
     }
 
     /// The host sizes the grid and the shared memory from the split the kernel computes for
-    /// itself: the two must agree (a kernel splitting into more keys per block than the host's
+    /// itself (from the same `split_keys`, an argument): the two must agree (a kernel splitting into more keys per block than the host's
     /// `keys_per_block` overruns its shared memory; into more splits than `grid_splits`, skips keys).
     #[test]
     fn host_split_matches_the_kernel() {
-        assert_eq!(AttentionSplit::SPLIT_KEYS, kernel_define("ATT_SPLIT_KEYS"));
         assert_eq!(AttentionSplit::FEW_TOKENS, kernel_define("ATT_FEW_TOKENS"));
         assert_eq!(AttentionSplit::MAX_SPLITS, kernel_define("ATT_MAX_SPLITS"));
         assert_eq!(AttentionSplit::LONG_SPLITS, kernel_define("ATT_LONG_SPLITS"));
         // The kernel's split of n keys (att_splits) fits the host's grid and shared memory.
-        for t in [1, 4, 8, 9, 64] {
+        for (t, split_keys) in [1, 4, 8, 9, 64].into_iter().flat_map(|t| [1, 16, ATT_SPLIT_KEYS, 64].map(|k| (t, k))) {
             for max_keys in [1, 31, 32, 33, 200, 512, 4096, 131072] {
-                let host = AttentionSplit::new(max_keys, t);
+                let host = AttentionSplit::new(max_keys, t, split_keys);
                 for n in 1..=max_keys.min(5000) {
                     let cap = if t <= AttentionSplit::FEW_TOKENS {
                         AttentionSplit::MAX_SPLITS
                     } else {
                         AttentionSplit::LONG_SPLITS
                     };
-                    let nsplit = n.div_ceil(AttentionSplit::SPLIT_KEYS).min(cap);
+                    let nsplit = n.div_ceil(split_keys).min(cap);
                     assert!(nsplit <= host.grid_splits, "t {t} max_keys {max_keys} n {n}");
                     assert!(n.div_ceil(nsplit) <= host.keys_per_block, "t {t} max_keys {max_keys} n {n}");
                 }
