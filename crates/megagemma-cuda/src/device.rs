@@ -86,6 +86,9 @@ pub(crate) const PDL_KERNELS: [&str; 17] = [
 /// contexts): 64 keys 3.86 ms/token, 32 keys 3.70; 16 keys 3.62 (kernel alone, not yet checked).
 pub const ATT_SPLIT_KEYS: usize = 32;
 
+/// Default most chunks per column part of a split tensor-core matvec (`Q4Stream::mma_part_chunks`).
+pub const MMA_PART_CHUNKS: usize = 40;
+
 /// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of
 /// virtual blocks) and how many virtual blocks ahead each asks L2 for. Results do not depend on
 /// either. `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` and `MEGAGEMMA_CUDA_Q4_AHEAD` override them.
@@ -99,6 +102,9 @@ pub struct Q4Stream {
     /// Blocks per SM the tensor-core matvec's grid assumes (its `__launch_bounds__`;
     /// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`, for kernels read from `MEGAGEMMA_KERNELS`).
     pub mma_blocks_per_sm: usize,
+    /// Most 64-column chunks in one column part of a split matvec (`MEGAGEMMA_CUDA_MMA_PART_CHUNKS`,
+    /// default 40; part of the arithmetic, like `mma_waves`).
+    pub mma_part_chunks: usize,
 }
 
 impl Q4Stream {
@@ -113,6 +119,11 @@ impl Q4Stream {
             ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 2).max(1),
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
+            mma_part_chunks: std::env::var("MEGAGEMMA_CUDA_MMA_PART_CHUNKS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|&c: &usize| (1..=4096).contains(&c))
+                .unwrap_or(MMA_PART_CHUNKS),
         }
     }
 }

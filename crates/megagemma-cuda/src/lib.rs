@@ -19,8 +19,8 @@
 //! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
 //! keys per attention block, default 32; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
-//! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for; part of
-//! the arithmetic).
+//! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for) and
+//! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic).
 
 pub mod backend;
 mod capture;

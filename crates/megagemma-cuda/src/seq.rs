@@ -33,7 +33,6 @@ const ATTENTION_WARPS: usize = 8;
 const MMA_SLICE_BYTES: usize = 48 * 1024;
 /// Columns (64-wide chunks) one part of a split tensor-core matvec covers at most: wider matrices
 /// are split along their columns into parts summed at the end (down projections, wide O).
-const MMA_PART_CHUNKS: usize = 40;
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
 /// Blocks per row of the softcap + argmax pass.
@@ -759,12 +758,12 @@ impl CudaSeq {
     }
 
     /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
-    /// columns: (warps per tile `ks`, column parts). Parts of at most `MMA_PART_CHUNKS` chunks;
+    /// columns: (warps per tile `ks`, column parts). Parts of at most `mma_part_chunks` chunks;
     /// then one warp per tile unless that leaves fewer than `mma_waves` (2) blocks per SM slot. Depends only on
     /// the shapes, never on the number of tokens.
     fn mma_split(&self, tiles: &[usize], cols: usize) -> (usize, usize) {
         let chunks = cols.div_ceil(64);
-        let mut parts = chunks.div_ceil(MMA_PART_CHUNKS);
+        let mut parts = chunks.div_ceil(self.gpu().q4_stream.mma_part_chunks);
         let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
         if parts > 1 && (tiles.len() > 1 || groups(1) > MMA_COUNTERS || tiles[0] * 16 * 8 * parts > MMA_PARTIAL_FLOATS)
         {
@@ -862,9 +861,9 @@ impl CudaSeq {
     }
 
     /// Whether these matrices (same input) take one tensor-core matvec launch per eight columns.
-    fn one_mma_launch(mats: &[(&DevMat, u64)]) -> bool {
+    fn one_mma_launch(&self, mats: &[(&DevMat, u64)]) -> bool {
         let (cols, g32) = (mats[0].0.cols, mats[0].0.gs == 32);
-        let one_part = (cols as usize).div_ceil(64) <= MMA_PART_CHUNKS;
+        let one_part = (cols as usize).div_ceil(64) <= self.gpu().q4_stream.mma_part_chunks;
         mats.len() <= 3
             && (mats.len() == 1 || one_part)
             && mats.iter().all(|(w, _)| w.fmt == FMT_Q4T && w.cols == cols && (w.gs == 32) == g32)
@@ -917,7 +916,7 @@ impl CudaSeq {
         // Single-token passes only: the folded step computes each token's row statistics in turn,
         // so a verify or short prefill pass of t tokens would pay t times its latency in every
         // block (measured: a 4-column verify 1.27x -> 1.49x a decode step).
-        if self.fold_norms && t == 1 && Self::one_mma_launch(mats) && mats[0].0.cols as usize == h {
+        if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
             self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
@@ -933,7 +932,7 @@ impl CudaSeq {
             return Ok(());
         }
         let cols = mats[0].0.cols;
-        if Self::one_mma_launch(mats) {
+        if self.one_mma_launch(mats) {
             return self.matvec_mma(mats, x, None, t, None);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
