@@ -53,6 +53,14 @@ impl CudaBackend {
         &self.model
     }
 
+    /// Keeps `s` under a new id.
+    fn add(&mut self, s: CudaSeq) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, s);
+        id
+    }
+
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut CudaSeq> {
         self.seqs.get_mut(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
     }
@@ -128,17 +136,11 @@ impl Backend for CudaBackend {
     fn new_sequence(&mut self) -> Result<SeqId> {
         let mut s = CudaSeq::new(&self.model, self.max_context)?;
         s.set_decode(self.decode);
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.seqs.insert(id, s);
-        Ok(id)
+        Ok(self.add(s))
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
         let copy = self.seq_mut(seq)?.fork()?;
-        let id = SeqId(self.next_id);
-        self.next_id += 1;
-        self.seqs.insert(id, copy);
-        Ok(id)
+        Ok(self.add(copy))
     }
     fn free(&mut self, seq: SeqId) -> Result<()> {
         self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))

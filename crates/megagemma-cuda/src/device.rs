@@ -526,7 +526,7 @@ impl Gpu {
                     let f = module.load_function(n).map_err(|e| cuda_err(&format!("function {n}"), e))?;
                     f.set_attribute(
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        96 * 1024,
+                        crate::megakernel::MK_SMEM_MAX as i32,
                     )
                     .map_err(|e| cuda_err("megakernel smem", e))?;
                     fs.push(f);

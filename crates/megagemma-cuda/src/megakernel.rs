@@ -35,14 +35,17 @@ pub const MK_KERNELS: [&str; 24] = [
     "kv_commit_step",
 ];
 
+/// Stage kernels only the general entry runs (`megakernel_lean` reports them as unknown stages).
+const NOT_LEAN: [&str; 3] = ["matvec", "matvec_q4", "matvec_q4_gated"];
+
 /// Argument slots of a stage (`MK_ARGS`).
 const MK_ARGS: usize = 32;
 /// Threads per block: every stage kernel of a decode step is launched with this many (or fewer).
 const MK_THREADS: u32 = 256;
 /// Blocks per SM the megakernel's registers allow (`__launch_bounds__(256, 2)`).
 const MK_BLOCKS_PER_SM: u32 = 2;
-/// Dynamic shared memory the megakernel may use (`megakernel_fn` sets it).
-const MK_SMEM_MAX: u32 = 96 * 1024;
+/// Dynamic shared memory the megakernel may use (`Gpu::megakernel_fn` sets it).
+pub(crate) const MK_SMEM_MAX: u32 = 96 * 1024;
 /// Shared memory of the tensor-core matvec's cp.async rings beside its inputs (`MMA_RING` slots
 /// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps).
 fn mma_ring_bytes(upc: u32) -> u32 {
@@ -174,8 +177,8 @@ impl Megakernel {
         if smem > MK_SMEM_MAX {
             bail!("a stage needs {smem} bytes of shared memory: the megakernel has {MK_SMEM_MAX}");
         }
-        // The lean entry when no stage needs the CUDA-core or dense matvecs (ids 11–13).
-        let lean = !stages.iter().any(|s| (11..=13).contains(&s.kernel));
+        // The lean entry when no stage needs the CUDA-core or dense matvecs.
+        let lean = !stages.iter().any(|s| NOT_LEAN.contains(&MK_KERNELS[s.kernel as usize]));
         let entry = MK_ENTRIES[usize::from(lean)];
         let f = gpu.megakernel_fn(entry)?;
         let per_sm = f
@@ -436,6 +439,33 @@ mod tests {
         // Only matvec stages are ever asked for.
         for (s, p) in prefetch_plan(&layer, 8).iter().enumerate() {
             (0..8).filter(|i| p >> i & 1 == 1).for_each(|i| assert!(is_mma(layer[s + 1 + i])));
+        }
+    }
+
+    /// The host picks the lean entry unless a stage is one the kernel runs in the general entry only.
+    #[test]
+    fn lean_entry_refuses_exactly_the_not_lean_stages() {
+        let src = include_str!("../kernels/megakernel.cu");
+        for name in NOT_LEAN {
+            let id = MK_KERNELS.iter().position(|&k| k == name).expect(name);
+            let case = src.find(&format!("case {id}:  // {name}\n")).expect(name);
+            assert!(src[case..].lines().nth(1).unwrap().contains("if constexpr (GENERAL)"), "{name}");
+        }
+        assert_eq!(src.matches("if constexpr (GENERAL)").count(), NOT_LEAN.len());
+    }
+
+    /// `mma_ring_bytes` mirrors `MMA_WARPS`, `MMA_RING` and `MMA_RING_SLOT` of matvec_mma.cu.
+    #[test]
+    fn ring_bytes_match_the_kernel() {
+        let src = include_str!("../kernels/matvec_mma.cu");
+        let define = |name: &str| -> String {
+            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line[format!("#define {name} ").len()..].split("//").next().unwrap().trim().to_string()
+        };
+        let (warps, ring): (u32, u32) = (define("MMA_WARPS").parse().unwrap(), define("MMA_RING").parse().unwrap());
+        assert_eq!(define("MMA_RING_SLOT(UPC)"), "(512 + 128 * (UPC))");
+        for upc in [1, 2] {
+            assert_eq!(mma_ring_bytes(upc), warps * ring * (512 + 128 * upc));
         }
     }
 

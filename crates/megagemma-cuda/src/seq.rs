@@ -185,8 +185,17 @@ impl AttentionSplit {
     const MAX_SPLITS: usize = 64;
     const LONG_SPLITS: usize = 4;
 
+    /// Most splits a query of a `t`-token pass gets (`att_splits`' cap).
+    fn cap(t: usize) -> usize {
+        if t <= Self::FEW_TOKENS {
+            Self::MAX_SPLITS
+        } else {
+            Self::LONG_SPLITS
+        }
+    }
+
     fn new(max_keys: usize, t: usize, split_keys: usize) -> AttentionSplit {
-        let cap = if t <= Self::FEW_TOKENS { Self::MAX_SPLITS } else { Self::LONG_SPLITS };
+        let cap = Self::cap(t);
         let grid_splits = max_keys.div_ceil(split_keys).clamp(1, cap);
         AttentionSplit { grid_splits, keys_per_block: split_keys.max(max_keys.div_ceil(cap)) }
     }
@@ -885,8 +894,9 @@ impl CudaSeq {
         let Some((p, row0)) = res else {
             return [Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::F32(1.0), Arg::F32(eps)];
         };
-        let (xin, xout) =
-            if self.x_in_x2.get() { (self.s.x2.ptr, self.s.x.ptr) } else { (self.s.x.ptr, self.s.x2.ptr) };
+        // The folded step reads the current residual buffer and writes the other.
+        let xin = self.xcur();
+        let xout = if xin == self.s.x.ptr { self.s.x2.ptr } else { self.s.x.ptr };
         let at = f32s((row0 + c0) * cols) as u64;
         [
             Arg::Ptr(xin + at),
@@ -1336,11 +1346,7 @@ mod attention_split_tests {
             for max_keys in [1, 31, 32, 33, 200, 512, 4096, 131072] {
                 let host = AttentionSplit::new(max_keys, t, split_keys);
                 for n in 1..=max_keys.min(5000) {
-                    let cap = if t <= AttentionSplit::FEW_TOKENS {
-                        AttentionSplit::MAX_SPLITS
-                    } else {
-                        AttentionSplit::LONG_SPLITS
-                    };
+                    let cap = AttentionSplit::cap(t);
                     let nsplit = n.div_ceil(split_keys).min(cap);
                     assert!(nsplit <= host.grid_splits, "t {t} max_keys {max_keys} n {n}");
                     assert!(n.div_ceil(nsplit) <= host.keys_per_block, "t {t} max_keys {max_keys} n {n}");
