@@ -21,8 +21,10 @@ FILE=${1:-.cache/megagemma/models/$NAME}
 rm -rf "$DIR" && mkdir -p "$DIR"
 split -b 47M -a 2 "$FILE" "$DIR/part_"
 (cd "$(dirname "$FILE")" && sha256sum "$(basename "$FILE")") > "$DIR/SHA256SUMS"
-# Pack the pieces into calls of at most 64 MiB, the first also carrying .gpu (the binaries).
-limit=$((64 * 1024 * 1024))
+# Pack the pieces into calls of at most 64 MiB, counting the tracked tree every call sends too;
+# the first call also carries .gpu (the binaries).
+tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+limit=$((64 * 1024 * 1024 - ${tree:-0} - 1024 * 1024))
 gpu=$(du -sb .gpu 2>/dev/null | cut -f1)
 python3 - "$limit" "${gpu:-0}" "$DIR" <<'PY'
 import os, sys
