@@ -82,9 +82,11 @@ pub(crate) const PDL_KERNELS: [&str; 17] = [
     "kv_commit_step",
 ];
 
-/// Default fewest keys per attention block. Measured on the H200 (E4B q4 graph, 64–192-key
-/// contexts): 64 keys 3.86 ms/token, 32 keys 3.70; 16 keys 3.62 (kernel alone, not yet checked).
-pub const ATT_SPLIT_KEYS: usize = 32;
+/// Default fewest keys per attention block. Measured on the H200 (E4B q4, 64–192-key contexts):
+/// 64 keys 3.86 ms/token, 32 keys 3.70 (sixth session); 16 keys with one wave of matvec blocks
+/// (`Q4Stream::mma_waves`) 3.555–3.574 against 3.655–3.668, megakernel 4.98 against 5.23–5.24
+/// (seventh session, same runs).
+pub const ATT_SPLIT_KEYS: usize = 16;
 
 /// Default most chunks per column part of a split tensor-core matvec (`Q4Stream::mma_part_chunks`).
 pub const MMA_PART_CHUNKS: usize = 40;
@@ -117,7 +119,9 @@ impl Q4Stream {
             // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
             blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
             ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
-            mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 2).max(1),
+            // One wave: measured with 16-key attention splits, above ATT_SPLIT_KEYS (2 waves:
+            // the seventh session's baseline; 3: slower in both paths).
+            mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
             mma_part_chunks: std::env::var("MEGAGEMMA_CUDA_MMA_PART_CHUNKS")
                 .ok()

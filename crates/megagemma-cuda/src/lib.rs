@@ -17,9 +17,9 @@
 //! (tokens per prefill pass), `MEGAGEMMA_CUDA_DECODE=graph|megakernel`, `MEGAGEMMA_CUDA_MK_TRACE=FILE`
 //! (the megakernel's per-block trace of each step), `MEGAGEMMA_CUDA_FOLD_NORMS=0` (residual steps as
 //! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
-//! keys per attention block, default 32; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
+//! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
-//! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for) and
+//! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for, default 1) and
 //! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic).
 
 pub mod backend;

@@ -768,7 +768,7 @@ impl CudaSeq {
 
     /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
     /// columns: (warps per tile `ks`, column parts). Parts of at most `mma_part_chunks` chunks;
-    /// then one warp per tile unless that leaves fewer than `mma_waves` (2) blocks per SM slot. Depends only on
+    /// then one warp per tile unless that leaves fewer than `mma_waves` (1) blocks per SM slot. Depends only on
     /// the shapes, never on the number of tokens.
     fn mma_split(&self, tiles: &[usize], cols: usize) -> (usize, usize) {
         let chunks = cols.div_ceil(64);
