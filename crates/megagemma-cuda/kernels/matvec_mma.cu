@@ -376,13 +376,38 @@ __device__ __forceinline__ void ring_issue(unsigned dst, const uint4* codes, con
                  : "memory");
 }
 
+// The warp's first chunk in [c0, c0 + n) and how many it takes (chunks ≡ ws mod ks).
+__device__ __forceinline__ int2 ring_chunks(int ws, int ks, int c0, int n) {
+  const int first = c0 + ((ws - c0) & (ks - 1));
+  return make_int2(first, first < c0 + n ? (c0 + n - first + ks - 1) / ks : 0);
+}
+
+// The ring's first MMA_RING copies (one commit group each, empty past the warp's chunks): weights
+// only, so `mma_kernel` issues them for a block's first virtual block before it waits.
 template <int UPC>
-__device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
-                                           const float* xs, float y[1][2], unsigned char* ring, int m) {
+__device__ __forceinline__ void ring_start(const Mat& W, int tile, int ws, int ks, int c0, int n, unsigned char* ring) {
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
-  const int first = c0 + ((ws - c0) & (ks - 1));
-  const int count = first < c0 + n ? (c0 + n - first + ks - 1) / ks : 0;
+  const int2 fc = ring_chunks(ws, ks, c0, n);
+  const uint4* codes = (const uint4*)W.w + ((u64)tile * chunks + fc.x) * 32 + lane;
+  const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
+  const unsigned ring_s = smem_addr(ring);
+#pragma unroll
+  for (int i = 0; i < MMA_RING; i++) {
+    if (i < fc.y)
+      ring_issue<UPC>(ring_s + i * MMA_RING_SLOT(UPC), codes + i * (u64)ks * 32, sbt, fc.x + i * ks, gsh);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+}
+
+// `started`: ring_start has run for this slice already.
+template <int UPC>
+__device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
+                                           const float* xs, float y[1][2], unsigned char* ring, int m, bool started) {
+  const int lane = threadIdx.x & 31;
+  const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
+  const int2 fc = ring_chunks(ws, ks, c0, n);
+  const int first = fc.x, count = fc.y;
   // This lane's codes of the warp's first chunk, the step to its next, the tile's scales; the
   // ring's shared-memory address, computed once (a generic-to-shared conversion is not free).
   const uint4* codes = (const uint4*)W.w + ((u64)tile * chunks + first) * 32 + lane;
@@ -390,11 +415,7 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
   const unsigned ring_s = smem_addr(ring);
   const bool live[1] = {(lane >> 2) < 2 * m};  // as in tile_slice: columns past the pass's m ≤ 4 tokens read zeros
-#pragma unroll
-  for (int i = 0; i < MMA_RING; i++) {
-    if (i < count) ring_issue<UPC>(ring_s + i * MMA_RING_SLOT(UPC), codes + i * step, sbt, first + i * ks, gsh);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  }
+  if (!started) ring_start<UPC>(W, tile, ws, ks, c0, n, ring);
   for (int i = 0; i < count; i++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
     const int off = (i % MMA_RING) * MMA_RING_SLOT(UPC);
@@ -426,7 +447,8 @@ template <int H, int UPC, bool GATED, bool RING>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, int ks, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint2* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
-                                          unsigned* counters, unsigned char* ring, const Residual& res) {
+                                          unsigned* counters, unsigned char* ring, const Residual& res,
+                                          bool& started) {
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -448,12 +470,14 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     if (tile < tiles) {
       if constexpr (RING) {
         static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
-        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m);
+        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
         tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
       }
     }
+    started = false;
   }
+  started = false;  // also when this virtual block had no chunks
   float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
   if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
 #pragma unroll
@@ -551,6 +575,31 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       prefetch_block(W, tpb, parts, local);
     }
   }
+  // A folded residual step's norm weights are weights too: asked of L2 before the wait, they are not
+  // a cold read between the step's two row reductions (they are 10 KB, but evicted every token).
+  if (!GATED && res.o) {
+    const int cols = mats.get(0).cols;
+    for (int i = threadIdx.x * 32; i < cols; i += blockDim.x * 32) {
+      prefetch_l2(res.w1 + i);
+      if (res.w2) prefetch_l2(res.w2 + i);
+    }
+  }
+  // The ring form copies its first virtual block's first chunks into shared memory before the wait
+  // (weights never depend on activations; the block's shared memory is free: its previous stage
+  // ended with a barrier), so they arrive while the previous stage finishes.
+  bool started = false;
+  if constexpr (RING) {
+    if (bid < nblocks) {
+      const int local = pick(bid, W, y);
+      const int warp = threadIdx.x >> 5, tl = warp / ks, ws = warp % ks;
+      const int g = local / parts, tile = g * tpb + tl;
+      const int2 range = part_range(chunks, parts, local - g * parts);
+      if (tile < (W.rows + 15) / 16)
+        ring_start<UPC>(W, tile, ws, ks, range.x, min(slice_chunks, range.y - range.x),
+                        ring + warp * MMA_RING * MMA_RING_SLOT(UPC));
+      started = true;
+    }
+  }
   pdl_start();
   if (!GATED && res.o) {
     for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat);
@@ -565,7 +614,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                   partial, counters, ring, res);
+                                   partial, counters, ring, res, started);
   }
 }
 
