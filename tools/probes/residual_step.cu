@@ -53,6 +53,13 @@ __device__ __forceinline__ void block_sum(double (&v)[N], double (*sh)[32]) {
 
 __device__ __forceinline__ float rinv(double ss) { return (float)(1.0 / sqrt(ss / (double)DIM + 1e-6)); }
 
+__device__ __forceinline__ float lane4(float4 v, int c) { return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w; }
+
+// x' = (x + o·r1·w1)·scale, in megagemma's operation order.
+__device__ __forceinline__ float xprime(float x, float o, float w1, float r1, float scale) {
+  return __fmul_rn(__fadd_rn(x, __fmul_rn(__fmul_rn(o, r1), w1)), scale);
+}
+
 // Writes one float4 of input to shared memory (the matvec would split it into fp16 fragments).
 __device__ __forceinline__ void put(float* in, int k, float4 v) { *(float4*)(in + k) = v; }
 
@@ -85,8 +92,7 @@ __global__ void __launch_bounds__(THREADS) prologue(const float* x, const float*
       for (int e = 0; e < EPT; e++) {
         const int i = threadIdx.x + e * THREADS;
         if (i >= DIM) continue;
-        const float w = V == 'B' ? wv[e] : __ldcg(w1 + i);
-        const float v = __fmul_rn(__fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r1), w)), scale);
+        const float v = xprime(xv[e], ov[e], V == 'B' ? wv[e] : __ldcg(w1 + i), r1, scale);
         s2[0] += (double)v * (double)v;
       }
       block_sum<1>(s2, sh);
@@ -94,12 +100,10 @@ __global__ void __launch_bounds__(THREADS) prologue(const float* x, const float*
       for (int f = threadIdx.x; f < DIM / 4; f += THREADS) {  // the input build re-reads its float4s
         const float4 xv4 = __ldcg((const float4*)xr + f), ov4 = __ldcg((const float4*)orow + f);
         const float4 a = __ldcg((const float4*)w1 + f), b = __ldcg((const float4*)w2 + f);
-        float4 r;
-        r.x = __fmul_rn(__fmul_rn(__fmul_rn(__fadd_rn(xv4.x, __fmul_rn(__fmul_rn(ov4.x, r1), a.x)), scale), r2), b.x);
-        r.y = __fmul_rn(__fmul_rn(__fmul_rn(__fadd_rn(xv4.y, __fmul_rn(__fmul_rn(ov4.y, r1), a.y)), scale), r2), b.y);
-        r.z = __fmul_rn(__fmul_rn(__fmul_rn(__fadd_rn(xv4.z, __fmul_rn(__fmul_rn(ov4.z, r1), a.z)), scale), r2), b.z);
-        r.w = __fmul_rn(__fmul_rn(__fmul_rn(__fadd_rn(xv4.w, __fmul_rn(__fmul_rn(ov4.w, r1), a.w)), scale), r2), b.w);
-        put(in, 4 * f, r);
+        auto in_c = [&](int c) {
+          return __fmul_rn(__fmul_rn(xprime(lane4(xv4, c), lane4(ov4, c), lane4(a, c), r1, scale), r2), lane4(b, c));
+        };
+        put(in, 4 * f, make_float4(in_c(0), in_c(1), in_c(2), in_c(3)));
       }
     } else if (V == 'C' || V == 'D') {
       float4 xv[F4], ov[F4], av[F4], bv[F4];
@@ -127,48 +131,40 @@ __global__ void __launch_bounds__(THREADS) prologue(const float* x, const float*
         r1 = rinv(ss[0]);
         double s2[1] = {0.0};
 #pragma unroll
-        for (int q = 0; q < F4; q++) {
-          const float xo[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w}, oo[4] = {ov[q].x, ov[q].y, ov[q].z, ov[q].w};
-          const float ww[4] = {av[q].x, av[q].y, av[q].z, av[q].w};
+        for (int q = 0; q < F4; q++)
 #pragma unroll
           for (int c = 0; c < 4; c++) {
-            xs[q][c] = __fmul_rn(__fadd_rn(xo[c], __fmul_rn(__fmul_rn(oo[c], r1), ww[c])), scale);
+            xs[q][c] = xprime(lane4(xv[q], c), lane4(ov[q], c), lane4(av[q], c), r1, scale);
             s2[0] += (double)xs[q][c] * (double)xs[q][c];
           }
-        }
         block_sum<1>(s2, sh);
         r2 = rinv(s2[0]);
       } else {
         double s[4] = {0.0, 0.0, 0.0, 0.0};  // Σ o², Σ x², Σ x·o·w1, Σ (o·w1)²
 #pragma unroll
-        for (int q = 0; q < F4; q++) {
-          const float xo[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w}, oo[4] = {ov[q].x, ov[q].y, ov[q].z, ov[q].w};
-          const float ww[4] = {av[q].x, av[q].y, av[q].z, av[q].w};
+        for (int q = 0; q < F4; q++)
 #pragma unroll
           for (int c = 0; c < 4; c++) {
-            const double od = oo[c], xd = xo[c], ow = od * (double)ww[c];
+            const double od = lane4(ov[q], c), xd = lane4(xv[q], c), ow = od * (double)lane4(av[q], c);
             s[0] += od * od, s[1] += xd * xd, s[2] += xd * ow, s[3] += ow * ow;
           }
-        }
         block_sum<4>(s, sh);
         r1 = rinv(s[0]);
         const double r1d = r1, sc = scale;
         r2 = rinv(sc * sc * (s[1] + 2.0 * r1d * s[2] + r1d * r1d * s[3]));
 #pragma unroll
-        for (int q = 0; q < F4; q++) {
-          const float xo[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w}, oo[4] = {ov[q].x, ov[q].y, ov[q].z, ov[q].w};
-          const float ww[4] = {av[q].x, av[q].y, av[q].z, av[q].w};
+        for (int q = 0; q < F4; q++)
 #pragma unroll
-          for (int c = 0; c < 4; c++) xs[q][c] = __fmul_rn(__fadd_rn(xo[c], __fmul_rn(__fmul_rn(oo[c], r1), ww[c])), scale);
-        }
+          for (int c = 0; c < 4; c++) xs[q][c] = xprime(lane4(xv[q], c), lane4(ov[q], c), lane4(av[q], c), r1, scale);
       }
 #pragma unroll
       for (int q = 0; q < F4; q++) {
         const int f = threadIdx.x + q * THREADS;
         if (f >= DIM / 4) continue;
-        put(in, 4 * f,
-            make_float4(__fmul_rn(__fmul_rn(xs[q][0], r2), bv[q].x), __fmul_rn(__fmul_rn(xs[q][1], r2), bv[q].y),
-                        __fmul_rn(__fmul_rn(xs[q][2], r2), bv[q].z), __fmul_rn(__fmul_rn(xs[q][3], r2), bv[q].w)));
+        float r[4];
+#pragma unroll
+        for (int c = 0; c < 4; c++) r[c] = __fmul_rn(__fmul_rn(xs[q][c], r2), lane4(bv[q], c));
+        put(in, 4 * f, make_float4(r[0], r[1], r[2], r[3]));
       }
     } else {  // 'E': the input alone
       for (int f = threadIdx.x; f < DIM / 4; f += THREADS) put(in, 4 * f, __ldcg((const float4*)xr + f));
