@@ -88,7 +88,9 @@ pub(crate) const PDL_KERNELS: [&str; 17] = [
 /// (seventh session, same runs).
 pub const ATT_SPLIT_KEYS: usize = 16;
 
-/// Default most chunks per column part of a split tensor-core matvec (`Q4Stream::mma_part_chunks`).
+/// Default most columns (64-wide chunks) one part of a split tensor-core matvec covers
+/// (`Q4Stream::mma_part_chunks`): wider matrices are split along their columns into parts summed
+/// at the end (down projections, wide O).
 pub const MMA_PART_CHUNKS: usize = 40;
 
 /// How the 4-bit matvecs stream a matrix: blocks launched per SM (each loops over its share of

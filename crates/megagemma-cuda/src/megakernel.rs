@@ -457,11 +457,7 @@ mod tests {
     /// `mma_ring_bytes` mirrors `MMA_WARPS`, `MMA_RING` and `MMA_RING_SLOT` of matvec_mma.cu.
     #[test]
     fn ring_bytes_match_the_kernel() {
-        let src = include_str!("../kernels/matvec_mma.cu");
-        let define = |name: &str| -> String {
-            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-            line[format!("#define {name} ").len()..].split("//").next().unwrap().trim().to_string()
-        };
+        let define = |name: &str| crate::compile::kernel_define("matvec_mma.cu", name);
         let (warps, ring): (u32, u32) = (define("MMA_WARPS").parse().unwrap(), define("MMA_RING").parse().unwrap());
         assert_eq!(define("MMA_RING_SLOT(UPC)"), "(512 + 128 * (UPC))");
         for upc in [1, 2] {

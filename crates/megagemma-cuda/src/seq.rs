@@ -31,8 +31,7 @@ const ATTENTION_WARPS: usize = 8;
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
 const MMA_SLICE_BYTES: usize = 48 * 1024;
-/// Columns (64-wide chunks) one part of a split tensor-core matvec covers at most: wider matrices
-/// are split along their columns into parts summed at the end (down projections, wide O).
+/// Floats of partial sums a split tensor-core matvec may write (column parts × tokens × rows).
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
 /// Blocks per row of the softcap + argmax pass.
@@ -1328,9 +1327,7 @@ mod attention_split_tests {
 
     /// The value of `#define NAME v` in attention.cu.
     fn kernel_define(name: &str) -> usize {
-        let src = include_str!("../kernels/attention.cu");
-        let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
-        line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).expect(name)
+        crate::compile::kernel_define("attention.cu", name).parse().expect(name)
     }
 
     /// The host sizes the grid and the shared memory from the split the kernel computes for
