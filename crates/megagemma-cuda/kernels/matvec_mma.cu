@@ -242,6 +242,17 @@ __device__ __forceinline__ int2 part_range(int chunks, int parts, int p) {
   return make_int2(min(chunks, p * per), min(chunks, (p + 1) * per));
 }
 
+// What this warp does in virtual block vb of a matrix of `chunks` columns split `ks` warps per tile
+// and `parts` column parts: its tile, its place among the tile's warps, its column range.
+struct VbWarp {
+  int tile, ws;
+  int2 range;
+};
+__device__ __forceinline__ VbWarp vb_warp(int vb, int ks, int parts, int chunks) {
+  const int warp = threadIdx.x >> 5, tl = warp / ks, g = vb / parts;
+  return VbWarp{g * (MMA_WARPS / ks) + tl, warp % ks, part_range(chunks, parts, vb - g * parts)};
+}
+
 // Asks L2 for the codes and scales of one virtual block (tile group g, part p; the block's
 // threads split the lines of each tile).
 __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts, int vb) {
@@ -461,10 +472,12 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int tpb = MMA_WARPS / ks, tl = warp / ks, ws = warp % ks;
-  const int g = vb / parts, p = vb - g * parts, tile = g * tpb + tl;
+  const int tpb = MMA_WARPS / ks, tl = warp / ks;
+  const int g = vb / parts, p = vb - g * parts;
   const int chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16;
-  const int2 range = part_range(chunks, parts, p);
+  const VbWarp vw = vb_warp(vb, ks, parts, chunks);
+  const int tile = vw.tile, ws = vw.ws;
+  const int2 range = vw.range;
   float y[H][2];
 #pragma unroll
   for (int h = 0; h < H; h++) y[h][0] = y[h][1] = 0.f;
@@ -599,13 +612,10 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   bool started = false;
   if constexpr (RING) {
     if (bid < nblocks) {
-      const int local = pick(bid, W, y);
-      const int warp = threadIdx.x >> 5, tl = warp / ks, ws = warp % ks;
-      const int g = local / parts, tile = g * tpb + tl;
-      const int2 range = part_range(chunks, parts, local - g * parts);
-      if (tile < (W.rows + 15) / 16)
-        ring_start<UPC>(W, tile, ws, ks, range.x, min(slice_chunks, range.y - range.x),
-                        ring + warp * MMA_RING * MMA_RING_SLOT(UPC));
+      const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
+      if (vw.tile < (W.rows + 15) / 16)
+        ring_start<UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
+                        ring + (threadIdx.x >> 5) * MMA_RING * MMA_RING_SLOT(UPC));
       started = true;
     }
   }

@@ -111,11 +111,14 @@ pub struct Q4Stream {
     pub mma_part_chunks: usize,
 }
 
+/// A tuning knob from the environment: `name` parsed as a count within `range`, else `default`.
+pub(crate) fn env_count(name: &str, range: std::ops::RangeInclusive<usize>, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|v| range.contains(v)).unwrap_or(default)
+}
+
 impl Q4Stream {
     fn from_env() -> Q4Stream {
-        let var = |name: &str, default: usize| {
-            std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|&v| v <= 64).unwrap_or(default)
-        };
+        let var = |name: &str, default: usize| env_count(name, 0..=64, default);
         Q4Stream {
             // Measured on the H200 (E4B, graph): 4 per SM and 1 ahead 4.11 ms/token; 2 and 2
             // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
@@ -125,11 +128,7 @@ impl Q4Stream {
             // the seventh session's baseline; 3: slower in both paths).
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
-            mma_part_chunks: std::env::var("MEGAGEMMA_CUDA_MMA_PART_CHUNKS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|&c: &usize| (1..=4096).contains(&c))
-                .unwrap_or(MMA_PART_CHUNKS),
+            mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
         }
     }
 }
@@ -336,11 +335,7 @@ impl Gpu {
             capturing: AtomicBool::new(false),
             pdl,
             q4_stream: Q4Stream::from_env(),
-            att_split_keys: std::env::var("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|&k: &usize| (1..=4096).contains(&k))
-                .unwrap_or(ATT_SPLIT_KEYS),
+            att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
             profile,
             blas,
             recording: Default::default(),

@@ -160,7 +160,7 @@ impl Megakernel {
         let mut stages: Vec<MkStage> = recorded.iter().map(MkStage::new).collect::<Result<_>>()?;
         // `MEGAGEMMA_CUDA_MK_PREFETCH=N`: at the first stage after a layer's matvecs, the next N
         // matvec stages' weights into L2 (default 0 until measured; results never depend on it).
-        let ahead = std::env::var("MEGAGEMMA_CUDA_MK_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        let ahead = crate::device::env_count("MEGAGEMMA_CUDA_MK_PREFETCH", 0..=8, 0);
         let kernels: Vec<i32> = stages.iter().map(|s| s.kernel).collect();
         for (s, p) in stages.iter_mut().zip(prefetch_plan(&kernels, ahead)) {
             s.prefetch = p;
