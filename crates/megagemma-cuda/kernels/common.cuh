@@ -115,6 +115,39 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
   return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
 }
 
+// A residual step (`add_norm_body` in ops.cu, and folded into a matvec: `residual_stats` in
+// matvec_mma.cu), four elements at a time. Both take a row's elements as float4s f = tid + q·blockDim
+// and use these functions in the same order, so the step gives the same bits either way.
+#define RES_F4 3  // float4s per thread kept in registers (rows up to 12·blockDim elements)
+
+// s + Σ v², element by element in f64.
+__device__ __forceinline__ double sumsq4(double s, float4 v) {
+  s += (double)v.x * (double)v.x;
+  s += (double)v.y * (double)v.y;
+  s += (double)v.z * (double)v.z;
+  return s + (double)v.w * (double)v.w;
+}
+
+// (x + o·r·w)·scale per element: the residual update.
+__device__ __forceinline__ float4 residual4(float4 x, float4 o, float r, float4 w, float scale) {
+  float4 v;
+  v.x = __fadd_rn(x.x, __fmul_rn(__fmul_rn(o.x, r), w.x));
+  v.y = __fadd_rn(x.y, __fmul_rn(__fmul_rn(o.y, r), w.y));
+  v.z = __fadd_rn(x.z, __fmul_rn(__fmul_rn(o.z, r), w.z));
+  v.w = __fadd_rn(x.w, __fmul_rn(__fmul_rn(o.w, r), w.w));
+  if (scale != 1.f) v = make_float4(__fmul_rn(v.x, scale), __fmul_rn(v.y, scale), __fmul_rn(v.z, scale), __fmul_rn(v.w, scale));
+  return v;
+}
+
+// v·r·w per element: the norm after the step.
+__device__ __forceinline__ float4 norm4(float4 v, float r, float4 w) {
+  return make_float4(__fmul_rn(__fmul_rn(v.x, r), w.x), __fmul_rn(__fmul_rn(v.y, r), w.y),
+                     __fmul_rn(__fmul_rn(v.z, r), w.z), __fmul_rn(__fmul_rn(v.w, r), w.w));
+}
+
+__device__ __forceinline__ float4 ld4(const float* p, u64 f) { return *(const float4*)(p + 4 * f); }
+__device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 4 * f) = v; }
+
 // GELU, tanh approximation, in the CPU reference's operation order.
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float k = 0.7978846f;

@@ -81,64 +81,67 @@ struct Residual {
   float eps;
 };
 
+// The folded step keeps x' in registers for the input build (`build_inputs`) in the separate
+// kernel; the megakernel re-reads it (its stages share one register allocation: 12 more live
+// registers there cost more than the L2 round trip they save).
+#ifdef MEGAKERNEL
+#define RES_KEEP 0
+#else
+#define RES_KEEP 1
+#endif
+
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j]; block 0 also writes x'.
-// Called by every thread of the block. As in `add_norm_body`, rows of up to RES_EPT·blockDim
-// elements keep each thread's elements (i = tid + e·blockDim) in registers, all loaded at once:
-// one load round trip, not one per element.
-#define RES_EPT 12
-__device__ __forceinline__ void residual_stats(const Residual& res, int j, int dim, bool write, float r[2][8]) {
+// Called by every thread of the block. The elements and sums of `add_norm_body` (ops.cu), in the
+// same order, so the bits are those of the separate step: float4s f = tid + q·blockDim, in
+// registers for rows of up to 4·RES_F4·blockDim elements (one load round trip). x' of those float4s
+// is left in `keep` (`kept`: all of the row is there).
+__device__ __forceinline__ void residual_stats(const Residual& res, int j, int dim, bool write, float r[2][8],
+                                               float4 (&keep)[RES_F4], bool& kept) {
   const u64 base = (u64)j * dim;
-  const bool in_regs = dim <= RES_EPT * (int)blockDim.x;
-  float ov[RES_EPT], xv[RES_EPT], wv[RES_EPT];
+  const int n4 = dim / 4, bd = blockDim.x;
+  const float* xr = res.x + base;
+  const float* orow = res.o + base;
+  const bool in_regs = n4 <= RES_F4 * bd;
+  float4 ov[RES_F4], wv[RES_F4];
   double ss = 0.0;
   if (in_regs) {
     // The separate kernel loads w1 with o and x, so the second statistic waits for no load after
-    // the first reduction (graph E4B −2.2%); the megakernel loads it after (the 12 registers cost
-    // it 4%: its stages share one allocation). Same values, same bits.
+    // the first reduction (graph E4B −2.2%); the megakernel loads it after (12 more registers cost
+    // it 4%). Same values, same bits.
 #pragma unroll
-    for (int e = 0; e < RES_EPT; e++) {
-      const int i = threadIdx.x + e * blockDim.x;
-      ov[e] = i < dim ? res.o[base + i] : 0.f;
-      xv[e] = i < dim ? res.x[base + i] : 0.f;
-#ifndef MEGAKERNEL
-      wv[e] = i < dim ? res.w1[i] : 0.f;
-#endif
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * bd;
+      const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+      ov[q] = f < n4 ? ld4(orow, f) : z;
+      keep[q] = f < n4 ? ld4(xr, f) : z;
+      if (RES_KEEP) wv[q] = f < n4 ? ld4(res.w1, f) : z;
     }
 #pragma unroll
-    for (int e = 0; e < RES_EPT; e++) {
-      const double v = ov[e];
-      if (threadIdx.x + e * blockDim.x < dim) ss += v * v;
-    }
+    for (int q = 0; q < RES_F4; q++)
+      if (threadIdx.x + q * bd < n4) ss = sumsq4(ss, ov[q]);
   } else {
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-      const double v = res.o[base + i];
-      ss += v * v;
-    }
+    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
   }
   ss = block_sum_d(ss);
   const float r1 = (float)(1.0 / sqrt(ss / (double)dim + (double)res.eps));
   double ss2 = 0.0;
   if (in_regs) {
 #pragma unroll
-    for (int e = 0; e < RES_EPT; e++) {
-      const int i = threadIdx.x + e * blockDim.x;
-      if (i >= dim) continue;
-#ifdef MEGAKERNEL
-      wv[e] = res.w1[i];
-#endif
-      float v = __fadd_rn(xv[e], __fmul_rn(__fmul_rn(ov[e], r1), wv[e]));
-      if (res.scale != 1.f) v = __fmul_rn(v, res.scale);
-      if (write) res.x_out[base + i] = v;
-      ss2 += (double)v * (double)v;
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * bd;
+      if (f >= n4) continue;
+      keep[q] = residual4(keep[q], ov[q], r1, RES_KEEP ? wv[q] : ld4(res.w1, f), res.scale);
+      if (write) st4(res.x_out + base, f, keep[q]);
+      ss2 = sumsq4(ss2, keep[q]);
     }
   } else {
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-      float v = __fadd_rn(res.x[base + i], __fmul_rn(__fmul_rn(res.o[base + i], r1), res.w1[i]));
-      if (res.scale != 1.f) v = __fmul_rn(v, res.scale);
-      if (write) res.x_out[base + i] = v;
-      ss2 += (double)v * (double)v;
+    for (int f = threadIdx.x; f < n4; f += bd) {
+      const float4 v = residual4(ld4(xr, f), ld4(orow, f), r1, ld4(res.w1, f), res.scale);
+      if (write) st4(res.x_out + base, f, v);
+      ss2 = sumsq4(ss2, v);
     }
   }
+  kept = RES_KEEP && in_regs;
   ss2 = block_sum_d(ss2);
   if (threadIdx.x == 0) {
     r[0][j] = r1;
@@ -146,25 +149,13 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   }
 }
 
-// Four input elements k .. k+3 of token j with the residual step folded in (see `Residual`).
-__device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8]) {
-  const u64 at = (u64)j * dim + k;
-  const float4 x = *(const float4*)(res.x + at), o = *(const float4*)(res.o + at), w1 = *(const float4*)(res.w1 + k);
-  const float xs[4] = {x.x, x.y, x.z, x.w}, os[4] = {o.x, o.y, o.z, o.w}, w1s[4] = {w1.x, w1.y, w1.z, w1.w};
-  float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; e++) {
-    v[e] = __fadd_rn(xs[e], __fmul_rn(__fmul_rn(os[e], r[0][j]), w1s[e]));
-    if (res.scale != 1.f) v[e] = __fmul_rn(v[e], res.scale);
-  }
-  if (res.w2) {
-    const float4 w2 = *(const float4*)(res.w2 + k);
-    v[0] = __fmul_rn(__fmul_rn(v[0], r[1][j]), w2.x);
-    v[1] = __fmul_rn(__fmul_rn(v[1], r[1][j]), w2.y);
-    v[2] = __fmul_rn(__fmul_rn(v[2], r[1][j]), w2.z);
-    v[3] = __fmul_rn(__fmul_rn(v[3], r[1][j]), w2.w);
-  }
-  return make_float4(v[0], v[1], v[2], v[3]);
+// The input float4 at element k of token j with the residual step folded in (see `Residual`), from
+// x' when the caller has it (`have`), else from x, o and w1 again.
+__device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8],
+                                                  bool have, float4 xk) {
+  const float4 v = have ? xk : residual4(ld4(res.x + (u64)j * dim, k / 4), ld4(res.o + (u64)j * dim, k / 4), r[0][j],
+                                         ld4(res.w1, k / 4), res.scale);
+  return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
 // Shared memory of one block, for the chunks [c0, c0 + n) of a slice:
@@ -179,13 +170,17 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
 template <int H, int UPC, bool GATED>
 __device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* __restrict__ x,
                                              const float* __restrict__ gate, int gstride, int cols, int m, int c0,
-                                             int n, const Residual& res, const float rstat[2][8]) {
+                                             int n, const Residual& res, const float rstat[2][8],
+                                             const float4 (&keep)[RES_F4], bool kept) {
   constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
   // Whole warps iterate (the unit sums shuffle across lanes); lanes past the end add zeros.
   for (int base = threadIdx.x & ~31; base < total; base += R * blockDim.x) {
+    // One token, the row's first slice, the first round: element e = tid + r·blockDim is float4 r of
+    // this thread's row in `residual_stats`, whose x' the thread still holds.
+    const bool from_keep = kept && m == 1 && c0 == 0 && base == (int)(threadIdx.x & ~31);
     float v[R][4];
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -193,7 +188,9 @@ __device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* 
       const int j = e / per_token, k = c0 * 64 + 4 * (e % per_token);
       v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
       if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
-        const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat) : *(const float4*)(x + (u64)j * cols + k);
+        const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat, r < RES_F4 && from_keep,
+                                                           keep[r < RES_F4 ? r : 0])
+                                         : *(const float4*)(x + (u64)j * cols + k);
         v[r][0] = t.x, v[r][1] = t.y, v[r][2] = t.z, v[r][3] = t.w;
         if (GATED) {
           const float4 g = *(const float4*)(gate + (u64)j * gstride + k);
@@ -468,7 +465,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
                                           const float* x, const float* gate, int gstride, int m, uint2* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
-                                          bool& started) {
+                                          bool& started, const float4 (&keep)[RES_F4], bool kept) {
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -485,7 +482,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     const int n = min(slice_chunks, range.y - c0);
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
       __syncthreads();  // its fragments are no longer read
-      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat);
+      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
       built = c0;
     }
@@ -620,8 +617,11 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
   }
   pdl_start();
+  float4 keep[RES_F4] = {};  // x' of this thread's float4s of a one-token folded step
+  bool kept = false;
   if (!GATED && res.o) {
-    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat);
+    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept);
+    kept = kept && m == 1;
     __syncthreads();
   }
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
@@ -633,7 +633,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                   partial, counters, ring, res, started);
+                                   partial, counters, ring, res, started, keep, kept);
   }
 }
 
