@@ -22,6 +22,10 @@ impl CudaModel {
     /// Uploads a loaded model's weights to device 0. Fails with one line ("no CUDA device found: …")
     /// when there is no usable GPU.
     pub fn load(model: &Model) -> Result<Arc<CudaModel>> {
+        // The residual step reads rows as float4s (`add_norm_body`, `residual_stats`).
+        if !model.plan.hidden.is_multiple_of(4) {
+            bail!("the CUDA backend needs a hidden size divisible by 4 (this model's is {})", model.plan.hidden);
+        }
         let gpu = Gpu::new()?;
         let up = place_all(&gpu, |p| place_model(p, &model.plan, &model.weights))?;
         let decode_bytes = model.weights.decode_bytes(model.plan.moe_top_k);
