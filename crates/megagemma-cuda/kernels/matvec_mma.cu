@@ -4,65 +4,87 @@
 // bit-identical to single-token passes); the layout follows `probes/q4_mma_gemv.cu`.
 //
 // Layout (FMT_Q4T; rows padded to 16, columns to 64 with zero codes, scales and inputs):
-//   codes `W.w`:  [tiles][chunks][32 lanes] uint4. A tile is 16 rows, a chunk 64 columns = four
-//                 16-wide k-tiles; word kt of lane (gid = lane/4, tig = lane%4) is that lane's A
-//                 fragment of `mma.m16n8k16` for k-tile kt: nibble i at bits 4i is element a_i
-//                 (rows gid, gid+8, gid, gid+8; columns 2tig, 2tig, 2tig+8, 2tig+8) and nibble i
-//                 at bits 16+4i the element one column right of it.
+//   codes `W.w`:  [tiles][chunks][32 lanes] uint4. A tile is 16 rows, a chunk 64 columns = two
+//                 32-wide k-steps of `mma.m16n8k32` on bytes. For lane (gid = lane/4, tig = lane%4),
+//                 bits 8i + 4s of word r hold the code of row gid + 8·(r & 1), column
+//                 32s + 16·(r >> 1) + 4·tig + i: `w & 0x0F0F0F0F` is the lane's A fragment (register
+//                 r) of k-step 0 and `(w >> 4) & 0x0F0F0F0F` that of k-step 1 (u8 codes 0..15).
 //   scales `W.sb`: [tiles][padded groups][8 gid] float4 = (scale, bias) of row gid, then of gid+8.
 //
-// Math: w = s·q + b, so Σ w·x = s·Σ (q−8)·x + (b + 8s)·Σ x over each group. (q−8) is exact in
-// fp16; x is split into an fp16 high part and an fp16 low part (x − hi), which go to two
-// neighbouring columns of the B operand (token j: columns 2j and 2j+1, four tokens per mma), so
-// the tensor core's f32 sums carry x to ~2^-22 of its value. Σ x per 64 (or 32) columns is summed
-// in f32 in a fixed order. Scales are applied per unit of min(group, 64) columns.
+// Math: w = s·q + b, so Σ w·x = s·Σ (q−8)·x + (b + 8s)·Σ x over each group (centred codes: the two
+// terms do not cancel). The input becomes exact integers:
+// per 64-column chunk, v = round(x·2^E) with E from the chunk's largest |x| (|v| < 2^30: 30 bits
+// against the chunk's largest element), written as four balanced base-256 digits d_p ∈ [−128, 127]
+// (v = Σ d_p·256^p), the "planes", which are four columns of the B operand (s8). A chunk is two
+// integer mmas into one int32 accumulator started at −8·Σ d (computed once per block by an mma with
+// −8 in every A byte), so it holds Σ (q−8)·d, exact (|Σ| ≤ 8·128·64), whose columns are converted
+// and scaled in f32:
+// acc += (s·2^−E)·(c_{p+1}·256 + c_p)
+// for the lane's two planes, plus (b + 8s)·Σx; planes 2–3 (×65536) and 0–1 are added once per tile, not per chunk. So the sums carry the
+// input to ~2^-30 of the chunk's largest element, like an f32 dot product; Σ x per 64 (or 32)
+// columns is summed in f32 in a fixed order; scales apply per unit of min(group, 64) columns.
+// Tokens go two per mma (token pair p: tokens 2p and 2p+1 in columns 0–3 and 4–7).
 //
-// Exactness across batch sizes: a token's result only ever depends on its own two B columns
-// (mma columns are independent: `probes/mma_invariance.cu`), on its own Σ x and on a work split
-// that depends on the matrix shape alone, so column t of an 8-token pass is bit-identical to a
-// 1-token pass.
+// Exactness across batch sizes: a token's result only ever depends on its own B columns (integer
+// mma columns are independent and exact), on its own exponents and Σ x and on a work split that
+// depends on the matrix shape alone, so column t of an 8-token pass is bit-identical to a 1-token
+// pass.
 #include "common.cuh"
 
 #define MMA_WARPS 8
 // Blocks per SM the register budget is set for (src/seq.rs `MMA_BLOCKS_PER_SM`): 2 leaves 128
 // registers a thread, room for two batches of chunks in flight per warp.
 #define MMA_BLOCKS_PER_SM 2
-// Dynamic shared memory for the inputs: 1024·H bytes of fragments and 32·UPC of sums per 64-column
-// chunk (a slice is as many chunks as fit: 46 chunks for H = 1, which a part never exceeds).
+// Dynamic shared memory for the inputs: per 64-column chunk 512 bytes of B fragments per token pair
+// (2·H pairs), UPC + 1 rows of 8·H floats (Σ x per unit, then 2^−E) and the accumulators' starts
+// (16·H ints per unit; see `build_inputs`). A slice is as many chunks as fit (42 for H = 1 and
+// groups of ≥ 64), which a column part never exceeds.
 #define MMA_SLICE_BYTES (48 * 1024)
+#define MMA_CHUNK_BYTES(H, UPC) (1024 * (H) + 32 * (H) * (3 * (UPC) + 1))
+// Floats of one chunk's xs: UPC rows of Σ x, one of 2^−E, then the ints of the starts.
+#define MMA_XS_FLOATS(H, UPC) (8 * (H) * (3 * (UPC) + 1))
+#define MMA_XS_STARTS(H, UPC) (8 * (H) * ((UPC) + 1))
 
-__device__ __forceinline__ void mma_f16(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+// D = A·B + C on bytes: A 16×32 u8 codes, B 32×8 s8 digits, int32 sums (exact).
+__device__ __forceinline__ void mma_u8s8(int c[4], const unsigned a[4], unsigned b0, unsigned b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// (lo, hi) → half2 bits (lo in the low half), round to nearest.
-__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
+// C += −8·Σ d (every row): the codes' centring, as an mma whose A bytes are all −8 (s8).
+__device__ __forceinline__ void mma_minus8(int c[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(0xF8F8F8F8u), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float f16_lo(unsigned h2) { return f16_to_f32((unsigned short)(h2 & 0xffffu)); }
-__device__ __forceinline__ float f16_hi(unsigned h2) { return f16_to_f32((unsigned short)(h2 >> 16)); }
+// 2^e as a float, for −126 ≤ e ≤ 127.
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
-// The A fragment of one k-tile from its code word, as four half2(q − 8): nibble pairs at bits
-// (0, 16) and (8, 24) are OR-ed into the mantissa of 1024 and 1032 subtracted; pairs at bits
-// (4, 20) and (12, 28) become 1024 + 16q, scaled by 1/16 and 72 subtracted in one fma. Every step
-// is exact in fp16. The fragment order is a0..a3 = pairs at bits 0, 4, 8, 12 (see the layout).
-__device__ __forceinline__ void q4_fragment(unsigned w, unsigned a[4]) {
-  const unsigned w8 = w >> 8;
-  unsigned lo0, hi0, lo1, hi1;
-  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(lo0) : "r"(w));   // (w & mask) | magic
-  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(hi0) : "r"(w));
-  asm("lop3.b32 %0, %1, 0x000F000F, 0x64006400, 0xEA;" : "=r"(lo1) : "r"(w8));
-  asm("lop3.b32 %0, %1, 0x00F000F0, 0x64006400, 0xEA;" : "=r"(hi1) : "r"(w8));
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(a[0]) : "r"(lo0), "r"(0x64086408u));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(a[1]) : "r"(hi0), "r"(0x2C002C00u), "r"(0xD480D480u));
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(a[2]) : "r"(lo1), "r"(0x64086408u));
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(a[3]) : "r"(hi1), "r"(0x2C002C00u), "r"(0xD480D480u));
+// The chunk exponent E: |x|·2^E < 2^30 for every |x| ≤ amax (0 for an all-zero chunk), kept where
+// 2^E and 2^−E are normal floats.
+__device__ __forceinline__ int chunk_exponent(float amax) {
+  if (!(amax > 0.f)) return 0;
+  const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 126;  // amax < 2^e
+  return min(126, max(-126, 30 - e));
+}
+
+// The four planes of four input elements already scaled by 2^E: word p holds digit p of each
+// element (byte i for element i). Balanced digits: with u = v + 0x80808080 (no carry out for
+// |v| < 2^30) byte p of u is d_p + 128, so d_p as s8 is that byte XOR 0x80.
+__device__ __forceinline__ void planes4(const float v[4], float up, unsigned planes[4]) {
+  unsigned u[4];
+#pragma unroll
+  for (int i = 0; i < 4; i++) u[i] = ((unsigned)__float2int_rn(__fmul_rn(v[i], up)) + 0x80808080u) ^ 0x80808080u;
+  const unsigned t0 = __byte_perm(u[0], u[1], 0x5140), t1 = __byte_perm(u[2], u[3], 0x5140);  // bytes 0, 1
+  const unsigned t2 = __byte_perm(u[0], u[1], 0x7362), t3 = __byte_perm(u[2], u[3], 0x7362);  // bytes 2, 3
+  planes[0] = __byte_perm(t0, t1, 0x5410);
+  planes[1] = __byte_perm(t0, t1, 0x7632);
+  planes[2] = __byte_perm(t2, t3, 0x5410);
+  planes[3] = __byte_perm(t2, t3, 0x7632);
 }
 
 // The `add_norm` (ops.cu) of the sub-block before this matvec, folded into its input (`o`
@@ -158,21 +180,25 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
-// Shared memory of one block, for the chunks [c0, c0 + n) of a slice:
-//   xf[(kt·H + h)·32 + lane] = uint2 (b0, b1): B fragment of local k-tile kt for lane (gid, tig)
-//     of token group h (tokens 4h .. 4h+3), stored only for the lanes that carry a token below m
-//     (gid < 2·(m − 4h): column 2j holds token j's fp16 high parts, column 2j+1 its low parts);
-//     the other lanes multiply zeros.
-//   xs[u·8 + j] = Σ x over local unit u (64 / UPC columns) for token j, in a fixed order.
+// Shared memory of one block, for the chunks [c0, c0 + n) of a slice (local chunk lc = c − c0):
+//   xf[(lc·2H + p)·32 + lane] = uint4: the B fragments of token pair p (tokens 2p, 2p+1) for lane
+//     (gid, tig): (b0, b1) of k-step 0, then of k-step 1. Column gid is plane gid of token 2p
+//     (gid < 4) or plane gid − 4 of token 2p + 1; b0 holds the digits of columns 32s + 4·tig + i
+//     (byte i), b1 those 16 further. Stored only for tokens below m; other lanes multiply zeros.
+//   xs[lc·MMA_XS_FLOATS + u·8H + j] = Σ x over unit u (64 / UPC columns) of token j < 4H, in a
+//     fixed order, and 0 at j + 4H (what the lanes of planes 2–3 add instead); row UPC holds 2^−E
+//     of token j's chunk; from MMA_XS_STARTS on, int2 (u·2H + p)·4 + tig is −8·Σ d over unit u of
+//     the B columns 2·tig and 2·tig + 1 of pair p: the start of those accumulator columns.
 // With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0);
 // with `res.o` set, the residual step and norm before the matvec (`Residual`; stats in rstat).
 // Every value depends only on its own token's inputs, never on m.
 template <int H, int UPC, bool GATED>
-__device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* __restrict__ x,
+__device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* __restrict__ x,
                                              const float* __restrict__ gate, int gstride, int cols, int m, int c0,
                                              int n, const Residual& res, const float rstat[2][8],
                                              const float4 (&keep)[RES_F4], bool kept) {
   constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
+  constexpr int P = 2 * H, XW = 8 * H;  // token pairs; width of a row of xs
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
@@ -206,26 +232,50 @@ __device__ __forceinline__ void build_inputs(uint2* xf, float* xs, const float* 
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
       const bool in = e < total;
       const int j = in ? e / per_token : 0, k4 = e % per_token;
-      // Elements kk .. kk+3 of local k-tile lk: pairs (kk, kk+1) and (kk+2, kk+3) belong to lanes
-      // tig0 and tig0 + 1 of the token's two columns, in register b0 (kk < 8) or b1.
-      const int lk = k4 >> 2, kk = (k4 & 3) * 4, reg = kk >> 3, tig0 = (kk & 7) >> 1;
-      const int h = j >> 2, col = 2 * (j & 3);
+      const int lc = k4 >> 4, f4 = k4 & 15;  // local chunk, float4 within it
       const float* w = v[r];
-      const unsigned hi0 = pack_f16x2(w[0], w[1]), hi1 = pack_f16x2(w[2], w[3]);
-      const unsigned lo0 = pack_f16x2(__fsub_rn(w[0], f16_lo(hi0)), __fsub_rn(w[1], f16_hi(hi0)));
-      const unsigned lo1 = pack_f16x2(__fsub_rn(w[2], f16_lo(hi1)), __fsub_rn(w[3], f16_hi(hi1)));
+      // A chunk's 16 float4s are one half-warp's (per_token and base are multiples of 16).
+      float amax = fmaxf(fmaxf(fabsf(w[0]), fabsf(w[1])), fmaxf(fabsf(w[2]), fabsf(w[3])));
+#pragma unroll
+      for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const int E = chunk_exponent(amax);
+      unsigned planes[4];
+      planes4(w, exp2i(E), planes);
       if (in) {
-        unsigned* frag = words + (lk * H + h) * 64 + reg;
-        frag[(col * 4 + tig0) * 2] = hi0;
-        frag[((col + 1) * 4 + tig0) * 2] = lo0;
-        frag[(col * 4 + tig0 + 1) * 2] = hi1;
-        frag[((col + 1) * 4 + tig0 + 1) * 2] = lo1;
+        // Elements 4·f4 .. 4·f4+3: k-step f4 / 8, register (f4 / 4) % 2, lane tig f4 % 4 of the
+        // columns 4·(j % 2) + plane; plane p is 4 lanes (16 words) after plane p − 1.
+        unsigned* frag = words + ((lc * P + (j >> 1)) * 32 + 16 * (j & 1) + (f4 & 3)) * 4 + (f4 >> 3) * 2 + ((f4 >> 2) & 1);
+#pragma unroll
+        for (int p = 0; p < 4; p++) frag[16 * p] = planes[p];
       }
       // Σ x of the unit: 16 / UPC neighbouring lanes hold its float4s (units never straddle a warp).
       float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
 #pragma unroll
       for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
-      if (in && k4 % (16 / UPC) == 0) xs[(k4 / (16 / UPC)) * 8 + j] = sum;
+      float* row = xs + lc * MMA_XS_FLOATS(H, UPC);
+      if (in && f4 % (16 / UPC) == 0) {
+        const int u = f4 / (16 / UPC);
+        row[u * XW + j] = sum;
+        row[u * XW + 4 * H + j] = 0.f;
+      }
+      if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E);
+    }
+  }
+  // −8·Σ d of every column of every (chunk, pair, unit), once for all the block's tiles: an mma
+  // whose A bytes are all −8 gives it in every row; the lanes of row 0 keep theirs. (Columns of
+  // tokens past m sum unwritten fragments; only their own, discarded, sums read them.)
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int it = threadIdx.x >> 5; it < n * P; it += blockDim.x >> 5) {
+    const int lc = it / P, p = it - lc * P;
+    const uint4 b = xf[it * 32 + lane];
+    int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+    mma_minus8(c0, b.x, b.y);
+    mma_minus8(UPC == 1 ? c0 : c1, b.z, b.w);
+    int2* st = (int2*)(xs + lc * MMA_XS_FLOATS(H, UPC) + MMA_XS_STARTS(H, UPC)) + p * 4 + lane;
+    if (lane < 4) {
+      st[0] = make_int2(c0[0], c0[1]);
+      if (UPC == 2) st[P * 4] = make_int2(c1[0], c1[1]);
     }
   }
 }
@@ -288,80 +338,123 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
   }
 }
 
-// Multiplies a loaded batch into y[h][r] (token 4h + tig; rows gid and gid + 8), chunk by chunk in
-// increasing order.
+// One unit's scaled sums into a pair accumulator: c = the int32 columns of the lane's two planes
+// for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); v = this lane's (scale or bias) value of the
+// unit, shared across the quad; f = 2^−E of the lane's token; sx = its Σ x (0 on plane 2–3 lanes).
+__device__ __forceinline__ void scale_unit(const int c[4], float v, float f, float sx, float y[2]) {
+  const int quad = (threadIdx.x & 31) & ~3;
+  const float s0 = __shfl_sync(0xffffffffu, v, quad), b0 = __shfl_sync(0xffffffffu, v, quad + 1);
+  const float s1 = __shfl_sync(0xffffffffu, v, quad + 2), b1 = __shfl_sync(0xffffffffu, v, quad + 3);
+  const float r0 = fmaf((float)c[1], 256.f, (float)c[0]), r1 = fmaf((float)c[3], 256.f, (float)c[2]);
+  y[0] = fmaf(fmaf(8.f, s0, b0), sx, fmaf(__fmul_rn(s0, f), r0, y[0]));
+  y[1] = fmaf(fmaf(8.f, s1, b1), sx, fmaf(__fmul_rn(s1, f), r1, y[1]));
+}
+
+// Multiplies a loaded batch into the pair accumulators y[p][r] (rows gid and gid + 8; token
+// 2p + tig/2, planes 2·(tig % 2) and 2·(tig % 2) + 1), chunk by chunk in increasing order.
 template <int H, int U, int UPC>
 __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, int ks, int c0, int end,
-                                              const uint2* xf, const float* xs, const bool live[H], float y[H][2]) {
+                                              const uint4* xf, const float* xs, const bool live[2 * H],
+                                              const bool pairs[2 * H], float y[2 * H][2]) {
+  constexpr int P = 2 * H, XW = 8 * H;
   const int lane = threadIdx.x & 31, tig = lane & 3;
-  constexpr int unit = 64 / UPC;
+  // This lane's column of xs: its token in pair 0, on the zero half for planes 2–3.
+  const int xcol = (tig >> 1) + ((tig & 1) ? 4 * H : 0), fcol = tig >> 1;
 #pragma unroll
   for (int u = 0; u < U; u++) {
     const int cc = c + u * ks;
     if (cc >= end) break;
-    const unsigned words[4] = {bt.q[u].x, bt.q[u].y, bt.q[u].z, bt.q[u].w};
-    const uint2* xb = xf + (cc - c0) * 4 * H * 32 + lane;
-    float acc[H][4];
+    const unsigned w[4] = {bt.q[u].x, bt.q[u].y, bt.q[u].z, bt.q[u].w};
+    unsigned a0[4], a1[4];  // the A fragments of k-steps 0 and 1
 #pragma unroll
-    for (int h = 0; h < H; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+    for (int r = 0; r < 4; r++) a0[r] = w[r] & 0x0F0F0F0Fu, a1[r] = (w[r] >> 4) & 0x0F0F0F0Fu;
+    const uint4* xb = xf + (cc - c0) * P * 32 + lane;
+    const float* xsc = xs + (cc - c0) * MMA_XS_FLOATS(H, UPC);
+    const int2* starts = (const int2*)(xsc + MMA_XS_STARTS(H, UPC)) + tig;  // + (u·2H + p)·4
 #pragma unroll
-    for (int kt = 0; kt < 4; kt++) {
-      unsigned a[4];
-      q4_fragment(words[kt], a);
-#pragma unroll
-      for (int h = 0; h < H; h++) {
-        // Columns past the launch's tokens multiply zeros (their fragments are never written).
-        const uint2 b = live[h] ? xb[(kt * H + h) * 32] : make_uint2(0u, 0u);
-        mma_f16(acc[h], a, b.x, b.y);
-      }
-      if (((kt + 1) * 16) % unit == 0) {
-        const int p = (kt * 16) / unit;
-        const int quad = lane & ~3;
-        const float v = bt.sb[u][p];
-        const float s0 = __shfl_sync(0xffffffffu, v, quad), b0 = __shfl_sync(0xffffffffu, v, quad + 1);
-        const float s1 = __shfl_sync(0xffffffffu, v, quad + 2), b1 = __shfl_sync(0xffffffffu, v, quad + 3);
-        const float* xsu = xs + ((cc - c0) * UPC + p) * 8 + tig;
-#pragma unroll
-        for (int h = 0; h < H; h++) {
-          // Lanes whose token is past m accumulate values nobody writes out.
-          const float sx = xsu[4 * h];
-          y[h][0] = fmaf(s0, __fadd_rn(acc[h][0], acc[h][1]), fmaf(fmaf(8.f, s0, b0), sx, y[h][0]));
-          y[h][1] = fmaf(s1, __fadd_rn(acc[h][2], acc[h][3]), fmaf(fmaf(8.f, s1, b1), sx, y[h][1]));
-          acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-        }
+    for (int p = 0; p < P; p++) {
+      if (!pairs[p]) break;  // pairs past the launch's tokens (uniform across the warp)
+      // Columns past the launch's tokens multiply zeros (their fragments are never written).
+      const uint4 b = live[p] ? xb[p * 32] : make_uint4(0u, 0u, 0u, 0u);
+      const float f = xsc[UPC * XW + 2 * p + fcol];
+      if constexpr (UPC == 1) {
+        const int2 d = starts[p * 4];
+        int acc[4] = {d.x, d.y, d.x, d.y};
+        mma_u8s8(acc, a0, b.x, b.y);
+        mma_u8s8(acc, a1, b.z, b.w);
+        scale_unit(acc, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
+      } else {  // groups of 32: one unit per k-step
+        const int2 d0 = starts[p * 4], d1 = starts[(P + p) * 4];
+        int acc0[4] = {d0.x, d0.y, d0.x, d0.y}, acc1[4] = {d1.x, d1.y, d1.x, d1.y};
+        mma_u8s8(acc0, a0, b.x, b.y);
+        mma_u8s8(acc1, a1, b.z, b.w);
+        scale_unit(acc0, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
+        scale_unit(acc1, bt.sb[u][1], f, xsc[XW + 2 * p + xcol], y[p]);
       }
     }
   }
+}
+
+// Which token pairs' B fragments this lane reads (lane (gid, tig) carries token 2p + gid/4), and
+// which pairs hold a token at all.
+template <int H>
+__device__ __forceinline__ void live_pairs(int m, bool live[2 * H], bool pairs[2 * H]) {
+  const int half = ((threadIdx.x & 31) >> 2) >> 2;
+#pragma unroll
+  for (int p = 0; p < 2 * H; p++) live[p] = 2 * p + half < m, pairs[p] = 2 * p < m;
+}
+
+// The pair accumulators as token sums y[h][r] of token 4h + tig (rows gid, gid + 8): planes 2–3
+// (×65536) and 0–1 added on both lanes of a token (the same bits either way round), then each lane
+// takes its token from the lane that holds it. Called once per tile, after its last chunk.
+template <int H>
+__device__ __forceinline__ void pairs_to_tokens(const float yp[2 * H][2], float y[H][2]) {
+  const int lane = threadIdx.x & 31, tig = lane & 3;
+  float tot[2 * H][2];
+#pragma unroll
+  for (int p = 0; p < 2 * H; p++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const float v = (tig & 1) ? __fmul_rn(65536.f, yp[p][r]) : yp[p][r];
+      tot[p][r] = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    }
+  const int src = (lane & ~3) + 2 * (tig & 1);
+#pragma unroll
+  for (int h = 0; h < H; h++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const float a = __shfl_sync(0xffffffffu, tot[2 * h][r], src), b = __shfl_sync(0xffffffffu, tot[2 * h + 1][r], src);
+      y[h][r] = (tig >> 1) ? b : a;
+    }
 }
 
 // One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
 // Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
 // one is multiplied, so a warp keeps up to 2U chunks of weights on their way.
 template <int H, int UPC>
-__device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
-                                           const float* xs, float y[H][2], int m) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2;
+__device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
+                                           const float* xs, float y[2 * H][2], int m) {
+  const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
   // Lane (gid, tig) loads one of the four values (s, b of row gid, s, b of row gid + 8) its quad
   // needs; the quad shares them by shuffles.
   const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + lane;
-  constexpr int U = (H == 1 ? 4 : 2) / UPC;  // chunks per batch (registers allow two batches)
+  constexpr int U = H == 1 && UPC == 1 ? 3 : 2 / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
   // the sums do not depend on how many tokens (and so how large a slice) a launch has.
   const int first = c0 + ((ws - c0) & (ks - 1));  // ks is a power of two
   const int end = c0 + n, step = U * ks;
-  bool live[H];
-#pragma unroll
-  for (int h = 0; h < H; h++) live[h] = gid < 2 * (m - 4 * h);
+  bool live[2 * H], pairs[2 * H];
+  live_pairs<H>(m, live, pairs);
   Batch<U, UPC> ba, bb;
   load_batch<U, UPC>(ba, codes, sbt, first, ks, end, gsh);
   for (int c = first; c < end; c += 2 * step) {
     load_batch<U, UPC>(bb, codes, sbt, c + step, ks, end, gsh);
-    compute_batch<H, U, UPC>(ba, c, ks, c0, end, xf, xs, live, y);
+    compute_batch<H, U, UPC>(ba, c, ks, c0, end, xf, xs, live, pairs, y);
     if (c + step >= end) break;
     load_batch<U, UPC>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
-    compute_batch<H, U, UPC>(bb, c + step, ks, c0, end, xf, xs, live, y);
+    compute_batch<H, U, UPC>(bb, c + step, ks, c0, end, xf, xs, live, pairs, y);
   }
 }
 
@@ -419,8 +512,8 @@ __device__ __forceinline__ void ring_start(const Mat& W, int tile, int ws, int k
 
 // `started`: ring_start has run for this slice already.
 template <int UPC>
-__device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint2* xf,
-                                           const float* xs, float y[1][2], unsigned char* ring, int m, bool started) {
+__device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
+                                           const float* xs, float y[2][2], unsigned char* ring, int m, bool started) {
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const int2 fc = ring_chunks(ws, ks, c0, n);
@@ -431,7 +524,8 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   const u64 step = (u64)ks * 32;
   const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
   const unsigned ring_s = smem_addr(ring);
-  const bool live[1] = {(lane >> 2) < 2 * m};  // as in tile_slice: columns past the pass's m ≤ 4 tokens read zeros
+  bool live[2], pairs[2];  // as in tile_slice: columns past the pass's m ≤ 4 tokens read zeros
+  live_pairs<1>(m, live, pairs);
   if (!started) ring_start<UPC>(W, tile, ws, ks, c0, n, ring);
   for (int i = 0; i < count; i++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
@@ -444,7 +538,7 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
       ring_issue<UPC>(ring_s + off, codes + (i + MMA_RING) * step, sbt, first + (i + MMA_RING) * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const int cc = first + i * ks;
-    compute_batch<1, 1, UPC>(bt, cc, ks, c0, cc + 1, xf, xs, live, y);
+    compute_batch<1, 1, UPC>(bt, cc, ks, c0, cc + 1, xf, xs, live, pairs, y);
   }
 }
 
@@ -462,7 +556,7 @@ __shared__ float mma_rstat[2][8];
 // group, reset by that block), so no result depends on timing.
 template <int H, int UPC, bool GATED, bool RING>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, int ks, int parts,
-                                          const float* x, const float* gate, int gstride, int m, uint2* xf,
+                                          const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
                                           bool& started, const float4 (&keep)[RES_F4], bool kept) {
@@ -475,9 +569,9 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   const VbWarp vw = vb_warp(vb, ks, parts, chunks);
   const int tile = vw.tile, ws = vw.ws;
   const int2 range = vw.range;
-  float y[H][2];
+  float yp[2 * H][2];  // pair accumulators (`compute_batch`)
 #pragma unroll
-  for (int h = 0; h < H; h++) y[h][0] = y[h][1] = 0.f;
+  for (int p = 0; p < 2 * H; p++) yp[p][0] = yp[p][1] = 0.f;
   for (int c0 = range.x; c0 < range.y; c0 += slice_chunks) {
     const int n = min(slice_chunks, range.y - c0);
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
@@ -489,14 +583,16 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     if (tile < tiles) {
       if constexpr (RING) {
         static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
-        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, y, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
+        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, yp, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, y, m);
+        tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, yp, m);
       }
     }
     started = false;
   }
   started = false;  // also when this virtual block had no chunks
+  float y[H][2];
+  pairs_to_tokens<H>(yp, y);
   float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
   if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
 #pragma unroll
@@ -566,11 +662,11 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const int tpb = MMA_WARPS / ks;
   const int chunks = (mats.get(0).cols + 63) / 64;
-  const int slice_chunks = min(chunks, MMA_SLICE_BYTES / (1024 * H + 32 * UPC));
-  uint2* xf = (uint2*)mma_smem;
+  const int slice_chunks = min(chunks, MMA_SLICE_BYTES / MMA_CHUNK_BYTES(H, UPC));
+  uint4* xf = (uint4*)mma_smem;
   float* xs = (float*)(mma_smem + slice_chunks * 1024 * H);
-  // With RING, the warps' rings follow the inputs (16-byte aligned: 32·UPC bytes per chunk).
-  unsigned char* ring = mma_smem + slice_chunks * (1024 * H + 32 * UPC);
+  // With RING, the warps' rings follow the inputs (16-byte aligned: MMA_CHUNK_BYTES is a multiple of 32).
+  unsigned char* ring = mma_smem + slice_chunks * MMA_CHUNK_BYTES(H, UPC);
   // Which matrix a virtual block belongs to, and its index within that matrix's blocks (one
   // inlined body for all three, selected by value).
   auto pick = [&](int b, Mat& W, float*& y) {

@@ -51,9 +51,8 @@ extern "C" __global__ void widen_rows(Mat W, int r0, int n, unsigned short* __re
 
 // The same for a matrix in the tensor-core tiled layout (FMT_Q4T, see matvec_mma.cu): tiles
 // [t0, t0 + nt) into `out` [16·nt, 2·cols]. A block takes 16 rows × WIDEN_CHUNKS 64-column chunks:
-// a warp per chunk decodes its codes into shared memory (lane (gid, tig)'s uint4 holds 32 codes as
-// pairs of neighbouring columns: element a_i at bits 4i, its right neighbour at 16 + 4i; rows gid,
-// gid + 8, gid, gid + 8 and columns 2·tig, 2·tig, 2·tig + 8, 2·tig + 8 of k-tile kt), then the block
+// a warp per chunk decodes its codes into shared memory (lane (gid, tig)'s word r holds at bits
+// 8i + 4s the code of row gid + 8·(r % 2), column 32s + 16·(r / 2) + 4·tig + i), then the block
 // writes whole rows. Padding rows and columns are not written.
 #define WIDEN_CHUNKS 8
 #define WIDEN_ROW_WORDS (WIDEN_CHUNKS * 32 + 4)  // a row's fp16 pairs, padded: conflict-free stores
@@ -71,15 +70,16 @@ widen_tiles(Mat W, int t0, int nt, unsigned short* __restrict__ out) {
     const unsigned words[4] = {q.x, q.y, q.z, q.w};
     const float4* sb = (const float4*)W.sb + (u64)tile * groups * 8 + gid;
 #pragma unroll
-    for (int kt = 0; kt < 4; kt++) {
+    for (int r = 0; r < 4; r++) {
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int row = (e & 1) ? gid + 8 : gid, col = kt * 16 + 2 * tig + ((e & 2) ? 8 : 0);
+      for (int e = 0; e < 4; e++) {  // k-step e / 2, columns 2·(e % 2) and 2·(e % 2) + 1 of the lane's four
+        const int row = gid + 8 * (r & 1), col = 32 * (e >> 1) + 16 * (r >> 1) + 4 * tig + 2 * (e & 1);
         const float4 s = sb[(u64)((c * 64 + col) / W.gs) * 8];
-        const float scale = (e & 1) ? s.z : s.x, bias = (e & 1) ? s.w : s.y;
+        const float scale = (r & 1) ? s.z : s.x, bias = (r & 1) ? s.w : s.y;
+        const int sh = 4 * (e >> 1) + 16 * (e & 1);  // bits of column col; col + 1 is 8 bits up
         unsigned short h0, l0, h1, l1;
-        split_f16(q4_weight((words[kt] >> (4 * e)) & 15u, scale, bias), h0, l0);
-        split_f16(q4_weight((words[kt] >> (16 + 4 * e)) & 15u, scale, bias), h1, l1);
+        split_f16(q4_weight((words[r] >> sh) & 15u, scale, bias), h0, l0);
+        split_f16(q4_weight((words[r] >> (sh + 8)) & 15u, scale, bias), h1, l1);
         hi_s[row][cl * 32 + col / 2] = h0 | (unsigned)h1 << 16;
         lo_s[row][cl * 32 + col / 2] = l0 | (unsigned)l1 << 16;
       }

@@ -31,6 +31,12 @@ const ATTENTION_WARPS: usize = 8;
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
 const MMA_SLICE_BYTES: usize = 48 * 1024;
+/// Shared memory of one 64-column chunk of a slice for `h` groups of four tokens and `upc` scale
+/// units per chunk (`MMA_CHUNK_BYTES` in `kernels/matvec_mma.cu`): B fragments of 2·h token pairs,
+/// upc + 1 rows of 8·h floats, 16·h ints per unit.
+fn mma_chunk_bytes(h: usize, upc: usize) -> usize {
+    1024 * h + 32 * h * (3 * upc + 1)
+}
 /// Floats of partial sums a split tensor-core matvec may write (column parts × tokens × rows).
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
@@ -813,9 +819,9 @@ impl CudaSeq {
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let h = m.div_ceil(4);
-            // Input fragments: 1024·h bytes per 64-column chunk, plus the per-unit sums.
-            let slice = chunks.min(MMA_SLICE_BYTES / (1024 * h + 32 * upc));
-            let smem = (slice * (1024 * h + 32 * upc)) as u32;
+            // Input fragments and per-unit sums per 64-column chunk.
+            let slice = chunks.min(MMA_SLICE_BYTES / mma_chunk_bytes(h, upc));
+            let smem = (slice * mma_chunk_bytes(h, upc)) as u32;
             let name = MMA_KERNELS[(h - 1) + 2 * usize::from(upc == 2) + 4 * usize::from(gate.is_some())];
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
@@ -1349,6 +1355,21 @@ mod attention_split_tests {
                     assert!(n.div_ceil(nsplit) <= host.keys_per_block, "t {t} max_keys {max_keys} n {n}");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod mma_smem_tests {
+    /// The host sizes each launch's shared memory as the kernel lays it out.
+    #[test]
+    fn chunk_bytes_match_the_kernel() {
+        let define = |name: &str| crate::compile::kernel_define("matvec_mma.cu", name);
+        assert_eq!(define("MMA_CHUNK_BYTES(H, UPC)"), "(1024 * (H) + 32 * (H) * (3 * (UPC) + 1))");
+        assert_eq!(define("MMA_SLICE_BYTES"), "(48 * 1024)");
+        assert_eq!(super::MMA_SLICE_BYTES, 48 * 1024);
+        for (h, upc, bytes) in [(1, 1, 1152), (1, 2, 1248), (2, 1, 2304), (2, 2, 2496)] {
+            assert_eq!(super::mma_chunk_bytes(h, upc), bytes);
         }
     }
 }

@@ -1,7 +1,9 @@
 //! The tiled 4-bit layout of the tensor-core matvec (`kernels/matvec_mma.cu`), built on the host
-//! at upload: each 16-row × 64-column block of codes is stored in `mma.m16n8k16` A-fragment order
-//! (one `uint4` per lane), and each group's (scale, bias) pairs of a tile's rows gid and gid + 8
-//! side by side. Rows are padded to 16 and columns to 64 with zero codes and zero scales.
+//! at upload: each 16-row × 64-column block of codes is stored in the A-fragment order of two
+//! byte `mma.m16n8k32` steps (one `uint4` per lane; a nibble per code, the low nibbles of a word
+//! for the first 32 columns, the high nibbles for the next 32), and each group's (scale, bias)
+//! pairs of a tile's rows gid and gid + 8 side by side. Rows are padded to 16 and columns to 64
+//! with zero codes and zero scales.
 
 /// Rows per tile and columns per chunk.
 pub const TILE_ROWS: usize = 16;
@@ -25,17 +27,14 @@ pub fn tiled_sizes(rows: usize, cols: usize, gs: usize) -> (usize, usize) {
 }
 
 /// Where element (row `r`, column `k`) of a tile's chunk sits: (lane, word, bit shift). Lane
-/// (gid, tig) holds, in word kt (the chunk's k-tile), A fragment elements a_i at bits 4i (rows
-/// gid, gid+8, gid, gid+8 for i = 0..3; columns 2tig, 2tig, 2tig+8, 2tig+8 of the k-tile) and
-/// the element one column to the right at bits 16 + 4i.
+/// (gid, tig) holds in word w, at bits 8i + 4s, the code of row gid + 8·(w % 2), column
+/// 32s + 16·(w / 2) + 4·tig + i: `(word >> 4s) & 0x0F0F0F0F` is register w of its A fragment for
+/// k-step s.
 pub fn fragment_slot(r: usize, k: usize) -> (usize, usize, u32) {
-    let (kt, kk) = (k / 16, k % 16);
-    let (gid, upper_row) = (r % 8, r >= 8);
-    let (upper_col, pair) = (kk >= 8, kk % 8);
-    let tig = pair / 2;
-    let i = upper_row as u32 + 2 * upper_col as u32;
-    let shift = 4 * i + if pair % 2 == 1 { 16 } else { 0 };
-    (gid * 4 + tig, kt, shift)
+    let (s, kk) = (k / 32, k % 32);
+    let (upper_col, tig, i) = (kk / 16, (kk % 16) / 4, kk % 4);
+    let (gid, upper_row) = (r % 8, usize::from(r >= 8));
+    (gid * 4 + tig, upper_row + 2 * upper_col, (8 * i + 4 * s) as u32)
 }
 
 /// Nibble `k` of row `r` of row-major packed codes (nibble k of word j is weight 8j + k).
@@ -83,28 +82,27 @@ pub fn tile_q4(
 mod tests {
     use super::*;
 
-    /// Inverse of the layout, written from the fragment description of the PTX ISA (m16n8k16,
-    /// .f16 A operand): lane l = 4·gid + tig holds a0,a1 = (gid, 2tig..2tig+1), a2,a3 =
-    /// (gid+8, 2tig..), a4,a5 = (gid, 2tig+8..), a6,a7 = (gid+8, 2tig+8..), each 32-bit register
-    /// (a0,a1), (a2,a3), … with the lower column in its lower half; register i's two f16 halves
-    /// come from nibbles 4i and 16 + 4i of the stored word.
+    /// Inverse of the layout, written from the fragment description of the PTX ISA (m16n8k32,
+    /// .u8 A operand): lane l = 4·gid + tig holds four registers of four bytes, register j's byte
+    /// i at row gid (j = 0, 2) or gid + 8 (j = 1, 3), column 4·tig + i (j < 2) or 16 + 4·tig + i;
+    /// k-step s of the chunk (columns 32s ..) takes register j from nibbles 4s + 8i of word j.
     fn untile(codes: &[u32], chunks: usize, t: usize, r16: usize, k: usize) -> u32 {
         let (c, kc) = (k / 64, k % 64);
-        let (kt, kk) = (kc / 16, kc % 16);
+        let (step, kk) = (kc / 32, kc % 32);
         for lane in 0..32 {
             let (gid, tig) = (lane / 4, lane % 4);
-            let w = codes[((t * chunks + c) * 32 + lane) * 4 + kt];
             for reg in 0..4 {
+                let a = (codes[((t * chunks + c) * 32 + lane) * 4 + reg] >> (4 * step)) & 0x0F0F_0F0F;
                 let row = gid + if reg % 2 == 1 { 8 } else { 0 };
-                let col = 2 * tig + if reg >= 2 { 8 } else { 0 };
-                for half in 0..2 {
-                    if row == r16 && col + half == kk {
-                        return (w >> (4 * reg + 16 * half)) & 15;
+                for byte in 0..4 {
+                    let col = 4 * tig + byte + if reg >= 2 { 16 } else { 0 };
+                    if row == r16 && col == kk {
+                        return (a >> (8 * byte)) & 0xff;
                     }
                 }
             }
         }
-        unreachable!("every element of a 16x16 tile has a slot")
+        unreachable!("every element of a 16x32 step has a slot")
     }
 
     fn lcg(seed: &mut u64) -> u32 {
