@@ -3,27 +3,26 @@
 // (every fixture's logits, `gpu_check fixtures --quant q4`) and against itself (verify columns
 // bit-identical to single-token passes); the layout follows `probes/q4_mma_gemv.cu`.
 //
-// Layout (FMT_Q4T; rows padded to 16, columns to 64 with zero codes, scales and inputs):
+// Layout (FMT_Q4T; rows padded to 16, columns to 64 with zero nibbles, scales and inputs):
 //   codes `W.w`:  [tiles][chunks][32 lanes] uint4. A tile is 16 rows, a chunk 64 columns = two
 //                 32-wide k-steps of `mma.m16n8k32` on bytes. For lane (gid = lane/4, tig = lane%4),
-//                 bits 8i + 4s of word r hold the code of row gid + 8·(r & 1), column
-//                 32s + 16·(r >> 1) + 4·tig + i: `w & 0x0F0F0F0F` is the lane's A fragment (register
-//                 r) of k-step 0 and `(w >> 4) & 0x0F0F0F0F` that of k-step 1 (u8 codes 0..15).
+//                 bits 8i + 4s of word r hold t = q XOR 8 (q − 8 as a 4-bit two's complement) of row
+//                 gid + 8·(r & 1), column 32s + 16·(r >> 1) + 4·tig + i. With t in a byte's high
+//                 nibble and zeros below, the byte read as s8 is 16·(q − 8): `(w << 4) & 0xF0F0F0F0`
+//                 is the lane's A fragment (register r) of k-step 0, `w & 0xF0F0F0F0` that of k-step 1.
 //   scales `W.sb`: [tiles][padded groups][8 gid] float4 = (scale, bias) of row gid, then of gid+8.
 //
 // Math: w = s·q + b, so Σ w·x = s·Σ (q−8)·x + (b + 8s)·Σ x over each group (centred codes: the two
-// terms do not cancel). The input becomes exact integers:
-// per 64-column chunk, v = round(x·2^E) with E from the chunk's largest |x| (|v| < 2^30: 30 bits
-// against the chunk's largest element), written as four balanced base-256 digits d_p ∈ [−128, 127]
-// (v = Σ d_p·256^p), the "planes", which are four columns of the B operand (s8). A chunk is two
-// integer mmas into one int32 accumulator started at −8·Σ d (computed once per block by an mma with
-// −8 in every A byte), so it holds Σ (q−8)·d, exact (|Σ| ≤ 8·128·64), whose columns are converted
-// and scaled in f32:
-// acc += (s·2^−E)·(c_{p+1}·256 + c_p)
-// for the lane's two planes, plus (b + 8s)·Σx; planes 2–3 (×65536) and 0–1 are added once per tile, not per chunk. So the sums carry the
-// input to ~2^-30 of the chunk's largest element, like an f32 dot product; Σ x per 64 (or 32)
-// columns is summed in f32 in a fixed order; scales apply per unit of min(group, 64) columns.
-// Tokens go two per mma (token pair p: tokens 2p and 2p+1 in columns 0–3 and 4–7).
+// terms do not cancel). The input becomes exact integers: per 64-column chunk, v = round(x·2^E)
+// with E from the chunk's largest |x| (|v| < 2^30: 30 bits against the chunk's largest element),
+// written as four balanced base-256 digits d_p ∈ [−128, 127] (v = Σ d_p·256^p), the "planes",
+// which are four columns of the B operand (s8). A chunk is two integer mmas into one int32
+// accumulator, Σ 16·(q−8)·d — exact (|Σ| ≤ 16·8·128·64) — whose columns are converted and scaled
+// in f32: acc += (s·2^(−E−4))·(c_{p+1}·256 + c_p) for the lane's two planes, plus (b + 8s)·Σx;
+// planes 2–3 (×65536) and 0–1 are added once per tile, not per chunk. So the sums carry the input
+// to ~2^-30 of the chunk's largest element, like an f32 dot product; Σ x per 64 (or 32) columns is
+// summed in f32 in a fixed order; scales apply per unit of min(group, 64) columns. Tokens go two
+// per mma (token pair p: tokens 2p and 2p+1 in columns 0–3 and 4–7).
 //
 // Exactness across batch sizes: a token's result only ever depends on its own B columns (integer
 // mma columns are independent and exact), on its own exponents and Σ x and on a work split that
@@ -36,40 +35,30 @@
 // registers a thread, room for two batches of chunks in flight per warp.
 #define MMA_BLOCKS_PER_SM 2
 // Dynamic shared memory for the inputs: per 64-column chunk 512 bytes of B fragments per token pair
-// (2·H pairs), UPC + 1 rows of 8·H floats (Σ x per unit, then 2^−E) and the accumulators' starts
-// (16·H ints per unit; see `build_inputs`). A slice is as many chunks as fit (42 for H = 1 and
-// groups of ≥ 64), which a column part never exceeds.
+// (2·H pairs) and UPC + 1 rows of 8·H floats (Σ x per unit, then 2^(−E−4); see `build_inputs`). A
+// slice is as many chunks as fit (45 for H = 1), which a column part never exceeds.
 #define MMA_SLICE_BYTES (48 * 1024)
-#define MMA_CHUNK_BYTES(H, UPC) (1024 * (H) + 32 * (H) * (3 * (UPC) + 1))
-// Floats of one chunk's xs: UPC rows of Σ x, one of 2^−E, then the ints of the starts.
-#define MMA_XS_FLOATS(H, UPC) (8 * (H) * (3 * (UPC) + 1))
-#define MMA_XS_STARTS(H, UPC) (8 * (H) * ((UPC) + 1))
+#define MMA_CHUNK_BYTES(H, UPC) (1024 * (H) + 32 * (H) * ((UPC) + 1))
+// Floats of one chunk's xs: UPC rows of Σ x, then one of 2^(−E−4).
+#define MMA_XS_FLOATS(H, UPC) (8 * (H) * ((UPC) + 1))
 
-// D = A·B + C on bytes: A 16×32 u8 codes, B 32×8 s8 digits, int32 sums (exact).
-__device__ __forceinline__ void mma_u8s8(int c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+// D = A·B + C on bytes: A 16×32 s8 codes (16·(q − 8)), B 32×8 s8 digits, int32 sums (exact).
+__device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], unsigned b0, unsigned b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// C += −8·Σ d (every row): the codes' centring, as an mma whose A bytes are all −8 (s8).
-__device__ __forceinline__ void mma_minus8(int c[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, {%0,%1,%2,%3};"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(0xF8F8F8F8u), "r"(b0), "r"(b1));
 }
 
 // 2^e as a float, for −126 ≤ e ≤ 127.
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
 // The chunk exponent E: |x|·2^E < 2^30 for every |x| ≤ amax (0 for an all-zero chunk), kept where
-// 2^E and 2^−E are normal floats.
+// 2^E and 2^(−E−4) are normal floats.
 __device__ __forceinline__ int chunk_exponent(float amax) {
   if (!(amax > 0.f)) return 0;
   const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 126;  // amax < 2^e
-  return min(126, max(-126, 30 - e));
+  return min(122, max(-126, 30 - e));
 }
 
 // The four planes of four input elements already scaled by 2^E: word p holds digit p of each
@@ -186,9 +175,8 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
 //     (gid < 4) or plane gid − 4 of token 2p + 1; b0 holds the digits of columns 32s + 4·tig + i
 //     (byte i), b1 those 16 further. Stored only for tokens below m; other lanes multiply zeros.
 //   xs[lc·MMA_XS_FLOATS + u·8H + j] = Σ x over unit u (64 / UPC columns) of token j < 4H, in a
-//     fixed order, and 0 at j + 4H (what the lanes of planes 2–3 add instead); row UPC holds 2^−E
-//     of token j's chunk; from MMA_XS_STARTS on, int2 (u·2H + p)·4 + tig is −8·Σ d over unit u of
-//     the B columns 2·tig and 2·tig + 1 of pair p: the start of those accumulator columns.
+//     fixed order, and 0 at j + 4H (what the lanes of planes 2–3 add instead); row UPC holds
+//     2^(−E−4) of token j's chunk (the 16 of the codes' bytes folded in).
 // With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0);
 // with `res.o` set, the residual step and norm before the matvec (`Residual`; stats in rstat).
 // Every value depends only on its own token's inputs, never on m.
@@ -258,24 +246,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
         row[u * XW + j] = sum;
         row[u * XW + 4 * H + j] = 0.f;
       }
-      if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E);
-    }
-  }
-  // −8·Σ d of every column of every (chunk, pair, unit), once for all the block's tiles: an mma
-  // whose A bytes are all −8 gives it in every row; the lanes of row 0 keep theirs. (Columns of
-  // tokens past m sum unwritten fragments; only their own, discarded, sums read them.)
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  for (int it = threadIdx.x >> 5; it < n * P; it += blockDim.x >> 5) {
-    const int lc = it / P, p = it - lc * P;
-    const uint4 b = xf[it * 32 + lane];
-    int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
-    mma_minus8(c0, b.x, b.y);
-    mma_minus8(UPC == 1 ? c0 : c1, b.z, b.w);
-    int2* st = (int2*)(xs + lc * MMA_XS_FLOATS(H, UPC) + MMA_XS_STARTS(H, UPC)) + p * 4 + lane;
-    if (lane < 4) {
-      st[0] = make_int2(c0[0], c0[1]);
-      if (UPC == 2) st[P * 4] = make_int2(c1[0], c1[1]);
+      if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E - 4);
     }
   }
 }
@@ -365,12 +336,11 @@ __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, in
     const int cc = c + u * ks;
     if (cc >= end) break;
     const unsigned w[4] = {bt.q[u].x, bt.q[u].y, bt.q[u].z, bt.q[u].w};
-    unsigned a0[4], a1[4];  // the A fragments of k-steps 0 and 1
+    unsigned a0[4], a1[4];  // the A fragments of k-steps 0 and 1: 16·(q − 8) as s8
 #pragma unroll
-    for (int r = 0; r < 4; r++) a0[r] = w[r] & 0x0F0F0F0Fu, a1[r] = (w[r] >> 4) & 0x0F0F0F0Fu;
+    for (int r = 0; r < 4; r++) a0[r] = (w[r] << 4) & 0xF0F0F0F0u, a1[r] = w[r] & 0xF0F0F0F0u;
     const uint4* xb = xf + (cc - c0) * P * 32 + lane;
     const float* xsc = xs + (cc - c0) * MMA_XS_FLOATS(H, UPC);
-    const int2* starts = (const int2*)(xsc + MMA_XS_STARTS(H, UPC)) + tig;  // + (u·2H + p)·4
 #pragma unroll
     for (int p = 0; p < P; p++) {
       if (!pairs[p]) break;  // pairs past the launch's tokens (uniform across the warp)
@@ -378,16 +348,14 @@ __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, in
       const uint4 b = live[p] ? xb[p * 32] : make_uint4(0u, 0u, 0u, 0u);
       const float f = xsc[UPC * XW + 2 * p + fcol];
       if constexpr (UPC == 1) {
-        const int2 d = starts[p * 4];
-        int acc[4] = {d.x, d.y, d.x, d.y};
-        mma_u8s8(acc, a0, b.x, b.y);
-        mma_u8s8(acc, a1, b.z, b.w);
+        int acc[4] = {0, 0, 0, 0};
+        mma_s8(acc, a0, b.x, b.y);
+        mma_s8(acc, a1, b.z, b.w);
         scale_unit(acc, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
       } else {  // groups of 32: one unit per k-step
-        const int2 d0 = starts[p * 4], d1 = starts[(P + p) * 4];
-        int acc0[4] = {d0.x, d0.y, d0.x, d0.y}, acc1[4] = {d1.x, d1.y, d1.x, d1.y};
-        mma_u8s8(acc0, a0, b.x, b.y);
-        mma_u8s8(acc1, a1, b.z, b.w);
+        int acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
+        mma_s8(acc0, a0, b.x, b.y);
+        mma_s8(acc1, a1, b.z, b.w);
         scale_unit(acc0, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
         scale_unit(acc1, bt.sb[u][1], f, xsc[XW + 2 * p + xcol], y[p]);
       }

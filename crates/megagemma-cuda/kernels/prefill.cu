@@ -52,7 +52,7 @@ extern "C" __global__ void widen_rows(Mat W, int r0, int n, unsigned short* __re
 // The same for a matrix in the tensor-core tiled layout (FMT_Q4T, see matvec_mma.cu): tiles
 // [t0, t0 + nt) into `out` [16·nt, 2·cols]. A block takes 16 rows × WIDEN_CHUNKS 64-column chunks:
 // a warp per chunk decodes its codes into shared memory (lane (gid, tig)'s word r holds at bits
-// 8i + 4s the code of row gid + 8·(r % 2), column 32s + 16·(r / 2) + 4·tig + i), then the block
+// 8i + 4s the code XOR 8 of row gid + 8·(r % 2), column 32s + 16·(r / 2) + 4·tig + i), then the block
 // writes whole rows. Padding rows and columns are not written.
 #define WIDEN_CHUNKS 8
 #define WIDEN_ROW_WORDS (WIDEN_CHUNKS * 32 + 4)  // a row's fp16 pairs, padded: conflict-free stores
@@ -78,8 +78,8 @@ widen_tiles(Mat W, int t0, int nt, unsigned short* __restrict__ out) {
         const float scale = (r & 1) ? s.z : s.x, bias = (r & 1) ? s.w : s.y;
         const int sh = 4 * (e >> 1) + 16 * (e & 1);  // bits of column col; col + 1 is 8 bits up
         unsigned short h0, l0, h1, l1;
-        split_f16(q4_weight((words[r] >> sh) & 15u, scale, bias), h0, l0);
-        split_f16(q4_weight((words[r] >> (sh + 8)) & 15u, scale, bias), h1, l1);
+        split_f16(q4_weight(((words[r] >> sh) & 15u) ^ 8u, scale, bias), h0, l0);
+        split_f16(q4_weight(((words[r] >> (sh + 8)) & 15u) ^ 8u, scale, bias), h1, l1);
         hi_s[row][cl * 32 + col / 2] = h0 | (unsigned)h1 << 16;
         lo_s[row][cl * 32 + col / 2] = l0 | (unsigned)l1 << 16;
       }

@@ -1,9 +1,10 @@
 //! The tiled 4-bit layout of the tensor-core matvec (`kernels/matvec_mma.cu`), built on the host
 //! at upload: each 16-row × 64-column block of codes is stored in the A-fragment order of two
-//! byte `mma.m16n8k32` steps (one `uint4` per lane; a nibble per code, the low nibbles of a word
-//! for the first 32 columns, the high nibbles for the next 32), and each group's (scale, bias)
-//! pairs of a tile's rows gid and gid + 8 side by side. Rows are padded to 16 and columns to 64
-//! with zero codes and zero scales.
+//! byte `mma.m16n8k32` steps (one `uint4` per lane; a nibble per code, q XOR 8 — q − 8 as a 4-bit
+//! two's complement, which the kernel reads as the high nibble of an s8 byte — the low nibbles of
+//! a word for the first 32 columns, the high nibbles for the next 32), and each group's (scale,
+//! bias) pairs of a tile's rows gid and gid + 8 side by side. Rows are padded to 16 and columns to
+//! 64 with zero nibbles (q = 8, centred zero) and zero scales.
 
 /// Rows per tile and columns per chunk.
 pub const TILE_ROWS: usize = 16;
@@ -27,9 +28,9 @@ pub fn tiled_sizes(rows: usize, cols: usize, gs: usize) -> (usize, usize) {
 }
 
 /// Where element (row `r`, column `k`) of a tile's chunk sits: (lane, word, bit shift). Lane
-/// (gid, tig) holds in word w, at bits 8i + 4s, the code of row gid + 8·(w % 2), column
-/// 32s + 16·(w / 2) + 4·tig + i: `(word >> 4s) & 0x0F0F0F0F` is register w of its A fragment for
-/// k-step s.
+/// (gid, tig) holds in word w, at bits 8i + 4s, the code (XOR 8) of row gid + 8·(w % 2), column
+/// 32s + 16·(w / 2) + 4·tig + i: `(word << 4(1 − s)) & 0xF0F0F0F0` is register w of its A fragment
+/// for k-step s, 16·(q − 8) as s8 bytes.
 pub fn fragment_slot(r: usize, k: usize) -> (usize, usize, u32) {
     let (s, kk) = (k / 32, k % 32);
     let (upper_col, tig, i) = (kk / 16, (kk % 16) / 4, kk % 4);
@@ -65,7 +66,7 @@ pub fn tile_q4(
             for k in 0..cols {
                 let (c, kc) = (k / CHUNK_COLS, k % CHUNK_COLS);
                 let (lane, word, shift) = fragment_slot(r16, kc);
-                codes[((t * chunks + c) * 32 + lane) * 4 + word] |= code_at(packed, cols, r, k) << shift;
+                codes[((t * chunks + c) * 32 + lane) * 4 + word] |= (code_at(packed, cols, r, k) ^ 8) << shift;
             }
             for g in 0..row_groups {
                 // [tile][group][gid] float4 = (s, b) of row gid, then of row gid + 8.
@@ -83,21 +84,22 @@ mod tests {
     use super::*;
 
     /// Inverse of the layout, written from the fragment description of the PTX ISA (m16n8k32,
-    /// .u8 A operand): lane l = 4·gid + tig holds four registers of four bytes, register j's byte
+    /// .s8 A operand): lane l = 4·gid + tig holds four registers of four bytes, register j's byte
     /// i at row gid (j = 0, 2) or gid + 8 (j = 1, 3), column 4·tig + i (j < 2) or 16 + 4·tig + i;
-    /// k-step s of the chunk (columns 32s ..) takes register j from nibbles 4s + 8i of word j.
+    /// k-step s of the chunk (columns 32s ..) takes register j as `(word << 4(1 − s)) & 0xF0F0F0F0`
+    /// and each s8 byte is 16·(q − 8). Returns q.
     fn untile(codes: &[u32], chunks: usize, t: usize, r16: usize, k: usize) -> u32 {
         let (c, kc) = (k / 64, k % 64);
         let (step, kk) = (kc / 32, kc % 32);
         for lane in 0..32 {
             let (gid, tig) = (lane / 4, lane % 4);
             for reg in 0..4 {
-                let a = (codes[((t * chunks + c) * 32 + lane) * 4 + reg] >> (4 * step)) & 0x0F0F_0F0F;
+                let a = (codes[((t * chunks + c) * 32 + lane) * 4 + reg] << (4 * (1 - step))) & 0xF0F0_F0F0;
                 let row = gid + if reg % 2 == 1 { 8 } else { 0 };
                 for byte in 0..4 {
                     let col = 4 * tig + byte + if reg >= 2 { 16 } else { 0 };
                     if row == r16 && col == kk {
-                        return (a >> (8 * byte)) & 0xff;
+                        return (((a >> (8 * byte)) & 0xff) as u8 as i8 / 16 + 8) as u32;
                     }
                 }
             }
@@ -125,7 +127,7 @@ mod tests {
                 for r16 in 0..16 {
                     let r = t * 16 + r16;
                     for k in 0..chunks * 64 {
-                        let want = if r < rows && k < cols { code_at(&packed, cols, r, k) } else { 0 };
+                        let want = if r < rows && k < cols { code_at(&packed, cols, r, k) } else { 8 };
                         assert_eq!(untile(&codes, chunks, t, r16, k), want, "[{rows},{cols}] row {r} col {k}");
                     }
                     for g in 0..pgroups {
