@@ -16,6 +16,11 @@
 // Accuracy: the input carries 30 bits against its chunk's largest element, the sums are f32 — as
 // close to an f32 dot product as today's two-fp16 split (~2^-22); checked here against f64.
 //
+// Measured on the H200, 2026-12-01 (docs/perf-notes.md, "Eighth session"): integer form 3.2e-7 rel L2 from f64; best
+// per launch fp16 / integer: gate+up 18.5 / 13.5 µs, down 23.6 / 16.9, Q/K/V 7.5 / 6.7, O 6.4 / 5.7, LM head
+// — / 113.6 µs (3.69 TB/s). megagemma's matvec took this form (centred differently: its codes are stored XOR 8 and
+// read as s8 high nibbles); the token got 5% faster, not the 27% the large matvecs promise here.
+//
 // Both forms run the shapes of one E4B layer, 42 cold matrices back to back, 5 rounds, µs per launch
 // (launch gap included, as mma_layer_shapes.cu and stream_floor.cu report), for U chunks in flight
 // per warp, 1–4 blocks per SM and S column parts per tile (partial sums by atomics).

@@ -17,8 +17,8 @@
 //      (not the bits of the f32 x'; add_norm_body would have to follow).
 //   E  the block's inputs alone (the cost of a stage without a folded step): x loaded, written.
 //
-// Written at the end of the seventh session, compiled (no spills), not yet run: the next session's first
-// measurement before changing the engine's residual step.
+// Measured on the H200, 2026-12-01 (docs/perf-notes.md, "Eighth session", item 1), µs per round: A 3.636, B 3.149,
+// C 1.616, D 1.901, E 0.584. megagemma's residual step took form C (commit ea9418e).
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/r tools/probes/residual_step.cu && /tmp/r
