@@ -123,19 +123,24 @@ pub struct KernelReport {
 }
 
 /// Parses ptxas `-v` lines: "Compiling entry function 'f'", "... N bytes spill stores, M bytes
-/// spill loads", "Used R registers".
+/// spill loads", "Used R registers". The spill line after "Function properties for g" of another
+/// (non-inlined) function g belongs to g, not to the entry compiled before it.
 pub fn parse_ptxas(log: &str) -> Vec<KernelReport> {
     let mut out: Vec<KernelReport> = Vec::new();
+    let mut own = false; // the last "Function properties" line named the current entry
     for line in log.lines() {
         if let Some(rest) = line.split("entry function '").nth(1) {
             let f = rest.split('\'').next().unwrap_or("").to_string();
             out.push(KernelReport { function: f, registers: 0, spill_bytes: 0 });
+            own = true;
+        } else if let Some(name) = line.split("Function properties for ").nth(1) {
+            own = out.last().is_some_and(|k| k.function == name.trim());
         } else if let Some(cur) = out.last_mut() {
             let num_before = |key: &str| -> Option<u32> {
                 let i = line.find(key)?;
                 line[..i].split_whitespace().last()?.parse().ok()
             };
-            if let (Some(st), Some(ld)) = (num_before("bytes spill stores"), num_before("bytes spill loads")) {
+            if let (true, Some(st), Some(ld)) = (own, num_before("bytes spill stores"), num_before("bytes spill loads")) {
                 cur.spill_bytes = st + ld;
             }
             if let Some(rest) = line.split("Used ").nth(1) {
@@ -230,6 +235,14 @@ mod tests {
         assert_eq!(r[0], KernelReport { function: "matvec".into(), registers: 40, spill_bytes: 8 });
         assert_eq!(r[1].registers, 12);
         assert_eq!(r[1].spill_bytes, 0);
+        // A non-inlined device function's figures after an entry's are its own.
+        let log = "ptxas info    : Compiling entry function 'mk' for 'sm_90a'\n\
+                   ptxas info    : Function properties for mk\n\
+                   \x20   136 bytes stack frame, 276 bytes spill stores, 496 bytes spill loads\n\
+                   ptxas info    : Used 128 registers, used 16 barriers\n\
+                   ptxas info    : Function properties for _Z6helperv\n\
+                   \x20   0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+        assert_eq!(parse_ptxas(log), vec![KernelReport { function: "mk".into(), registers: 128, spill_bytes: 772 }]);
     }
 
     #[test]
