@@ -140,7 +140,8 @@ pub fn parse_ptxas(log: &str) -> Vec<KernelReport> {
                 let i = line.find(key)?;
                 line[..i].split_whitespace().last()?.parse().ok()
             };
-            if let (true, Some(st), Some(ld)) = (own, num_before("bytes spill stores"), num_before("bytes spill loads")) {
+            if let (true, Some(st), Some(ld)) = (own, num_before("bytes spill stores"), num_before("bytes spill loads"))
+            {
                 cur.spill_bytes = st + ld;
             }
             if let Some(rest) = line.split("Used ").nth(1) {
