@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Nsight Compute over the decode matvecs of one token, on the GPU machine (docs/perf-notes.md method):
+#   tools/ncu_decode.sh BIN_DIR [MODEL] [SKIP] [COUNT]
+# Runs `megagemma bench --synthetic MODEL --quant q4 --backend cuda --prompt-len 1 --tokens 4` without
+# CUDA graphs (each stage its own launch), skips the first SKIP tensor-core matvec launches (default
+# 300: the one-token prompt and the first decode step) and profiles the next COUNT (default 260,
+# about one E4B token: six a layer and the LM head), caches flushed between kernels as for cold
+# weights. Prints one line per launch (kernel, grid, µs, MB read from DRAM, TB/s) and the sum. Extra
+# environment (knobs, MEGAGEMMA_KERNELS) passes through.
+set -uo pipefail
+BIN=${1:?usage: tools/ncu_decode.sh BIN_DIR [MODEL] [SKIP] [COUNT]}
+MODEL=${2:-e4b}
+SKIP=${3:-300}
+COUNT=${4:-260}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+[ -n "$NCU" ] || { echo "tools/ncu_decode.sh: ncu not found" >&2; exit 2; }
+csv=$(mktemp)
+MEGAGEMMA_CUDA_GRAPHS=0 "$NCU" --clock-control none --csv --print-units base \
+  --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
+  --kernel-name regex:matvec_q4t --launch-skip "$SKIP" --launch-count "$COUNT" \
+  "$BIN/megagemma" bench --synthetic "$MODEL" --quant q4 --backend cuda --prompt-len 1 --tokens 4 > "$csv" 2>&1
+python3 - "$csv" <<'PY'
+import csv, sys, collections
+rows = list(csv.reader(open(sys.argv[1])))
+head = [i for i, r in enumerate(rows) if "Kernel Name" in r]
+if not head:
+    sys.exit("tools/ncu_decode.sh: no ncu table in the output:\n" + open(sys.argv[1]).read()[-2000:])
+h = rows[head[0]]
+ix = {k: i for i, k in enumerate(h)}
+launches = collections.OrderedDict()
+for r in rows[head[0] + 1:]:
+    if len(r) == len(h):
+        launches.setdefault((r[ix["ID"]], r[ix["Kernel Name"]]), {})[r[ix["Metric Name"]]] = r[ix["Metric Value"]].replace(",", "")
+total_us = total_mb = 0.0
+for (_, name), m in launches.items():
+    us = float(m.get("gpu__time_duration.sum", 0)) / 1e3
+    mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
+    total_us, total_mb = total_us + us, total_mb + mb
+    print(f"{name[:24]:24s} grid {m.get('launch__grid_size', '?'):>5s} {us:8.2f} us {mb:8.2f} MB {mb / us * 1e-3 if us else 0:5.2f} TB/s")
+print(f"{len(launches)} launches: {total_us:.1f} us, {total_mb:.1f} MB ({total_mb / total_us * 1e-3 if total_us else 0:.2f} TB/s)")
+PY
+rm -f "$csv"
