@@ -27,102 +27,15 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/i tools/probes/imma_gemv.cu && /tmp/i
-#include <cstdio>
-#include <cstdint>
 #include <cmath>
 #include <vector>
-#include <cuda_fp16.h>
+#include "probe.cuh"  // the fp16 form (`gemv`, the same-run baseline), store, fill_hash, per_launch_us
 
-__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 __device__ __forceinline__ void imma16832(int c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                           uint32_t b1) {
   asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void store(float* y, int t, int S, float y0, float y1) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  if (tig != 0) return;
-  if (S == 1) {
-    y[t * 16 + gid] = y0;
-    y[t * 16 + gid + 8] = y1;
-  } else {
-    atomicAdd(&y[t * 16 + gid], y0);
-    atomicAdd(&y[t * 16 + gid + 8], y1);
-  }
-}
-
-// ---- fp16 form (mma_layer_shapes.cu's register form, for the same-run baseline) ----
-// Codes: [tiles][chunks][32] uint4 in m16n8k16 A order; scales [tiles][chunks][16 rows] half2 (s, b).
-__device__ __forceinline__ void load_x_f16(half* xh, float* gsum, const float* x, int K) {
-  for (int i = threadIdx.x; i < K; i += blockDim.x) xh[i] = __float2half_rn(x[i]);
-  __syncthreads();
-  for (int g = threadIdx.x; g < K / 64; g += blockDim.x) {
-    float t = 0;
-    for (int i = 0; i < 64; ++i) t += __half2float(xh[g * 64 + i]);
-    gsum[g] = t;
-  }
-  __syncthreads();
-}
-
-template <int U>
-__global__ void __launch_bounds__(256) gemv_f16(const uint4* __restrict__ w, const half2* __restrict__ sb,
-                                                const float* __restrict__ x, float* __restrict__ y, int N, int K,
-                                                int S) {
-  extern __shared__ unsigned char smem[];
-  half* xh = (half*)smem;
-  float* gsum = (float*)(smem + K * 2);
-  load_x_f16(xh, gsum, x, K);
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
-  const int G = K / 64, items = (N / 16) * S, per = G / S;
-  const half2 off = __float2half2_rn(1032.f);
-  for (int it = warp; it < items; it += nwarps) {
-    const int t = it / S, g_lo = (it % S) * per, g_hi = g_lo + per;
-    const uint4* wt = w + (size_t)t * G * 32;
-    const half2* st = sb + (size_t)t * G * 16;
-    float y0 = 0.f, y1 = 0.f;
-    for (int g0 = g_lo; g0 < g_hi; g0 += U) {
-      uint4 q[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) q[u] = g0 + u < g_hi ? __ldcs(&wt[(g0 + u) * 32 + lane]) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int g = g0 + u;
-        if (g >= g_hi) break;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        const uint32_t ws[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-          uint32_t a[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            uint32_t m = ((ws[kt] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-            half2 v = __hsub2(*reinterpret_cast<half2*>(&m), off);
-            a[i] = *reinterpret_cast<uint32_t*>(&v);
-          }
-          const int k0 = g * 64 + kt * 16;
-          uint32_t b0 = 0, b1 = 0;
-          if (gid == 0) {
-            b0 = *(const uint32_t*)&xh[k0 + tig * 2];
-            b1 = *(const uint32_t*)&xh[k0 + tig * 2 + 8];
-          }
-          mma16816(c, a, b0, b1);
-        }
-        if (tig == 0) {
-          float2 s0 = __half22float2(st[g * 16 + gid]), s1 = __half22float2(st[g * 16 + gid + 8]);
-          y0 += s0.x * c[0] + (s0.y + 8.f * s0.x) * gsum[g];
-          y1 += s1.x * c[2] + (s1.y + 8.f * s1.x) * gsum[g];
-        }
-      }
-    }
-    store(y, t, S, y0, y1);
-  }
 }
 
 // ---- integer form ----
@@ -218,14 +131,6 @@ __global__ void __launch_bounds__(256) gemv_i8(const uint4* __restrict__ w, cons
   }
 }
 
-__global__ void fill_hash(uint32_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = h;
-  }
-}
-
 // Both forms against f64 on one matrix with known codes, scales and a heavy-tailed input.
 static void check(int sms) {
   const int N = 256, K = 2560, G = K / 64;
@@ -279,7 +184,7 @@ static void check(int sms) {
   cudaMemcpy(dsb16, sb16.data(), sb16.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dsb8, sb8.data(), sb8.size() * 16, cudaMemcpyHostToDevice);
   cudaMemcpy(dx, x.data(), K * 4, cudaMemcpyHostToDevice);
-  gemv_f16<4><<<sms, 256, K * 2 + G * 4>>>(dw16, dsb16, dx, dy, N, K, 1);
+  gemv<4><<<sms, 256, K * 2 + G * 4>>>(dw16, dsb16, dx, dy, N, K, 1);
   gemv_i8<4><<<sms, 256, G * 256 + G * 8>>>(dw8, dsb8, dx, dy + N, N, K, 1);
   std::vector<float> y(2 * N);
   cudaMemcpy(y.data(), dy, 2 * N * 4, cudaMemcpyDeviceToHost);
@@ -301,19 +206,10 @@ static void check(int sms) {
   cudaFree(dw16), cudaFree(dw8), cudaFree(dsb16), cudaFree(dsb8), cudaFree(dx), cudaFree(dy);
 }
 
-struct Shape {
-  const char* name;
-  int N, K;
-};
-
 int main() {
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   check(sms);
-  const int LAYERS = 42, ROUNDS = 5;
-  const Shape shapes[] = {{"gate+up 20480x2560", 20480, 2560}, {"down 2560x10240", 2560, 10240},
-                          {"qkv 3072x2560", 3072, 2560},       {"o 2560x2048", 2560, 2048},
-                          {"lm head 262144x2560", 262144, 2560}};
   float *x, *y;
   cudaMalloc(&x, 10240 * 4);
   cudaMalloc(&y, 262144 * 4);
@@ -322,11 +218,8 @@ int main() {
     for (int i = 0; i < 10240; i++) hx[i] = (i % 13 - 6) * 0.25f;
     cudaMemcpy(x, hx.data(), 10240 * 4, cudaMemcpyHostToDevice);
   }
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   printf("%-22s %-8s %6s %3s %9s %9s\n", "shape", "kernel", "blocks", "S", "us/launch", "GB/s");
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh : E4B_SHAPES) {
     const int layers = sh.N > 100000 ? 2 : LAYERS;
     const int G = sh.K / 64;
     const size_t wbytes = (size_t)sh.N * sh.K / 2, s16 = (size_t)sh.N * G * 4, s8 = (size_t)sh.N * G * 8;
@@ -342,7 +235,7 @@ int main() {
       const char* name;
       int form;  // 0 fp16, 1 integer
       void* kern;
-    } variants[] = {{"f16 U4", 0, (void*)gemv_f16<4>}, {"f16 U8", 0, (void*)gemv_f16<8>},
+    } variants[] = {{"f16 U4", 0, (void*)gemv<4>}, {"f16 U8", 0, (void*)gemv<8>},
                     {"i8 U4", 1, (void*)gemv_i8<4>},   {"i8 U8", 1, (void*)gemv_i8<8>},
                     {"i8 U16", 1, (void*)gemv_i8<16>}};
     for (const Variant& v : variants) {
@@ -360,16 +253,7 @@ int main() {
               ((void (*)(const uint4*, const float4*, const float*, float*, int, int, int))v.kern)<<<sms * bps, 256, smem>>>(
                   ws[l], (const float4*)ss[l], x, y, sh.N, sh.K, S);
           };
-          for (int l = 0; l < layers; ++l) launch(l);
-          cudaDeviceSynchronize();
-          cudaEventRecord(e0);
-          for (int r = 0; r < ROUNDS; ++r)
-            for (int l = 0; l < layers; ++l) launch(l);
-          cudaEventRecord(e1);
-          cudaEventSynchronize(e1);
-          float ms;
-          cudaEventElapsedTime(&ms, e0, e1);
-          const double us = ms * 1e3 / (ROUNDS * layers);
+          const double us = per_launch_us(launch, layers, ROUNDS);
           printf("%-22s %-8s %6d %3d %9.2f %9.0f %s\n", sh.name, v.name, sms * bps, S, us, (wbytes + sbytes) / us / 1e3,
                  cudaGetErrorString(cudaGetLastError()));
         }

@@ -23,102 +23,9 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/p tools/probes/mma_layer_shapes.cu && /tmp/p
-#include <cstdio>
-#include <cstdint>
 #include <vector>
 #include <cstring>
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The inputs in shared memory (fp16) and their sums per 64-column group; every block builds them.
-__device__ __forceinline__ void load_x(half* xh, float* gsum, const float* x, int K) {
-  for (int i = threadIdx.x; i < K; i += blockDim.x) xh[i] = __float2half_rn(x[i]);
-  __syncthreads();
-  for (int g = threadIdx.x; g < K / 64; g += blockDim.x) {
-    float t = 0;
-    for (int i = 0; i < 64; ++i) t += __half2float(xh[g * 64 + i]);
-    gsum[g] = t;
-  }
-  __syncthreads();
-}
-
-// One 64-column group of a 16-row tile: the lane's code word q (A fragments of four k-tiles) times x,
-// scaled, into y0 (row gid) and y1 (row gid + 8) on the lanes with tig == 0.
-__device__ __forceinline__ void group(uint4 q, const half2* st, const half* xh, const float* gsum, int g, float& y0,
-                                      float& y1) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const half2 off = __float2half2_rn(1032.f);
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  const uint32_t ws[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int kt = 0; kt < 4; ++kt) {
-    uint32_t a[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint32_t m = ((ws[kt] >> (4 * i)) & 0x000F000Fu) | 0x64006400u;
-      half2 v = __hsub2(*reinterpret_cast<half2*>(&m), off);
-      a[i] = *reinterpret_cast<uint32_t*>(&v);
-    }
-    const int k0 = g * 64 + kt * 16;
-    uint32_t b0 = 0, b1 = 0;
-    if (gid == 0) {
-      b0 = *(const uint32_t*)&xh[k0 + tig * 2];
-      b1 = *(const uint32_t*)&xh[k0 + tig * 2 + 8];
-    }
-    mma16816(c, a, b0, b1);
-  }
-  if (tig == 0) {
-    float2 s0 = __half22float2(st[g * 16 + gid]), s1 = __half22float2(st[g * 16 + gid + 8]);
-    y0 += s0.x * c[0] + (s0.y + 8.f * s0.x) * gsum[g];
-    y1 += s1.x * c[2] + (s1.y + 8.f * s1.x) * gsum[g];
-  }
-}
-
-__device__ __forceinline__ void store(float* y, int t, int S, float y0, float y1) {
-  const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  if (tig != 0) return;
-  if (S == 1) {
-    y[t * 16 + gid] = y0;
-    y[t * 16 + gid + 8] = y1;
-  } else {
-    atomicAdd(&y[t * 16 + gid], y0);
-    atomicAdd(&y[t * 16 + gid + 8], y1);
-  }
-}
-
-// Register form (shared/probes/q4_mma_gemv.cu): y[N] (+)= W[N, K]·x[K]; work item i = (tile i / S,
-// column part i % S), items spread over all warps; UNROLL groups' codes in registers at a time.
-template <int UNROLL>
-__global__ void __launch_bounds__(256) gemv(const uint4* __restrict__ w, const half2* __restrict__ sb,
-                                            const float* __restrict__ x, float* __restrict__ y, int N, int K, int S) {
-  extern __shared__ unsigned char smem[];
-  half* xh = (half*)smem;
-  float* gsum = (float*)(smem + K * 2);
-  load_x(xh, gsum, x, K);
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
-  const int G = K / 64, items = (N / 16) * S, per = G / S;
-  for (int it = warp; it < items; it += nwarps) {
-    const int t = it / S, g_lo = (it % S) * per, g_hi = g_lo + per;
-    const uint4* wt = w + (size_t)t * G * 32;
-    const half2* st = sb + (size_t)t * G * 16;
-    float y0 = 0.f, y1 = 0.f;
-    for (int g0 = g_lo; g0 < g_hi; g0 += UNROLL) {
-      uint4 q[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) q[u] = g0 + u < g_hi ? __ldcs(&wt[(g0 + u) * 32 + lane]) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u)
-        if (g0 + u < g_hi) group(q[u], st, xh, gsum, g0 + u, y0, y1);
-    }
-    store(y, t, S, y0, y1);
-  }
-}
+#include "probe.cuh"
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned r;
@@ -248,13 +155,6 @@ __global__ void __launch_bounds__(256) gemv_bulk(const uint4* __restrict__ w, co
 // Shared memory of gemv_bulk<D, B>: inputs (128-byte aligned), 8 warps' rings, their mbarriers.
 static int bulk_smem(int K, int D, int B) { return ((K * 2 + (K / 64) * 4 + 127) / 128) * 128 + 8 * D * B * 512 + 8 * D * 8; }
 
-__global__ void fill_hash(uint32_t* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
-    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    p[i] = h;
-  }
-}
 
 // The bulk form gives the register form's results bit for bit (one column part per tile, so no
 // atomics): on hashed weights and scales, every output of every variant equals regs 8's.
@@ -294,28 +194,17 @@ static void check_bulk(int sms) {
   cudaFree(w), cudaFree(sb), cudaFree(x), cudaFree(y);
 }
 
-struct Shape {
-  const char* name;
-  int N, K;
-};
 
 int main() {
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int LAYERS = 42, ROUNDS = 5;
-  const Shape shapes[] = {{"gate+up 20480x2560", 20480, 2560}, {"down 2560x10240", 2560, 10240},
-                          {"qkv 3072x2560", 3072, 2560},       {"o 2560x2048", 2560, 2048},
-                          {"lm head 262144x2560", 262144, 2560}};
   float *x, *y;
   cudaMalloc(&x, 10240 * 4);
   cudaMalloc(&y, 262144 * 4);
   cudaMemset(x, 0x3c, 10240 * 4);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   check_bulk(sms);
   printf("%-22s %-8s %6s %3s %9s %9s\n", "shape", "kernel", "blocks", "S", "us/launch", "GB/s");
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh : E4B_SHAPES) {
     const int layers = sh.N > 100000 ? 2 : LAYERS;  // the LM head once per token
     const size_t wbytes = (size_t)sh.N * sh.K / 2, sbytes = (size_t)sh.N * (sh.K / 64) * 4;
     std::vector<uint4*> ws(layers);
@@ -344,17 +233,8 @@ int main() {
       for (int bps : {1, 2, 4}) {
         for (int S : {1, 2, 4, 8}) {
           if ((sh.K / 64) % S) continue;
-          auto launch = [&](int l) { v.kern<<<sms * bps, 256, v.smem>>>(ws[l], ss[l], x, y, sh.N, sh.K, S); };
-          for (int l = 0; l < layers; ++l) launch(l);  // warm-up
-          cudaDeviceSynchronize();
-          cudaEventRecord(e0);
-          for (int r = 0; r < ROUNDS; ++r)
-            for (int l = 0; l < layers; ++l) launch(l);
-          cudaEventRecord(e1);
-          cudaEventSynchronize(e1);
-          float ms;
-          cudaEventElapsedTime(&ms, e0, e1);
-          const double us = ms * 1e3 / (ROUNDS * layers);
+          const double us = per_launch_us(
+              [&](int l) { v.kern<<<sms * bps, 256, v.smem>>>(ws[l], ss[l], x, y, sh.N, sh.K, S); }, layers, ROUNDS);
           printf("%-22s %-8s %6d %3d %9.2f %9.0f %s\n", sh.name, v.name, sms * bps, S, us,
                  (wbytes + sbytes) / us / 1e3, cudaGetErrorString(cudaGetLastError()));
         }

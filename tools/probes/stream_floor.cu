@@ -17,9 +17,8 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o /tmp/s tools/probes/stream_floor.cu && /tmp/s
-#include <cstdio>
-#include <cstdint>
 #include <vector>
+#include "probe.cuh"
 
 template <int U>
 __global__ void __launch_bounds__(256) stream(const uint4* __restrict__ p, size_t n, unsigned* out) {
@@ -44,41 +43,18 @@ __global__ void empty_kernel(unsigned* out) {
   if (threadIdx.x == 1024) out[0] = 1;
 }
 
-struct Shape {
-  const char* name;
-  size_t N, K;
-};
-
 int main() {
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  const int LAYERS = 42, ROUNDS = 5;
-  const Shape shapes[] = {{"gate+up 20480x2560", 20480, 2560}, {"down 2560x10240", 2560, 10240},
-                          {"qkv 3072x2560", 3072, 2560},       {"o 2560x2048", 2560, 2048},
-                          {"ple gate 256x2560", 256, 2560},     {"lm head 262144x2560", 262144, 2560}};
   unsigned* out;
   cudaMalloc(&out, 4);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  auto time = [&](auto launch, int layers) {
-    for (int l = 0; l < layers; ++l) launch(l);  // warm-up
-    cudaDeviceSynchronize();
-    cudaEventRecord(e0);
-    for (int r = 0; r < ROUNDS; ++r)
-      for (int l = 0; l < layers; ++l) launch(l);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float ms;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return ms * 1e3 / (ROUNDS * layers);
-  };
+  auto time = [&](auto launch, int layers) { return per_launch_us(launch, layers, ROUNDS); };
   printf("empty kernel, %d blocks: %.2f us/launch (%s)\n", sms * 2,
          time([&](int) { empty_kernel<<<sms * 2, 256>>>(out); }, LAYERS), cudaGetErrorString(cudaGetLastError()));
   printf("%-22s %9s %-6s %6s %9s %9s\n", "shape", "MB", "loads", "blocks", "us/launch", "GB/s");
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh : E4B_SHAPES) {
     const int layers = sh.N > 100000 ? 2 : LAYERS;  // the LM head once per token
-    const size_t bytes = sh.N * sh.K / 2 + sh.N * (sh.K / 64) * 8, n = bytes / 16;
+    const size_t bytes = (size_t)sh.N * sh.K / 2 + (size_t)sh.N * (sh.K / 64) * 8, n = bytes / 16;
     std::vector<uint4*> bufs(layers);
     for (int l = 0; l < layers; ++l) {
       cudaMalloc(&bufs[l], bytes);
