@@ -53,6 +53,28 @@ __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], unsigned b
 // 2^e as a float, for −126 ≤ e ≤ 127.
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 
+// Index arithmetic without the integer division sequence (~20 instructions each; Nsight Compute
+// counted ~10 of them per warp and virtual block, 10–20% of a launch's instructions). The warps per
+// tile `ks` are a power of two: shifts. Column parts are usually one: no division then.
+__device__ __forceinline__ int log2_pow2(int v) { return __ffs(v) - 1; }
+__device__ __forceinline__ int div_parts(int a, int parts) {
+  return parts == 1 ? a : (int)((unsigned)a / (unsigned)parts);
+}
+
+// a / d for 0 ≤ a < 2^20 and a block-uniform d ≥ 1: a float estimate from a reciprocal taken once,
+// corrected by one step either way (its error is far below one for such a).
+struct SmallDiv {
+  int d;
+  float inv;
+  __device__ __forceinline__ explicit SmallDiv(int d) : d(d), inv(__frcp_rn((float)d)) {}
+  __device__ __forceinline__ int operator()(int a) const {
+    int q = __float2int_rz(__fmul_rz((float)a, inv));
+    q -= q * d > a;
+    q += (q + 1) * d <= a;
+    return q;
+  }
+};
+
 // The chunk exponent E: |x|·2^E < 2^30 for every |x| ≤ amax (0 for an all-zero chunk), kept where
 // 2^E and 2^(−E−4) are normal floats.
 __device__ __forceinline__ int chunk_exponent(float amax) {
@@ -190,6 +212,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
+  const SmallDiv token_of(per_token);  // e / per_token: the token of float4 e
   // Whole warps iterate (the unit sums shuffle across lanes); lanes past the end add zeros.
   for (int base = threadIdx.x & ~31; base < total; base += R * blockDim.x) {
     // One token, the row's first slice, the first round: element e = tid + r·blockDim is float4 r of
@@ -199,7 +222,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
 #pragma unroll
     for (int r = 0; r < R; r++) {
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
-      const int j = e / per_token, k = c0 * 64 + 4 * (e % per_token);
+      const int j = token_of(e), k = c0 * 64 + 4 * (e - j * per_token);
       v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
       if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
         const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat, r < RES_F4 && from_keep,
@@ -219,7 +242,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
     for (int r = 0; r < R; r++) {
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
       const bool in = e < total;
-      const int j = in ? e / per_token : 0, k4 = e % per_token;
+      const int je = token_of(e), j = in ? je : 0, k4 = e - je * per_token;
       const int lc = k4 >> 4, f4 = k4 & 15;  // local chunk, float4 within it
       const float* w = v[r];
       // A chunk's 16 float4s are one half-warp's (per_token and base are multiples of 16).
@@ -256,7 +279,7 @@ __device__ __forceinline__ int gs_shift(const Mat& W) { return 31 - __clz(W.gs);
 
 // Chunks [lo, hi) of part p of `parts` (the same split on host and device).
 __device__ __forceinline__ int2 part_range(int chunks, int parts, int p) {
-  const int per = (chunks + parts - 1) / parts;
+  const int per = div_parts(chunks + parts - 1, parts);
   return make_int2(min(chunks, p * per), min(chunks, (p + 1) * per));
 }
 
@@ -267,15 +290,15 @@ struct VbWarp {
   int2 range;
 };
 __device__ __forceinline__ VbWarp vb_warp(int vb, int ks, int parts, int chunks) {
-  const int warp = threadIdx.x >> 5, tl = warp / ks, g = vb / parts;
-  return VbWarp{g * (MMA_WARPS / ks) + tl, warp % ks, part_range(chunks, parts, vb - g * parts)};
+  const int ksh = log2_pow2(ks), warp = threadIdx.x >> 5, tl = warp >> ksh, g = div_parts(vb, parts);
+  return VbWarp{g * (MMA_WARPS >> ksh) + tl, warp & (ks - 1), part_range(chunks, parts, vb - g * parts)};
 }
 
 // Asks L2 for the codes and scales of one virtual block (tile group g, part p; the block's
 // threads split the lines of each tile).
 __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts, int vb) {
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16, groups = (chunks * 64) >> gsh;
-  const int g = vb / parts, t0 = g * tpb, nt = min(tpb, tiles - t0);
+  const int g = div_parts(vb, parts), t0 = g * tpb, nt = min(tpb, tiles - t0);
   const int2 r = part_range(chunks, parts, vb - g * parts);
   const int code_lines = (r.y - r.x) * 4;                                           // per tile
   const int g0 = (r.x * 64) >> gsh, sb_lines = ((r.y - r.x) * 64 + W.gs - 1) >> gsh;  // 128 B each
@@ -304,7 +327,7 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
     if (cc < end) {
       bt.q[u] = __ldcs(codes + (u64)cc * 32);
 #pragma unroll
-      for (int p = 0; p < UPC; p++) bt.sb[u][p] = sbt[(u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32];
+      for (int p = 0; p < UPC; p++) bt.sb[u][p] = __ldcs(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);
     }
   }
 }
@@ -457,7 +480,7 @@ __device__ __forceinline__ void ring_issue(unsigned dst, const uint4* codes, con
 // The warp's first chunk in [c0, c0 + n) and how many it takes (chunks ≡ ws mod ks).
 __device__ __forceinline__ int2 ring_chunks(int ws, int ks, int c0, int n) {
   const int first = c0 + ((ws - c0) & (ks - 1));
-  return make_int2(first, first < c0 + n ? (c0 + n - first + ks - 1) / ks : 0);
+  return make_int2(first, first < c0 + n ? (c0 + n - first + ks - 1) >> log2_pow2(ks) : 0);
 }
 
 // The ring's first MMA_RING copies (one commit group each, empty past the warp's chunks): weights
@@ -531,8 +554,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int tpb = MMA_WARPS / ks, tl = warp / ks;
-  const int g = vb / parts, p = vb - g * parts;
+  const int tpb = MMA_WARPS >> log2_pow2(ks), tl = warp >> log2_pow2(ks);
+  const int g = div_parts(vb, parts), p = vb - g * parts;
   const int chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16;
   const VbWarp vw = vb_warp(vb, ks, parts, chunks);
   const int tile = vw.tile, ws = vw.ws;
@@ -628,7 +651,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
                       float* y2, int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
-  const int tpb = MMA_WARPS / ks;
+  const int tpb = MMA_WARPS >> log2_pow2(ks);
   const int chunks = (mats.get(0).cols + 63) / 64;
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / MMA_CHUNK_BYTES(H, UPC));
   uint4* xf = (uint4*)mma_smem;
