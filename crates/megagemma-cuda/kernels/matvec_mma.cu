@@ -332,13 +332,22 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
   }
 }
 
-// One unit's scaled sums into a pair accumulator: c = the int32 columns of the lane's two planes
-// for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); v = this lane's (scale or bias) value of the
-// unit, shared across the quad; f = 2^−E of the lane's token; sx = its Σ x (0 on plane 2–3 lanes).
-__device__ __forceinline__ void scale_unit(const int c[4], float v, float f, float sx, float y[2]) {
+// A unit's scales and biases of rows gid and gid + 8, gathered from the quad's four lanes (each
+// loaded one of them): once per unit, whatever the number of token pairs.
+struct UnitScales {
+  float s0, b0, s1, b1;
+};
+__device__ __forceinline__ UnitScales unit_scales(float v) {
   const int quad = (threadIdx.x & 31) & ~3;
-  const float s0 = __shfl_sync(0xffffffffu, v, quad), b0 = __shfl_sync(0xffffffffu, v, quad + 1);
-  const float s1 = __shfl_sync(0xffffffffu, v, quad + 2), b1 = __shfl_sync(0xffffffffu, v, quad + 3);
+  return UnitScales{__shfl_sync(0xffffffffu, v, quad), __shfl_sync(0xffffffffu, v, quad + 1),
+                    __shfl_sync(0xffffffffu, v, quad + 2), __shfl_sync(0xffffffffu, v, quad + 3)};
+}
+
+// One unit's scaled sums into a pair accumulator: c = the int32 columns of the lane's two planes
+// for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); u = the unit's scales and biases (`unit_scales`);
+// f = 2^−E of the lane's token; sx = its Σ x (0 on plane 2–3 lanes).
+__device__ __forceinline__ void scale_unit(const int c[4], const UnitScales& u, float f, float sx, float y[2]) {
+  const float s0 = u.s0, b0 = u.b0, s1 = u.s1, b1 = u.b1;
   const float r0 = fmaf((float)c[1], 256.f, (float)c[0]), r1 = fmaf((float)c[3], 256.f, (float)c[2]);
   y[0] = fmaf(fmaf(8.f, s0, b0), sx, fmaf(__fmul_rn(s0, f), r0, y[0]));
   y[1] = fmaf(fmaf(8.f, s1, b1), sx, fmaf(__fmul_rn(s1, f), r1, y[1]));
@@ -364,6 +373,9 @@ __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, in
     for (int r = 0; r < 4; r++) a0[r] = (w[r] << 4) & 0xF0F0F0F0u, a1[r] = w[r] & 0xF0F0F0F0u;
     const uint4* xb = xf + (cc - c0) * P * 32 + lane;
     const float* xsc = xs + (cc - c0) * MMA_XS_FLOATS(H, UPC);
+    UnitScales us[UPC];
+#pragma unroll
+    for (int q = 0; q < UPC; q++) us[q] = unit_scales(bt.sb[u][q]);
 #pragma unroll
     for (int p = 0; p < P; p++) {
       if (!pairs[p]) break;  // pairs past the launch's tokens (uniform across the warp)
@@ -374,13 +386,13 @@ __device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, in
         int acc[4] = {0, 0, 0, 0};
         mma_s8(acc, a0, b.x, b.y);
         mma_s8(acc, a1, b.z, b.w);
-        scale_unit(acc, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
+        scale_unit(acc, us[0], f, xsc[2 * p + xcol], y[p]);
       } else {  // groups of 32: one unit per k-step
         int acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
         mma_s8(acc0, a0, b.x, b.y);
         mma_s8(acc1, a1, b.z, b.w);
-        scale_unit(acc0, bt.sb[u][0], f, xsc[2 * p + xcol], y[p]);
-        scale_unit(acc1, bt.sb[u][1], f, xsc[XW + 2 * p + xcol], y[p]);
+        scale_unit(acc0, us[0], f, xsc[2 * p + xcol], y[p]);
+        scale_unit(acc1, us[UPC - 1], f, xsc[XW + 2 * p + xcol], y[p]);
       }
     }
   }
