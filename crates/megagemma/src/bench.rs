@@ -216,6 +216,7 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     let ceiling = f.read_gbps * 1e9 / f.weight_bytes as f64;
     let launches = b.launches_per_token();
     println!("model            {label}");
+    println!("build            megagemma {} ({})", env!("CARGO_PKG_VERSION"), env!("MEGAGEMMA_COMMIT"));
     println!("backend          {} ({})", b.name(), b.device_name());
     println!("read bandwidth   {:.1} GB/s (measured now)", f.read_gbps);
     println!("weights/token    {:.3} GB", f.weight_bytes as f64 / 1e9);
@@ -236,6 +237,7 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     }
     let json = serde_json::json!({
         "model": label,
+        "commit": env!("MEGAGEMMA_COMMIT"),
         "backend": b.name(),
         "device": b.device_name(),
         "read_gbps": f.read_gbps,

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "megagemma", version, about = "Gemma 4 inference engine")]
+#[command(name = "megagemma", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("MEGAGEMMA_COMMIT"), ")"), about = "Gemma 4 inference engine")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -36,6 +36,16 @@ fn bench_prints_the_table_and_a_json_line() {
         assert!(json[key].as_f64().is_some_and(|v| v > 0.0), "{key} = {}", json[key]);
     }
     assert!(json["weight_bytes_per_token"].as_u64().unwrap() > 0);
+    // The figures name the code they measured: the commit this checkout's binary was built from
+    // ("unknown" outside a git checkout), also in `--version`.
+    let head = std::process::Command::new("git").args(["rev-parse", "--short=9", "HEAD"]).output();
+    let head = match head.ok().filter(|o| o.status.success()) {
+        Some(o) => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+        None => "unknown".to_string(),
+    };
+    assert_eq!(json["commit"], head);
+    let version = stdout(&megagemma(&["--version"]));
+    assert!(version.contains(&format!("({head})")), "{version}");
 }
 
 #[test]
