@@ -2,9 +2,10 @@
 # A/B decode benchmarks on the GPU machine, every variant in one run (docs/perf-notes.md method:
 # change one thing, measure it against the baseline in the same machine session):
 #   tools/gpu_ab.sh BIN_DIR VARIANT...
-# A VARIANT is `label` or `label:ENV=VAL[,ENV=VAL...]`, e.g.
+# A VARIANT is `label` or `label:ENV=VAL[,ENV=VAL...]`; `label@DIR` runs DIR/megagemma instead of
+# BIN_DIR's (two builds side by side), e.g.
 #   tools/gpu_ab.sh .gpu base waves3:MEGAGEMMA_CUDA_MMA_WAVES=3 att16:MEGAGEMMA_CUDA_ATT_SPLIT_KEYS=16 \
-#     k64:MEGAGEMMA_KERNELS=.gpu/k/variant
+#     k64:MEGAGEMMA_KERNELS=.gpu/k/variant main@.gpu/main
 # Each (round, model, decode mode, variant) runs `megagemma bench --synthetic MODEL --quant q4
 # --backend cuda --prompt-len 64 --tokens 128 --decode MODE` and prints one line. MODELS (default
 # "e4b"), DECODES (default "graph megakernel") and ROUNDS (default 2) choose the grid; variants
@@ -16,14 +17,23 @@ shift
 [ $# -gt 0 ] || { echo "tools/gpu_ab.sh: no variants given" >&2; exit 2; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
+# Which code each binary is (a stale binary is the costliest mistake on a metered machine).
+for variant in "$@"; do
+  label=${variant%%:*}
+  bin=$BIN
+  [[ $label == *@* ]] && bin=${label#*@}
+  echo "$label: $("$bin/megagemma" --version 2>&1)"
+done
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for model in ${MODELS:-e4b}; do
     for mode in ${DECODES:-graph megakernel}; do
       for variant in "$@"; do
         label=${variant%%:*}
+        bin=$BIN
+        if [[ $label == *@* ]]; then bin=${label#*@}; label=${label%%@*}; fi
         envs=()
         if [[ $variant == *:* ]]; then IFS=, read -r -a envs <<< "${variant#*:}"; fi
-        line=$(env "${envs[@]}" timeout 240 "$BIN/megagemma" bench --synthetic "$model" --quant q4 --backend cuda \
+        line=$(env "${envs[@]}" timeout 240 "$bin/megagemma" bench --synthetic "$model" --quant q4 --backend cuda \
           --prompt-len 64 --tokens 128 --decode "$mode" 2>&1 | grep -E '^decode|^launches|rror' | tr '\n' ' ')
         printf 'round %s %-4s %-10s %-12s %s\n' "$round" "$model" "$mode" "$label" "${line:-no output (timed out?)}"
       done
