@@ -38,7 +38,7 @@ for (_, name), m in launches.items():
     us = float(m.get("gpu__time_duration.sum", 0)) / 1e3
     mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
     total_us, total_mb = total_us + us, total_mb + mb
-    print(f"{name[:24]:24s} grid {m.get('launch__grid_size', '?'):>5s} {us:8.2f} us {mb:8.2f} MB {mb / us * 1e-3 if us else 0:5.2f} TB/s")
-print(f"{len(launches)} launches: {total_us:.1f} us, {total_mb:.1f} MB ({total_mb / total_us * 1e-3 if total_us else 0:.2f} TB/s)")
+    print(f"{name[:24]:24s} grid {m.get('launch__grid_size', '?'):>5s} {us:8.2f} us {mb:8.2f} MB {mb / us if us else 0:5.2f} TB/s")
+print(f"{len(launches)} launches: {total_us:.1f} us, {total_mb:.1f} MB ({total_mb / total_us if total_us else 0:.2f} TB/s)")
 PY
 rm -f "$csv"
