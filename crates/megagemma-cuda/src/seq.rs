@@ -1360,6 +1360,40 @@ mod attention_split_tests {
 }
 
 #[cfg(test)]
+mod small_div_tests {
+    /// `SmallDiv` in kernels/matvec_mma.cu, operation by operation: the reciprocal rounded to
+    /// nearest (`__frcp_rn`), the product rounded toward zero (`__fmul_rz`; exact in f64 first, as
+    /// 24 × 24 bits fit), truncation, then one correction step either way.
+    fn small_div(a: u32, d: u32) -> u32 {
+        let inv = 1.0f32 / d as f32;
+        let exact = a as f64 * inv as f64;
+        let mut p = exact as f32;
+        if p as f64 > exact {
+            p = f32::from_bits(p.to_bits() - 1); // toward zero (p > 0 here)
+        }
+        let mut q = p as u32;
+        q -= u32::from(q * d > a);
+        q += u32::from((q + 1) * d <= a);
+        q
+    }
+
+    /// One correction step is enough: exact for every divisor the input build uses (a token's
+    /// float4s, 16 to 704 at 44 chunks) over every index it divides, and across the claimed range
+    /// a < 2^20 on a sample.
+    #[test]
+    fn one_correction_is_exact() {
+        for d in 1..=1024u32 {
+            for a in 0..(1u32 << 14) {
+                assert_eq!(small_div(a, d), a / d, "{a} / {d}");
+            }
+            for a in (0..(1u32 << 20)).step_by(1009) {
+                assert_eq!(small_div(a, d), a / d, "{a} / {d}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
 mod mma_smem_tests {
     /// The host sizes each launch's shared memory as the kernel lays it out.
     #[test]
