@@ -17,22 +17,24 @@ shift
 [ $# -gt 0 ] || { echo "tools/gpu_ab.sh: no variants given" >&2; exit 2; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
+# A variant's label, binary folder and environment (label[@DIR][:ENV=VAL,...]).
+parse_variant() {
+  label=${1%%:*}
+  bin=$BIN
+  if [[ $label == *@* ]]; then bin=${label#*@}; label=${label%%@*}; fi
+  envs=()
+  if [[ $1 == *:* ]]; then IFS=, read -r -a envs <<< "${1#*:}"; fi
+}
 # Which code each binary is (a stale binary is the costliest mistake on a metered machine).
 for variant in "$@"; do
-  label=${variant%%:*}
-  bin=$BIN
-  [[ $label == *@* ]] && bin=${label#*@}
-  echo "$label: $("$bin/megagemma" --version 2>&1)"
+  parse_variant "$variant"
+  echo "${variant%%:*}: $("$bin/megagemma" --version 2>&1)"
 done
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for model in ${MODELS:-e4b}; do
     for mode in ${DECODES:-graph megakernel}; do
       for variant in "$@"; do
-        label=${variant%%:*}
-        bin=$BIN
-        if [[ $label == *@* ]]; then bin=${label#*@}; label=${label%%@*}; fi
-        envs=()
-        if [[ $variant == *:* ]]; then IFS=, read -r -a envs <<< "${variant#*:}"; fi
+        parse_variant "$variant"
         line=$(env "${envs[@]}" timeout 240 "$bin/megagemma" bench --synthetic "$model" --quant q4 --backend cuda \
           --prompt-len 64 --tokens 128 --decode "$mode" 2>&1 | grep -E '^decode|^launches|rror' | tr '\n' ' ')
         printf 'round %s %-4s %-10s %-12s %s\n' "$round" "$model" "$mode" "$label" "${line:-no output (timed out?)}"

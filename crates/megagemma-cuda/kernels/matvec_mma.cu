@@ -62,7 +62,8 @@ __device__ __forceinline__ int div_parts(int a, int parts) {
 }
 
 // a / d for 0 ≤ a < 2^20 and a block-uniform d ≥ 1: a float estimate from a reciprocal taken once,
-// corrected by one step either way (its error is far below one for such a).
+// corrected by one step either way (its error is far below one for such a; replayed on the host by
+// `small_div_tests` in src/seq.rs).
 struct SmallDiv {
   int d;
   float inv;
@@ -347,10 +348,9 @@ __device__ __forceinline__ UnitScales unit_scales(float v) {
 // for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); u = the unit's scales and biases (`unit_scales`);
 // f = 2^−E of the lane's token; sx = its Σ x (0 on plane 2–3 lanes).
 __device__ __forceinline__ void scale_unit(const int c[4], const UnitScales& u, float f, float sx, float y[2]) {
-  const float s0 = u.s0, b0 = u.b0, s1 = u.s1, b1 = u.b1;
   const float r0 = fmaf((float)c[1], 256.f, (float)c[0]), r1 = fmaf((float)c[3], 256.f, (float)c[2]);
-  y[0] = fmaf(fmaf(8.f, s0, b0), sx, fmaf(__fmul_rn(s0, f), r0, y[0]));
-  y[1] = fmaf(fmaf(8.f, s1, b1), sx, fmaf(__fmul_rn(s1, f), r1, y[1]));
+  y[0] = fmaf(fmaf(8.f, u.s0, u.b0), sx, fmaf(__fmul_rn(u.s0, f), r0, y[0]));
+  y[1] = fmaf(fmaf(8.f, u.s1, u.b1), sx, fmaf(__fmul_rn(u.s1, f), r1, y[1]));
 }
 
 // Multiplies a loaded batch into the pair accumulators y[p][r] (rows gid and gid + 8; token
@@ -566,7 +566,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int tpb = MMA_WARPS >> log2_pow2(ks), tl = warp >> log2_pow2(ks);
+  const int ksh = log2_pow2(ks), tpb = MMA_WARPS >> ksh, tl = warp >> ksh;
   const int g = div_parts(vb, parts), p = vb - g * parts;
   const int chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16;
   const VbWarp vw = vb_warp(vb, ks, parts, chunks);
