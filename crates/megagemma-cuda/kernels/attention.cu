@@ -17,6 +17,11 @@
 #define ATT_MAX_SPLITS 64
 #define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
 
+// Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
+#define ATT_FUSED_Q 1       // q holds the raw projection: each block norms (wq) and rotates its head
+#define ATT_FUSED_KV 2      // this pass's K/V rows are raw in kr/vr: norms, RoPE, and ks/vs written here
+#define ATT_FUSED_VNORM 4   // with ATT_FUSED_KV: values are RMS-normed (no weight), else taken as they are
+
 // Splits of a query over n keys in a pass of T tokens.
 // split_keys: the fewest keys a split gets (the host's choice, `AttentionSplit` in src/seq.rs).
 __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
@@ -29,10 +34,20 @@ __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
 // full cache, else the number of ring slots (slot = pos mod ring). Grid: T·heads·grid_splits
 // blocks (grid_splits ≥ every query's nsplit; extra blocks return at once). part_o
 // [T·heads·grid_splits, hd], part_ml [T·heads·grid_splits] and counters [T·heads] are scratch.
+//
+// Fused norms (`fused`, ATT_FUSED_*): a short pass skips the `qkv_norm_rope` stage. Each block
+// norms and rotates its query head (wq, inv_freq) into shared memory, and, on a layer that owns
+// its cache, the staged keys of its range from the raw rows kr/vr [T, kv_heads·hd] (wk; values
+// RMS-normed without weight when ATT_FUSED_VNORM). The block of each KV group's first head whose
+// range ends at its own token's key writes that token's normed row to ks/vs, for the K/V commit
+// and the layers that share this cache (they run later and read ks/vs with `fused` = ATT_FUSED_Q).
+// Every block that needs a row computes it with the same function as `qkv_norm_rope`: same bits.
 STAGE void attention_body(const int vb, const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-          const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
+          float* ks, float* vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
-          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys) {
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
+          const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
+          const float* __restrict__ kr, const float* __restrict__ vr) {
   extern __shared__ float smem[];
   __shared__ int last;
   // The positions and the committed cache rows were written before this pass began (positions
@@ -64,14 +79,44 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   float* qs = smem;
   float* scores = smem + hd;
   float* part = scores + per;  // [ATT_WARPS, hd]
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = q[((u64)t * heads + head) * hd + d];
-  __syncthreads();
+  const float* qrow = q + ((u64)t * heads + head) * hd;
+  if (fused & ATT_FUSED_Q) {
+    norm_rope_head(qs, qrow, wq, inv_freq, hd, pos, eps);
+  } else {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
+    __syncthreads();
+  }
+  // This pass's keys in the range (positions js0 .. k0 + nk) from the raw rows: kn/vn [ns, hd].
+  const int js0 = max(k0, p0), ns = (fused & ATT_FUSED_KV) ? max(0, k0 + nk - js0) : 0;
+  float* kn = part + ATT_WARPS * hd;
+  float* vn = kn + ns * hd;
+  for (int i = 0; i < ns; i++) {
+    const u64 raw = (u64)(js0 + i - p0) * kvw + kvh * hd;
+    norm_rope_head(kn + i * hd, kr + raw, wk, inv_freq, hd, js0 + i, eps);
+    if (fused & ATT_FUSED_VNORM) {
+      norm_rope_head(vn + i * hd, vr + raw, nullptr, nullptr, hd, js0 + i, eps);
+    } else {
+      for (int d = threadIdx.x; d < hd; d += blockDim.x) vn[i * hd + d] = vr[raw + d];
+      __syncthreads();
+    }
+  }
+  if (ns > 0 && head % (heads / kv_heads) == 0 && split == nsplit - 1) {
+    // The range ends at this token's own key (position pos): its row goes to the staging.
+    const u64 row = (u64)t * kvw + kvh * hd;
+    const int i = pos - js0;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      ks[row + d] = kn[i * hd + d];
+      vs[row + d] = vn[i * hd + d];
+    }
+  }
 
   // Scores: one warp per key, lanes over the head dim (unrolled so several keys' loads overlap).
 #pragma unroll 4
   for (int jj = warp; jj < nk; jj += ATT_WARPS) {
     const int j = k0 + jj;
-    const float* k = (j < p0 ? kc + (u64)(ring > 0 ? j % ring : j) * kvw : ks + (u64)(j - p0) * kvw) + kvh * hd;
+    const float* k = j < p0 ? kc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd
+                     : ns > 0 ? kn + (j - js0) * hd
+                              : ks + (u64)(j - p0) * kvw + kvh * hd;
     float s = 0.f;
 #pragma unroll 4
     for (int d = lane; d < hd; d += 32) s = fmaf(qs[d], k[d], s);
@@ -98,7 +143,9 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
 #pragma unroll 2
   for (int jj = warp; jj < nk; jj += ATT_WARPS) {
     const int j = k0 + jj;
-    const float* v = (j < p0 ? vc + (u64)(ring > 0 ? j % ring : j) * kvw : vs + (u64)(j - p0) * kvw) + kvh * hd;
+    const float* v = j < p0 ? vc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd
+                     : ns > 0 ? vn + (j - js0) * hd
+                              : vs + (u64)(j - p0) * kvw + kvh * hd;
     const float e = scores[jj];
 #pragma unroll
     for (int i = 0; i < ATT_MAX_DPL; i++) {
@@ -154,6 +201,11 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   if (threadIdx.x == 0) counters[query] = 0u;
 }
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-          const float* __restrict__ ks, const float* __restrict__ vs, float* __restrict__ out, int heads,
+          float* ks, float* vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
-          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys) { attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits, part_o, part_ml, counters, split_keys); }
+          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
+          const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
+          const float* __restrict__ kr, const float* __restrict__ vr) {
+  attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits,
+                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr);
+}

@@ -115,6 +115,38 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
   return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
 }
 
+// Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
+// of one head vector at position `pos`, from `src` into `dst` (the same row, or shared memory);
+// hd ≤ 512. Called by every thread of the block; on return `dst` is visible to all of them. The
+// long passes' `qkv_norm_rope` (in place) and a short pass's attention (into shared memory) both
+// use it, so a cached K/V row has the same bits whichever pass wrote it.
+__device__ __forceinline__ void norm_rope_head(float* dst, const float* src, const float* __restrict__ w,
+                                               const float* __restrict__ inv_freq, int hd, int pos, float eps) {
+  // inv_rms ends in a block reduction: every thread's reads of src are done before any write below.
+  const float r = inv_rms(src, hd, eps);
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    const float n = __fmul_rn(src[i], r);
+    dst[i] = w ? __fmul_rn(n, w[i]) : n;
+  }
+  __syncthreads();
+  const int half = hd / 2;
+  const float p = (float)pos;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    float a = dst[i], b = dst[i + half];
+    const float f = inv_freq ? inv_freq[i] : 0.f;
+    if (f != 0.f) {
+      float sn, cs;
+      sincosf(__fmul_rn(p, f), &sn, &cs);
+      const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+      b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+      a = a2;
+    }
+    dst[i] = a;
+    dst[i + half] = b;
+  }
+  __syncthreads();
+}
+
 // A residual step (`add_norm_body` in ops.cu, and folded into a matvec: `residual_stats` in
 // matvec_mma.cu), four elements at a time. Both take a row's elements as float4s f = tid + q·blockDim
 // and use these functions in the same order, so the step gives the same bits either way.

@@ -30,38 +30,11 @@ STAGE void rms_norm_body(const int vb, float* y, const float* x, const float* __
 extern "C" __global__ void rms_norm(float* y, const float* x, const float* __restrict__ w, int dim, float eps,
                                     int mode) { rms_norm_body(blockIdx.x, y, x, w, dim, eps, mode); }
 
-// Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
-// of one head vector of token t at position pos0 + t; hd ≤ 512.
-__device__ __forceinline__ void norm_rope_head(float* h, const float* __restrict__ w, const float* __restrict__ inv_freq,
-                                               int hd, int pos, float eps) {
-  __shared__ float hv[512];
-  float r = inv_rms(h, hd, eps);
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    float n = __fmul_rn(h[i], r);
-    hv[i] = w ? __fmul_rn(n, w[i]) : n;
-  }
-  __syncthreads();
-  int half = hd / 2;
-  float p = (float)pos;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float a = hv[i], b = hv[i + half];
-    float f = inv_freq ? inv_freq[i] : 0.f;
-    if (f != 0.f) {
-      float sn, cs;
-      sincosf(__fmul_rn(p, f), &sn, &cs);
-      float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-      b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
-      a = a2;
-    }
-    h[i] = a;
-    h[i + half] = b;
-  }
-}
-
 // Q, K and V heads after their projections, in one launch: Q heads normed with wq and rotated,
 // K heads normed with wk and rotated, V heads normed without weight (nk = 0 skips K and V; wv
 // unused when nv = 0). Each buffer is [T, heads, hd]; one block per (t, head); blocks run Q, then
-// K, then V.
+// K, then V. Long passes only: a short pass's attention does the same per block (`ATT_FUSED_*`
+// in attention.cu), with the same function.
 STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ wq, int nq, float* k,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
@@ -70,12 +43,12 @@ STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ 
   int b = vb;
   int p0 = pos[0];
   if (b < T * nq) {
-    norm_rope_head(q + (u64)b * hd, wq, inv_freq, hd, p0 + b / nq, eps);
+    norm_rope_head(q + (u64)b * hd, q + (u64)b * hd, wq, inv_freq, hd, p0 + b / nq, eps);
   } else if ((b -= T * nq) < T * nk) {
-    norm_rope_head(k + (u64)b * hd, wk, inv_freq, hd, p0 + b / nk, eps);
+    norm_rope_head(k + (u64)b * hd, k + (u64)b * hd, wk, inv_freq, hd, p0 + b / nk, eps);
   } else {
     b -= T * nk;
-    norm_rope_head(v + (u64)b * hd, nullptr, nullptr, hd, p0 + b / nv, eps);
+    norm_rope_head(v + (u64)b * hd, v + (u64)b * hd, nullptr, nullptr, hd, p0 + b / nv, eps);
   }
 }
 extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,

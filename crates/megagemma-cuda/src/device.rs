@@ -236,6 +236,9 @@ pub struct Gpu {
     /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
     /// decode and verify.
     pub att_split_keys: usize,
+    /// Short passes norm and rotate Q/K/V inside the attention kernel instead of a `qkv_norm_rope`
+    /// stage (`MEGAGEMMA_CUDA_FUSE_NORMS=0` turns it off; the results have the same bits).
+    pub fuse_norms: bool,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
@@ -336,6 +339,7 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
+            fuse_norms: env_count("MEGAGEMMA_CUDA_FUSE_NORMS", 0..=1, 1) == 1,
             profile,
             blas,
             recording: Default::default(),

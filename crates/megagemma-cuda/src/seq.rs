@@ -137,6 +137,10 @@ pub(crate) struct Scratch {
     x2: DevBuf,
     a: DevBuf,
     pub(crate) q: DevBuf,
+    /// A short pass's raw K and V projections (`[tokens, kv width]`), normed by the attention
+    /// kernel, which writes the cache's staged rows (`fuse_norms`).
+    kr: DevBuf,
+    vr: DevBuf,
     pub(crate) att: DevBuf,
     o: DevBuf,
     f: DevBuf,
@@ -167,6 +171,22 @@ pub(crate) struct Scratch {
     wts: DevBuf,
     ys: DevBuf,
     e: DevBuf,
+}
+
+/// `fused` flags of the attention kernel (`ATT_FUSED_*` in kernels/attention.cu).
+const ATT_FUSED_Q: i32 = 1;
+const ATT_FUSED_KV: i32 = 2;
+const ATT_FUSED_VNORM: i32 = 4;
+
+/// The norms a short pass's attention applies itself (`fused` = 0: the pass ran `qkv_norm_rope`).
+struct AttentionNorms {
+    fused: i32,
+    q_norm: u64,
+    inv_freq: u64,
+    /// With `ATT_FUSED_KV`: the k_norm weight and the raw K and V rows of this pass.
+    k_norm: u64,
+    kr: u64,
+    vr: u64,
 }
 
 /// The most keys a query of layer `lp` can see in a sequence of `max_len` positions.
@@ -222,6 +242,7 @@ impl Scratch {
         let (gpu, plan) = (&model.gpu, &model.plan);
         let h = plan.hidden;
         let max_q = plan.layers.iter().map(LayerPlan::q_width).max().unwrap_or(0);
+        let max_kv = plan.layers.iter().map(LayerPlan::kv_width).max().unwrap_or(0);
         let moe = model.weights().layers.iter().find_map(|l| l.moe.as_ref());
         let (experts, moe_inter) = moe.map_or((0, 0), |m| (m.experts.len(), m.experts[0][0].rows as usize));
         let max_i = plan.layers.iter().map(|l| l.mlp_width).max().unwrap_or(0).max(moe_inter);
@@ -241,6 +262,8 @@ impl Scratch {
             x2: gpu.alloc_zeros(f32s(t * h))?,
             a: gpu.alloc_zeros(f32s(t * h))?,
             q: gpu.alloc_zeros(f32s(t * max_q))?,
+            kr: gpu.alloc_zeros(f32s(t * max_kv))?,
+            vr: gpu.alloc_zeros(f32s(t * max_kv))?,
             att: gpu.alloc_zeros(f32s(t * max_q))?,
             o: gpu.alloc_zeros(f32s(t * h))?,
             f: gpu.alloc_zeros(f32s(t * h))?,
@@ -1129,51 +1152,66 @@ impl CudaSeq {
         let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
         let pos = self.s.meta.ptr;
 
-        // 3–11: Q, and on layers that own a cache K and V straight into this layer's staging rows;
-        // then q_norm + RoPE, k_norm + RoPE, v_norm.
+        // 3–15: Q, and on layers that own a cache K and V; q_norm + RoPE, k_norm + RoPE, v_norm;
+        // attention over the source layer's cache. A pass of up to eight tokens keeps the
+        // projections raw (K/V in `kr`/`vr`) and the attention kernel norms them (`AttentionNorms`;
+        // each block norms the pass's keys in its range, so not for longer passes); others write
+        // K/V straight into the staging rows and norm them in place first (`qkv_norm_rope`).
+        let long = self.long_pass(t);
+        let fused = !long && t <= AttentionSplit::FEW_TOKENS && self.gpu().fuse_norms;
+        let mut norms = AttentionNorms { q_norm: lw.q_norm, inv_freq: lw.inv_freq, fused: 0, k_norm: 0, kr: 0, vr: 0 };
+        if fused {
+            norms.fused = ATT_FUSED_Q;
+        }
         let (mut nk, mut nv, mut k_args) = (0, 0, (0, 0, 0));
         match (&lw.k, lw.k_norm, &self.caches[lp.index]) {
             (Some(wk), Some(k_norm), Some(c)) => {
-                let (sk, sv) = (c.staged_k.ptr, c.staged_v.ptr);
+                let (sk, sv) = if fused { (s.kr.ptr, s.vr.ptr) } else { (c.staged_k.ptr, c.staged_v.ptr) };
                 match &lw.v {
                     Some(wv) => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk), (wv, sv)], s.a.ptr, pending, 0, t)?,
                     // k_eq_v: values are the raw key projection (before k_norm and RoPE).
-                    None => {
-                        self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, pending, 0, t)?;
-                        let n = t * c.width;
-                        self.elementwise("copy", n, &[Arg::Ptr(sv), Arg::Ptr(sk), Arg::U64(n as u64)])?
-                    }
+                    None => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, pending, 0, t)?,
+                }
+                let sv = if lw.v.is_some() { sv } else { sk };
+                if fused {
+                    norms.fused |= ATT_FUSED_KV | if plan.v_norm { ATT_FUSED_VNORM } else { 0 };
+                    (norms.k_norm, norms.kr, norms.vr) = (k_norm, sk, sv);
+                } else if lw.v.is_none() {
+                    let n = t * c.width;
+                    self.elementwise("copy", n, &[Arg::Ptr(c.staged_v.ptr), Arg::Ptr(sk), Arg::U64(n as u64)])?
                 }
                 nk = lp.num_kv_heads;
                 nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
-                k_args = (sk, k_norm, sv);
+                k_args = (c.staged_k.ptr, k_norm, c.staged_v.ptr);
             }
             _ => self.matvec_after(&[(&lw.q, s.q.ptr)], s.a.ptr, pending, 0, t)?,
         }
-        let args = [
-            Arg::Ptr(s.q.ptr),
-            Arg::Ptr(lw.q_norm),
-            Arg::I32(lp.num_heads as i32),
-            Arg::Ptr(k_args.0),
-            Arg::Ptr(k_args.1),
-            Arg::I32(nk as i32),
-            Arg::Ptr(k_args.2),
-            Arg::I32(nv as i32),
-            Arg::Ptr(lw.inv_freq),
-            Arg::I32(hd as i32),
-            Arg::Ptr(pos),
-            Arg::I32(t as i32),
-            Arg::F32(eps),
-        ];
-        self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 256, 0, &args)?;
-
-        // 12–15: attention over the source layer's cache, O projection, post-attention norm and
-        // residual, then the pre-feed-forward norm (folded into the feed-forward's first matvec).
-        if self.long_pass(t) {
+        if !fused {
+            let args = [
+                Arg::Ptr(s.q.ptr),
+                Arg::Ptr(lw.q_norm),
+                Arg::I32(lp.num_heads as i32),
+                Arg::Ptr(k_args.0),
+                Arg::Ptr(k_args.1),
+                Arg::I32(nk as i32),
+                Arg::Ptr(k_args.2),
+                Arg::I32(nv as i32),
+                Arg::Ptr(lw.inv_freq),
+                Arg::I32(hd as i32),
+                Arg::Ptr(pos),
+                Arg::I32(t as i32),
+                Arg::F32(eps),
+            ];
+            self.gpu().launch("qkv_norm_rope", (t * (lp.num_heads + nk + nv)) as u32, 256, 0, &args)?;
+        }
+        if long {
             self.attention_long(lp, t)?;
         } else {
-            self.attention(lp, t)?;
+            self.attention(lp, t, &norms)?;
         }
+
+        // O projection; the post-attention norm and residual, then the pre-feed-forward norm
+        // (folded into the feed-forward's first matvec).
         self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
         let post_attn = PendingNorm { o: s.o.ptr, w1: lw.post_attn_norm, scale: 1.0, w2: lw.pre_ffn_norm };
 
@@ -1220,7 +1258,7 @@ impl CudaSeq {
         self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
     }
 
-    fn attention(&self, lp: &LayerPlan, t: usize) -> Result<()> {
+    fn attention(&self, lp: &LayerPlan, t: usize, norms: &AttentionNorms) -> Result<()> {
         let s = &self.s;
         let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
         if lp.head_dim > 512 {
@@ -1229,7 +1267,9 @@ impl CudaSeq {
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
-        let smem = f32s(lp.head_dim + split.keys_per_block + ATTENTION_WARPS * lp.head_dim);
+        // Queries, scores, per-warp sums and, with fused K/V norms, the range's normed K/V rows.
+        let staged_rows = if norms.fused & ATT_FUSED_KV != 0 { t.min(split.keys_per_block) } else { 0 };
+        let smem = f32s(lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
@@ -1253,6 +1293,13 @@ impl CudaSeq {
             Arg::Ptr(s.att_ml.ptr),
             Arg::Ptr(s.att_counters.ptr),
             Arg::I32(split_keys as i32),
+            Arg::I32(norms.fused),
+            Arg::Ptr(norms.q_norm),
+            Arg::Ptr(norms.k_norm),
+            Arg::Ptr(norms.inv_freq),
+            Arg::F32(self.model.plan.eps),
+            Arg::Ptr(norms.kr),
+            Arg::Ptr(norms.vr),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
