@@ -19,7 +19,7 @@
 
 // Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
 #define ATT_FUSED_Q 1       // q holds the raw projection: each block norms (wq) and rotates its head
-#define ATT_FUSED_KV 2      // this pass's K/V rows are raw in kr/vr: norms, RoPE, and ks/vs written here
+#define ATT_FUSED_KV 2      // (with Q) this pass's K/V rows are raw in kr/vr: norms, RoPE; ks/vs written here
 #define ATT_FUSED_VNORM 4   // with ATT_FUSED_KV: values are RMS-normed (no weight), else taken as they are
 
 // Splits of a query over n keys in a pass of T tokens.
@@ -65,6 +65,11 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const int per = (n + nsplit - 1) / nsplit;
   const int k0 = lo + split * per, nk = min(per, n - split * per);  // keys k0 .. k0 + nk
   const int kvw = kv_heads * hd;
+  // Fused norms: this thread's weight pairs (`head_pair` in common.cuh) before the wait.
+  const int half = hd / 2;
+  const float2 wqp = weight_pair(fused & ATT_FUSED_Q ? wq : nullptr, half);
+  const float2 wkp = weight_pair(fused & ATT_FUSED_KV ? wk : nullptr, half);
+  const float f = fused & ATT_FUSED_Q && inv_freq && (int)threadIdx.x < half ? inv_freq[threadIdx.x] : 0.f;
   {
     const int lines = (hd + 31) / 32;  // 128-byte lines per head row
     const int committed = max(0, min(k0 + nk, p0) - k0);
@@ -80,26 +85,33 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   float* scores = smem + hd;
   float* part = scores + per;  // [ATT_WARPS, hd]
   const float* qrow = q + ((u64)t * heads + head) * hd;
-  if (fused & ATT_FUSED_Q) {
-    norm_rope_head(qs, qrow, wq, inv_freq, hd, pos, eps);
-  } else {
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
-    __syncthreads();
-  }
   // This pass's keys in the range (positions js0 .. k0 + nk) from the raw rows: kn/vn [ns, hd].
   const int js0 = max(k0, p0), ns = (fused & ATT_FUSED_KV) ? max(0, k0 + nk - js0) : 0;
   float* kn = part + ATT_WARPS * hd;
   float* vn = kn + ns * hd;
-  for (int i = 0; i < ns; i++) {
-    const u64 raw = (u64)(js0 + i - p0) * kvw + kvh * hd;
-    norm_rope_head(kn + i * hd, kr + raw, wk, inv_freq, hd, js0 + i, eps);
-    if (fused & ATT_FUSED_VNORM) {
-      norm_rope_head(vn + i * hd, vr + raw, nullptr, nullptr, hd, js0 + i, eps);
-    } else {
-      for (int d = threadIdx.x; d < hd; d += blockDim.x) vn[i * hd + d] = vr[raw + d];
-      __syncthreads();
+  if (fused & ATT_FUSED_Q) {
+    // The query and the range's staged keys and values, normed and rotated into shared memory:
+    // one block reduction for the query and the first key and value, one per further key.
+    float2 x = head_pair(qrow, half);
+    for (int i = 0; i == 0 || i < ns; i++) {
+      const u64 raw = (u64)(js0 + i - p0) * kvw + kvh * hd;
+      const float2 kx = i < ns ? head_pair(kr + raw, half) : make_float2(0.f, 0.f);
+      const float2 vx = i < ns ? head_pair(vr + raw, half) : make_float2(0.f, 0.f);
+      double sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
+      block_sum_d3(sx, sk, sv);
+      if (i == 0) store_pair(qs, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wq != nullptr, wqp, f, pos));
+      if (i < ns) {
+        store_pair(kn + i * hd, half, norm_rope_pair(kx, rms_scale(sk, hd, eps), wk != nullptr, wkp, f, js0 + i));
+        const bool vnorm = fused & ATT_FUSED_VNORM;
+        store_pair(vn + i * hd, half,
+                   vnorm ? norm_rope_pair(vx, rms_scale(sv, hd, eps), false, wkp, 0.f, 0) : vx);
+      }
+      x = make_float2(0.f, 0.f);
     }
+  } else {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
   }
+  __syncthreads();
   if (ns > 0 && head % (heads / kv_heads) == 0 && split == nsplit - 1) {
     // The range ends at this token's own key (position pos): its row goes to the staging.
     const u64 row = (u64)t * kvw + kvh * hd;

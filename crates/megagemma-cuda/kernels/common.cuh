@@ -115,36 +115,75 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
   return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
 }
 
-// Per-head RMSNorm (weight `w`, or none) followed by rotate-half RoPE (when `inv_freq` is non-null)
-// of one head vector at position `pos`, from `src` into `dst` (the same row, or shared memory);
-// hd ≤ 512. Called by every thread of the block; on return `dst` is visible to all of them. The
-// long passes' `qkv_norm_rope` (in place) and a short pass's attention (into shared memory) both
-// use it, so a cached K/V row has the same bits whichever pass wrote it.
-__device__ __forceinline__ void norm_rope_head(float* dst, const float* src, const float* __restrict__ w,
-                                               const float* __restrict__ inv_freq, int hd, int pos, float eps) {
-  // inv_rms ends in a block reduction: every thread's reads of src are done before any write below.
-  const float r = inv_rms(src, hd, eps);
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    const float n = __fmul_rn(src[i], r);
-    dst[i] = w ? __fmul_rn(n, w[i]) : n;
+// Three block sums at once (one barrier round), each combined exactly as `block_sum_d` combines
+// one: the same bits as three calls.
+__device__ __forceinline__ void block_sum_d3(double& x, double& y, double& z) {
+  __shared__ double sh[3][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  x = warp_reduce(x, SumOp());
+  y = warp_reduce(y, SumOp());
+  z = warp_reduce(z, SumOp());
+  __syncthreads();
+  if (lane == 0) {
+    sh[0][warp] = x;
+    sh[1][warp] = y;
+    sh[2][warp] = z;
   }
   __syncthreads();
-  const int half = hd / 2;
-  const float p = (float)pos;
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    float a = dst[i], b = dst[i + half];
-    const float f = inv_freq ? inv_freq[i] : 0.f;
-    if (f != 0.f) {
-      float sn, cs;
-      sincosf(__fmul_rn(p, f), &sn, &cs);
-      const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-      b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
-      a = a2;
-    }
-    dst[i] = a;
-    dst[i + half] = b;
+  x = sh[0][0];
+  y = sh[1][0];
+  z = sh[2][0];
+  for (int i = 1; i < nw; i++) {
+    x = x + sh[0][i];
+    y = y + sh[1][i];
+    z = z + sh[2][i];
   }
-  __syncthreads();
+}
+
+// Per-head RMSNorm (weight w, or none) and rotate-half RoPE (inv_freq, or none) of head rows of
+// hd ≤ 2·blockDim elements, in registers: thread i < hd/2 holds the pair (i, i + hd/2) of a row,
+// the two elements the rotation mixes. A row's sum of squares is a² + b² per thread, then the
+// block's in warp order. The long passes' `qkv_norm_rope` (ops.cu) and a short pass's attention
+// (`ATT_FUSED_*` in attention.cu) both use these, so a cached K/V row has the same bits whichever
+// pass wrote it.
+__device__ __forceinline__ float2 head_pair(const float* row, int half) {
+  const int i = threadIdx.x;
+  return i < half ? make_float2(row[i], row[i + half]) : make_float2(0.f, 0.f);
+}
+__device__ __forceinline__ double pair_sq(float2 v) {
+  const double a = v.x, b = v.y;
+  return a * a + b * b;
+}
+// 1 / RMS of a row from its sum of squares (+ eps), as `inv_rms`.
+__device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
+  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+}
+// The pair normed (r), times the weight pair w when `weighted`, then rotated by pos·f (not when f = 0).
+__device__ __forceinline__ float2 norm_rope_pair(float2 v, float r, bool weighted, float2 w, float f, int pos) {
+  float a = __fmul_rn(v.x, r), b = __fmul_rn(v.y, r);
+  if (weighted) {
+    a = __fmul_rn(a, w.x);
+    b = __fmul_rn(b, w.y);
+  }
+  if (f != 0.f) {
+    float sn, cs;
+    sincosf(__fmul_rn((float)pos, f), &sn, &cs);
+    const float a2 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+    b = __fadd_rn(__fmul_rn(b, cs), __fmul_rn(a, sn));
+    a = a2;
+  }
+  return make_float2(a, b);
+}
+// This thread's pair of a weight row (w[i], w[i + half]); ones where there is none.
+__device__ __forceinline__ float2 weight_pair(const float* __restrict__ w, int half) {
+  const int i = threadIdx.x;
+  return w && i < half ? make_float2(w[i], w[i + half]) : make_float2(1.f, 1.f);
+}
+__device__ __forceinline__ void store_pair(float* row, int half, float2 v) {
+  if (threadIdx.x < half) {
+    row[threadIdx.x] = v.x;
+    row[threadIdx.x + half] = v.y;
+  }
 }
 
 // A residual step (`add_norm_body` in ops.cu, and folded into a matvec: `residual_stats` in

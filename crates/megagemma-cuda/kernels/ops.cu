@@ -33,23 +33,34 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
 // Q, K and V heads after their projections, in one launch: Q heads normed with wq and rotated,
 // K heads normed with wk and rotated, V heads normed without weight (nk = 0 skips K and V; wv
 // unused when nv = 0). Each buffer is [T, heads, hd]; one block per (t, head); blocks run Q, then
-// K, then V. Long passes only: a short pass's attention does the same per block (`ATT_FUSED_*`
-// in attention.cu), with the same function.
+// K, then V. Passes of more than eight tokens only: a shorter pass's attention norms its rows itself
+// (`ATT_FUSED_*` in attention.cu) with the same functions.
 STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ wq, int nq, float* k,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
                                          int T, float eps) {
-  pdl_start();
-  int b = vb;
-  int p0 = pos[0];
-  if (b < T * nq) {
-    norm_rope_head(q + (u64)b * hd, q + (u64)b * hd, wq, inv_freq, hd, p0 + b / nq, eps);
-  } else if ((b -= T * nq) < T * nk) {
-    norm_rope_head(k + (u64)b * hd, k + (u64)b * hd, wk, inv_freq, hd, p0 + b / nk, eps);
-  } else {
-    b -= T * nk;
-    norm_rope_head(v + (u64)b * hd, v + (u64)b * hd, nullptr, nullptr, hd, p0 + b / nv, eps);
+  int b = vb, heads = nq;
+  float* h = q;
+  const float* w = wq;
+  const float* freq = inv_freq;
+  if (b >= T * nq) {
+    b -= T * nq;
+    if (b < T * nk) {
+      h = k, w = wk, heads = nk;
+    } else {
+      b -= T * nk;
+      h = v, w = nullptr, freq = nullptr, heads = nv;
+    }
   }
+  // Weights before the wait.
+  const int half = hd / 2;
+  const float2 wp = weight_pair(w, half);
+  const float f = freq && (int)threadIdx.x < half ? freq[threadIdx.x] : 0.f;
+  pdl_start();
+  float* row = h + (u64)b * hd;
+  const float2 x = head_pair(row, half);
+  const float r = rms_scale(block_sum_d(pair_sq(x)), hd, eps);
+  store_pair(row, half, norm_rope_pair(x, r, w != nullptr, wp, f, pos[0] + b / heads));
 }
 extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
