@@ -236,9 +236,12 @@ pub struct Gpu {
     /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
     /// decode and verify.
     pub att_split_keys: usize,
-    /// Short passes norm and rotate Q/K/V inside the attention kernel instead of a `qkv_norm_rope`
-    /// stage (`MEGAGEMMA_CUDA_FUSE_NORMS=0` turns it off; the results have the same bits).
-    pub fuse_norms: bool,
+    /// Whether passes of up to eight tokens norm and rotate Q/K/V inside the attention kernel
+    /// instead of a `qkv_norm_rope` stage (the same bits either way). By default (`None`) only in
+    /// the megakernel's stage table, where a stage costs a grid-wide wait (E4B −2%); in the graph
+    /// the separate stage overlaps its neighbours and fusing cost ~1% (docs/perf-notes.md, tenth
+    /// session). `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` forces it off or on.
+    pub fuse_norms: Option<bool>,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
@@ -339,7 +342,11 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
-            fuse_norms: env_count("MEGAGEMMA_CUDA_FUSE_NORMS", 0..=1, 1) == 1,
+            fuse_norms: std::env::var("MEGAGEMMA_CUDA_FUSE_NORMS").ok().and_then(|v| match v.as_str() {
+                "0" => Some(false),
+                "1" => Some(true),
+                _ => None,
+            }),
             profile,
             blas,
             recording: Default::default(),
@@ -509,6 +516,11 @@ impl Gpu {
     pub fn start_recording(&self) {
         *self.recording.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
         self.recording_on.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether launches are being kept (a megakernel stage table is being recorded).
+    pub fn is_recording(&self) -> bool {
+        self.recording_on.load(Ordering::Relaxed)
     }
 
     /// The launches kept since [`Gpu::start_recording`], in order; launches run again.

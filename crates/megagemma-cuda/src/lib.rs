@@ -16,7 +16,9 @@
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`
 //! (tokens per prefill pass), `MEGAGEMMA_CUDA_DECODE=graph|megakernel`, `MEGAGEMMA_CUDA_MK_TRACE=FILE`
 //! (the megakernel's per-block trace of each step), `MEGAGEMMA_CUDA_FOLD_NORMS=0` (residual steps as
-//! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
+//! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` (Q/K/V
+//! norms and RoPE inside the attention kernel of short passes: default in the megakernel only; same
+//! results), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
 //! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
 //! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for, default 1) and

@@ -1153,12 +1153,14 @@ impl CudaSeq {
         let pos = self.s.meta.ptr;
 
         // 3–15: Q, and on layers that own a cache K and V; q_norm + RoPE, k_norm + RoPE, v_norm;
-        // attention over the source layer's cache. A pass of up to eight tokens keeps the
-        // projections raw (K/V in `kr`/`vr`) and the attention kernel norms them (`AttentionNorms`;
-        // each block norms the pass's keys in its range, so not for longer passes); others write
-        // K/V straight into the staging rows and norm them in place first (`qkv_norm_rope`).
+        // attention over the source layer's cache. With `fuse_norms` (the megakernel's stage
+        // table, by default) a pass of up to eight tokens keeps the projections raw (K/V in
+        // `kr`/`vr`) and the attention kernel norms them (`AttentionNorms`; each block norms the
+        // pass's keys in its range, so not for longer passes); otherwise K/V go straight into the
+        // staging rows and `qkv_norm_rope` norms them in place first.
         let long = self.long_pass(t);
-        let fused = !long && t <= AttentionSplit::FEW_TOKENS && self.gpu().fuse_norms;
+        let gpu = self.gpu();
+        let fused = !long && t <= AttentionSplit::FEW_TOKENS && gpu.fuse_norms.unwrap_or_else(|| gpu.is_recording());
         let mut norms = AttentionNorms { q_norm: lw.q_norm, inv_freq: lw.inv_freq, fused: 0, k_norm: 0, kr: 0, vr: 0 };
         if fused {
             norms.fused = ATT_FUSED_Q;
