@@ -1161,42 +1161,48 @@ impl CudaSeq {
         let long = self.long_pass(t);
         let gpu = self.gpu();
         let fused = !long && t <= AttentionSplit::FEW_TOKENS && gpu.fuse_norms.unwrap_or_else(|| gpu.is_recording());
-        let mut norms = AttentionNorms { q_norm: lw.q_norm, inv_freq: lw.inv_freq, fused: 0, k_norm: 0, kr: 0, vr: 0 };
-        if fused {
-            norms.fused = ATT_FUSED_Q;
-        }
-        let (mut nk, mut nv, mut k_args) = (0, 0, (0, 0, 0));
+        let mut norms = AttentionNorms {
+            fused: if fused { ATT_FUSED_Q } else { 0 },
+            q_norm: lw.q_norm,
+            inv_freq: lw.inv_freq,
+            k_norm: 0,
+            kr: 0,
+            vr: 0,
+        };
+        // qkv_norm_rope's K and V arguments: rows, k_norm weight, heads, rows, heads (none: 0).
+        let mut kv_norms = (0, 0, 0, 0, 0);
         match (&lw.k, lw.k_norm, &self.caches[lp.index]) {
             (Some(wk), Some(k_norm), Some(c)) => {
-                let (sk, sv) = if fused { (s.kr.ptr, s.vr.ptr) } else { (c.staged_k.ptr, c.staged_v.ptr) };
+                let (k, v) = if fused { (s.kr.ptr, s.vr.ptr) } else { (c.staged_k.ptr, c.staged_v.ptr) };
                 match &lw.v {
-                    Some(wv) => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk), (wv, sv)], s.a.ptr, pending, 0, t)?,
-                    // k_eq_v: values are the raw key projection (before k_norm and RoPE).
-                    None => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, sk)], s.a.ptr, pending, 0, t)?,
+                    Some(wv) => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, k), (wv, v)], s.a.ptr, pending, 0, t)?,
+                    None => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, k)], s.a.ptr, pending, 0, t)?,
                 }
-                let sv = if lw.v.is_some() { sv } else { sk };
+                let nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
+                // k_eq_v (no V projection): values are the raw key projection (before k_norm and RoPE).
                 if fused {
-                    norms.fused |= ATT_FUSED_KV | if plan.v_norm { ATT_FUSED_VNORM } else { 0 };
-                    (norms.k_norm, norms.kr, norms.vr) = (k_norm, sk, sv);
-                } else if lw.v.is_none() {
-                    let n = t * c.width;
-                    self.elementwise("copy", n, &[Arg::Ptr(c.staged_v.ptr), Arg::Ptr(sk), Arg::U64(n as u64)])?
+                    norms.fused |= ATT_FUSED_KV | if nv > 0 { ATT_FUSED_VNORM } else { 0 };
+                    (norms.k_norm, norms.kr, norms.vr) = (k_norm, k, if lw.v.is_some() { v } else { k });
+                } else {
+                    if lw.v.is_none() {
+                        let n = t * c.width;
+                        self.elementwise("copy", n, &[Arg::Ptr(v), Arg::Ptr(k), Arg::U64(n as u64)])?
+                    }
+                    kv_norms = (k, k_norm, lp.num_kv_heads, v, nv);
                 }
-                nk = lp.num_kv_heads;
-                nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
-                k_args = (c.staged_k.ptr, k_norm, c.staged_v.ptr);
             }
             _ => self.matvec_after(&[(&lw.q, s.q.ptr)], s.a.ptr, pending, 0, t)?,
         }
         if !fused {
+            let (k, k_norm, nk, v, nv) = kv_norms;
             let args = [
                 Arg::Ptr(s.q.ptr),
                 Arg::Ptr(lw.q_norm),
                 Arg::I32(lp.num_heads as i32),
-                Arg::Ptr(k_args.0),
-                Arg::Ptr(k_args.1),
+                Arg::Ptr(k),
+                Arg::Ptr(k_norm),
                 Arg::I32(nk as i32),
-                Arg::Ptr(k_args.2),
+                Arg::Ptr(v),
                 Arg::I32(nv as i32),
                 Arg::Ptr(lw.inv_freq),
                 Arg::I32(hd as i32),
