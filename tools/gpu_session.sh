@@ -4,7 +4,8 @@
 # BIN_DIR holds the release `megagemma` binary built on the CPU machine (and, when present,
 # the `gpu_check` example and the `gpu_forward` test binary). Logs go to $OUT (default /tmp/out).
 #  1. GPU tests and gpu_check: stages and fixtures (also long prompts, in one prefill pass and in
-#     chunks) against the CPU reference, verify columns; default kernels and CUDA-core 4-bit only.
+#     chunks) against the CPU reference, verify columns; default kernels and CUDA-core 4-bit only;
+#     several sequences in one step against each stepped alone (gpu_check batch).
 #     Also a random model of E4B's widths (tools/make_bench_model.py), whose matrices reach the
 #     tensor-core matvec's split paths, against the CPU backend.
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
@@ -12,7 +13,8 @@
 #     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
 #     synccheck, memcheck) over a few megakernel steps of one fixture. The real Gemma 3 270M GGUF
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
-#  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B at an
+#  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B with
+#     four sequences stepped together (--batch 4); E4B at an
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
@@ -53,6 +55,14 @@ if [ -x "$BIN/gpu_check" ]; then
   timeout 300 "$BIN/gpu_check" megakernel > "$OUT/gpu_check_megakernel.log" 2>&1 || fail=1
   grep -v " ok$" "$OUT/gpu_check_megakernel.log"
   echo "gpu_check megakernel: $(grep -c ' ok$' "$OUT/gpu_check_megakernel.log") checks ok"
+fi
+
+# Several sequences in one step (one weight pass per eight): every output bit-identical to the
+# same sequence stepped alone.
+if [ -x "$BIN/gpu_check" ]; then
+  timeout 300 "$BIN/gpu_check" batch > "$OUT/gpu_check_batch.log" 2>&1 || fail=1
+  grep -v " ok$" "$OUT/gpu_check_batch.log"
+  echo "gpu_check batch: $(grep -c ' ok$' "$OUT/gpu_check_batch.log") checks ok"
 fi
 
 # Shapes the fixtures are too small to reach: a random 2-layer model of E4B's widths (gate/up
@@ -117,6 +127,7 @@ for m in e4b e2b; do
     --trace "$OUT/trace_$m.json" 2>&1 | tee "$OUT/bench_${m}_megakernel.log" || fail=1
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
+timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --batch 4 2>&1 | tee "$OUT/bench_e4b_batch4.log" || fail=1
 if [ -z "${QUICK:-}" ]; then
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
 # Prefill of a 2048-token prompt (long passes on cuBLAS), and the prefill path against the matvecs

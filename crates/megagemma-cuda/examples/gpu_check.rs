@@ -10,11 +10,13 @@
 //! `gpu_check megakernel [DIR…]`: the megakernel's decode steps against the graph's, bit for bit,
 //!   on the fixtures and synthetic models; an unsatisfiable schedule must fail within a second;
 //!   then decode speed of both on synthetic E4B and E2B.
+//! `gpu_check batch [DIR…]`: decode steps of several sequences in one `step` (one weight pass)
+//!   against the same sequences stepped alone, bit for bit, on the fixtures and synthetic models.
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
 use megagemma_cuda::check::{
-    compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt, megakernel_broken_schedule,
-    megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS,
+    batch_matches_lone, compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt,
+    megakernel_broken_schedule, megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS,
 };
 use megagemma_cuda::{CudaModel, CudaSeq, Decode, Want};
 use megagemma_model::Result;
@@ -64,6 +66,7 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             Ok(true)
         }
         "megakernel" => megakernel_check(&fixtures()?),
+        "batch" => batch_check(&fixtures()?),
         "prefill" => {
             let name = rest.first().map_or("e4b", String::as_str);
             let tokens = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(2048);
@@ -79,7 +82,9 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
             Ok(a && b)
         }
         other => {
-            megagemma_model::bail!("unknown command '{other}' (fixtures, verify, bench, prefill, megakernel, all)")
+            megagemma_model::bail!(
+                "unknown command '{other}' (fixtures, verify, bench, prefill, megakernel, batch, all)"
+            )
         }
     }
 }
@@ -242,6 +247,44 @@ fn prefill_bench(name: &str, tokens: usize) -> Result<()> {
 
 /// The megakernel against the graph path (bit for bit), its failure on a broken schedule, and
 /// both paths' decode speed.
+fn batch_check(dirs: &[PathBuf]) -> Result<bool> {
+    const STEPS: usize = 12;
+    let mut ok = true;
+    let mut report = |label: &str, cm: &Arc<CudaModel>, prompts: &[Vec<u32>]| -> Result<()> {
+        let r = batch_matches_lone(cm, prompts, STEPS)?;
+        ok &= r.ok();
+        println!(
+            "batch {label:<28} {} sequences: {:>3}/{} outputs bit-identical to lone steps  {}",
+            prompts.len(),
+            r.identical,
+            r.outputs,
+            if r.ok() { "ok" } else { "FAIL" }
+        );
+        Ok(())
+    };
+    // Three sequences at different positions: each fixture prompt, shortened and rotated.
+    for dir in dirs {
+        for (label, model) in fixture_models(dir)? {
+            let cm = CudaModel::load(&model)?;
+            if let Some((_, p)) = fixture_cases(dir)?.into_iter().next() {
+                let prompts: Vec<Vec<u32>> = (0..3)
+                    .map(|i| p.iter().cycle().skip(i).take((p.len() + 2 * i).max(1)).copied().collect())
+                    .collect();
+                report(&label, &cm, &prompts)?;
+            }
+        }
+    }
+    // Nine sequences: a pass of eight and one alone.
+    for name in ["tiny", "e4b"] {
+        let cm = CudaModel::synthetic(name, "q4")?;
+        let vocab = cm.plan().vocab_size as u32;
+        let prompts: Vec<Vec<u32>> =
+            (0..9u32).map(|s| (0..20 + 3 * s).map(|i| (i * 7919 + 11 + s * 131) % vocab).collect()).collect();
+        report(&format!("synthetic {name}"), &cm, &prompts)?;
+    }
+    Ok(ok)
+}
+
 fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
     const STEPS: usize = 16;
     let mut ok = true;

@@ -5,7 +5,7 @@
 //! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
 
 use crate::model::CudaModel;
-use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_VERIFY};
+use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
 use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
@@ -27,6 +27,9 @@ pub struct CudaBackend {
     step_tokens: u64,
     /// How new sequences launch their decode steps.
     decode: Decode,
+    /// A step of several sequences runs them in one weight pass (`MEGAGEMMA_CUDA_BATCH=0`: one
+    /// pass each).
+    batch_steps: bool,
 }
 
 impl CudaBackend {
@@ -40,6 +43,7 @@ impl CudaBackend {
             step_launches: 0,
             step_tokens: 0,
             decode: Decode::from_env(),
+            batch_steps: std::env::var("MEGAGEMMA_CUDA_BATCH").map_or(true, |v| v != "0"),
         }
     }
 
@@ -68,6 +72,34 @@ impl CudaBackend {
     fn check(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let s = self.seqs.get(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
         check_pass(seq, tokens, self.model.plan().vocab_size, s.len(), s.staged(), self.max_context)
+    }
+
+    /// One weight pass for the (distinct, checked) sequences of `chunk` (`CudaSeq::step_batch`).
+    fn step_batched(&mut self, chunk: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
+        if chunk.len() == 1 {
+            let (seq, tok) = chunk[0];
+            let o = self.seq_mut(seq)?.step(tok, needs_logits(want))?;
+            self.stats.passes += 1;
+            return Ok(vec![self.host_output(o, want)]);
+        }
+        // The sequences leave the map for the pass and all come back, whatever it returns.
+        let mut taken: Vec<(SeqId, CudaSeq)> =
+            chunk.iter().filter_map(|(id, _)| self.seqs.remove(id).map(|s| (*id, s))).collect();
+        let tokens: Vec<u32> = chunk.iter().map(|&(_, t)| t).collect();
+        let before = self.model.launches();
+        let ran = match taken.split_first_mut() {
+            Some((first, rest)) if rest.len() + 1 == chunk.len() => {
+                let mut others: Vec<&mut CudaSeq> = rest.iter_mut().map(|(_, s)| s).collect();
+                first.1.step_batch(&mut others, &tokens, needs_logits(want))
+            }
+            _ => Err(Error::invalid_input("unknown sequence in a batched step".to_string())),
+        };
+        self.seqs.extend(taken);
+        let outs = ran?;
+        self.step_launches += self.model.launches() - before;
+        self.step_tokens += chunk.len() as u64;
+        self.stats.passes += 1;
+        Ok(outs.into_iter().map(|o| self.host_output(o, want)).collect())
     }
 
     fn host_output(&mut self, o: crate::seq::PosOut, want: Want) -> PosOut {
@@ -165,7 +197,15 @@ impl Backend for CudaBackend {
                 return Err(Error::invalid_input(format!("sequence {seq} appears twice in one step")));
             }
         }
-        // One pass per sequence for now: the kernels take M columns of one sequence.
+        // Several sequences: one weight pass per MAX_BATCH of them (`MEGAGEMMA_CUDA_BATCH=0`: one
+        // pass per sequence, each a graph or megakernel launch).
+        if batch.len() > 1 && self.batch_steps {
+            let mut outs = Vec::with_capacity(batch.len());
+            for chunk in batch.chunks(MAX_BATCH) {
+                outs.extend(self.step_batched(chunk, want)?);
+            }
+            return Ok(outs);
+        }
         let mut outs = Vec::with_capacity(batch.len());
         for (seq, tok) in batch {
             let before = self.model.launches();

@@ -270,6 +270,48 @@ pub fn megakernel_matches_graph(cm: &Arc<CudaModel>, prompt: &[u32], steps: usiz
     Ok(r)
 }
 
+/// Batched decode steps against lone ones (issue 9: several sequences in one weight pass).
+pub struct BatchReport {
+    /// Steps × sequences whose logits were bit-identical to the lone sequence's.
+    pub identical: usize,
+    pub outputs: usize,
+}
+
+impl BatchReport {
+    pub fn ok(&self) -> bool {
+        self.identical == self.outputs && self.outputs > 0
+    }
+}
+
+/// Through the backend interface: `prompts.len()` sequences prefilled with their own prompts
+/// (different lengths, so different positions), then `steps` decode steps of all of them in one
+/// `step` call (one weight pass per eight) against the same sequences stepped one by one (each
+/// a graph launch). Every output's logits must be bit-identical.
+pub fn batch_matches_lone(cm: &Arc<CudaModel>, prompts: &[Vec<u32>], steps: usize) -> Result<BatchReport> {
+    use megagemma_model::backend::{Backend, Want as BWant};
+    let ctx = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps + 2;
+    let mut b = crate::CudaBackend::new(cm.clone(), Some(ctx));
+    let (mut batched, mut lone) = (vec![], vec![]);
+    for p in prompts {
+        let (x, y) = (b.new_sequence()?, b.new_sequence()?);
+        let tok = b.prefill(x, p, BWant::Argmax)?.argmax;
+        b.prefill(y, p, BWant::Argmax)?;
+        batched.push((x, tok));
+        lone.push(y);
+    }
+    let mut r = BatchReport { identical: 0, outputs: 0 };
+    for _ in 0..steps {
+        let outs = b.step(&batched, BWant::Logits)?;
+        for ((_, tok), (o, &y)) in batched.iter_mut().zip(outs.iter().zip(&lone)) {
+            let l = b.decode(y, *tok, BWant::Logits)?;
+            r.outputs += 1;
+            r.identical += usize::from(o.argmax == l.argmax && o.logits == l.logits && !o.logits.is_empty());
+            *tok = l.argmax;
+        }
+    }
+    Ok(r)
+}
+
 /// A megakernel step whose schedule can never be satisfied: how long it took to come back, and
 /// the error it came back with (an `Ok` here means the failure was not detected).
 pub fn megakernel_broken_schedule(cm: &Arc<CudaModel>, prompt: &[u32]) -> Result<(std::time::Duration, String)> {

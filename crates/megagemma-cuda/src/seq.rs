@@ -116,6 +116,40 @@ pub(crate) struct LayerCache {
     pub(crate) ring: usize,
 }
 
+impl LayerCache {
+    fn view(&self) -> KvView {
+        KvView {
+            k: self.k.ptr,
+            v: self.v.ptr,
+            staged_k: self.staged_k.ptr,
+            staged_v: self.staged_v.ptr,
+            ring: self.ring,
+        }
+    }
+}
+
+/// A cache-owning layer's device pointers, as a pass's attention reads and stages them.
+#[derive(Clone, Copy)]
+struct KvView {
+    k: u64,
+    v: u64,
+    staged_k: u64,
+    staged_v: u64,
+    ring: usize,
+}
+
+/// One column of a batched step ([`CudaSeq::step_batch`]): its sequence's caches and positions.
+struct Member {
+    caches: Vec<Option<KvView>>,
+    /// The sequence's `[position, token]` upload (`Scratch::meta`): the attention and the K/V
+    /// commit of its column read the position there.
+    meta: u64,
+}
+
+/// Most sequences one batched step runs (its attention norms every column's K/V: passes of up to
+/// eight tokens).
+pub const MAX_BATCH: usize = 8;
+
 /// One cache-owning layer as `kv_commit` reads it (`struct KvLayer` in `kernels/ops.cu`).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -323,6 +357,8 @@ pub struct CudaSeq {
     trace_file: Option<std::path::PathBuf>,
     /// While a pass is being launched: whether the residual stream is in `s.x2` (`xcur`).
     x_in_x2: std::cell::Cell<bool>,
+    /// During a batched step, the sequence of each column (empty: every column is this one's).
+    members: std::cell::RefCell<Vec<Member>>,
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
@@ -407,6 +443,7 @@ impl CudaSeq {
             trace_megakernel: trace_file.is_some(),
             trace_file,
             x_in_x2: Default::default(),
+            members: Default::default(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
         };
         seq.upload_kv_table()?;
@@ -580,6 +617,75 @@ impl CudaSeq {
             self.commit(1)?;
         }
         Ok(out)
+    }
+
+    /// One decode step of several sequences in one weight pass, committed: column 0 is this
+    /// sequence's `tokens[0]`, column i its `others[i − 1]`'s `tokens[i]`. Each column's attention
+    /// reads and stages its own sequence's K/V at its own position, and every column's arithmetic
+    /// is a lone `step`'s (matvec columns are independent of each other; the norms run inside
+    /// the attention): the same ids and logits, bit for bit (`gpu_check batch`). Launched kernel
+    /// by kernel (no graph, no megakernel).
+    pub fn step_batch(&mut self, others: &mut [&mut CudaSeq], tokens: &[u32], logits: bool) -> Result<Vec<PosOut>> {
+        let n = tokens.len();
+        let vocab = self.model.plan.vocab_size;
+        if n != others.len() + 1 || n > MAX_BATCH {
+            bail!(
+                "a batched step takes one token per sequence, at most {MAX_BATCH} sequences ({n} tokens, {} sequences)",
+                others.len() + 1
+            );
+        }
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
+            bail!("token id {bad} is out of range (vocab_size is {vocab})");
+        }
+        for o in others.iter() {
+            if !Arc::ptr_eq(&o.model, &self.model) || o.max_len != self.max_len {
+                bail!("a batched step runs sequences of one model and one context length");
+            }
+        }
+        for s in std::iter::once(&*self).chain(others.iter().map(|o| &**o)) {
+            if s.len + 1 > s.max_len {
+                bail!("position {} is past this sequence's maximum length {}", s.len, s.max_len);
+            }
+        }
+        self.reserve(n)?;
+        let model = self.model.clone();
+        let gpu = &model.gpu;
+        let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
+        gpu.upload(self.s.meta.ptr, &meta)?;
+        for (o, &tok) in others.iter().zip(&tokens[1..]) {
+            gpu.upload(o.s.meta.ptr, &[o.len as u32, tok])?;
+        }
+        let member = |s: &CudaSeq| Member {
+            caches: s.caches.iter().map(|c| c.as_ref().map(LayerCache::view)).collect(),
+            meta: s.s.meta.ptr,
+        };
+        *self.members.borrow_mut() = std::iter::once(member(self)).chain(others.iter().map(|o| member(o))).collect();
+        let ran = self.run(n, 0);
+        self.members.borrow_mut().clear();
+        ran?;
+        // Each column's K/V row, staged by its attention, committed at its sequence's position.
+        for s in std::iter::once(&*self).chain(others.iter().map(|o| &**o)) {
+            if s.kv_layers > 0 {
+                let args = [Arg::Ptr(s.kv_table.ptr), Arg::Ptr(s.s.meta.ptr)];
+                gpu.launch("kv_commit_step", 2 * s.kv_layers as u32, 128, 0, &args)?;
+            }
+        }
+        let mut ids = vec![0u32; n];
+        gpu.download(&mut ids, self.s.ids.ptr)?;
+        let mut all = vec![];
+        if logits {
+            all = vec![0f32; n * vocab];
+            gpu.download(&mut all, self.s.logits.ptr)?;
+        }
+        for s in std::iter::once(&mut *self).chain(others.iter_mut().map(|o| &mut **o)) {
+            s.len += 1;
+            s.staged = 0;
+        }
+        Ok(ids
+            .into_iter()
+            .enumerate()
+            .map(|(i, argmax)| PosOut { argmax, logits: logits.then(|| all[i * vocab..(i + 1) * vocab].to_vec()) })
+            .collect())
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
@@ -1160,7 +1266,11 @@ impl CudaSeq {
         // staging rows and `qkv_norm_rope` norms them in place first.
         let long = self.long_pass(t);
         let gpu = self.gpu();
-        let fused = !long && t <= AttentionSplit::FEW_TOKENS && gpu.fuse_norms.unwrap_or_else(|| gpu.is_recording());
+        // A batched step's columns have their own positions: only the attention knows them.
+        let batched = !self.members.borrow().is_empty();
+        let fused = !long
+            && t <= AttentionSplit::FEW_TOKENS
+            && (batched || gpu.fuse_norms.unwrap_or_else(|| gpu.is_recording()));
         let mut norms = AttentionNorms {
             fused: if fused { ATT_FUSED_Q } else { 0 },
             q_norm: lw.q_norm,
@@ -1266,12 +1376,38 @@ impl CudaSeq {
         self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
     }
 
+    /// Attention of the pass's `t` tokens over this sequence's cache, or in a batched step of each
+    /// column over its own sequence's cache (one launch per column).
     fn attention(&self, lp: &LayerPlan, t: usize, norms: &AttentionNorms) -> Result<()> {
+        let members = self.members.borrow();
+        if members.is_empty() {
+            let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
+            return self.attention_launch(lp, c.view(), self.s.meta.ptr, 0, t, norms);
+        }
+        for (col, m) in members.iter().enumerate() {
+            let Some(c) = m.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
+            self.attention_launch(lp, c, m.meta, col, 1, norms)?;
+        }
+        Ok(())
+    }
+
+    /// Attention of tokens `col .. col + t` of the pass over the cache `c`, at the positions from
+    /// `meta` on.
+    fn attention_launch(
+        &self,
+        lp: &LayerPlan,
+        c: KvView,
+        meta: u64,
+        col: usize,
+        t: usize,
+        norms: &AttentionNorms,
+    ) -> Result<()> {
         let s = &self.s;
-        let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
         if lp.head_dim > 512 {
             bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
         }
+        let (q_at, kv_at) = (f32s(col * lp.q_width()) as u64, f32s(col * lp.kv_width()) as u64);
+        let raw = |p: u64| if p == 0 { 0 } else { p + kv_at };
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
@@ -1282,16 +1418,16 @@ impl CudaSeq {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
         let args = [
-            Arg::Ptr(s.q.ptr),
-            Arg::Ptr(c.k.ptr),
-            Arg::Ptr(c.v.ptr),
-            Arg::Ptr(c.staged_k.ptr),
-            Arg::Ptr(c.staged_v.ptr),
-            Arg::Ptr(s.att.ptr),
+            Arg::Ptr(s.q.ptr + q_at),
+            Arg::Ptr(c.k),
+            Arg::Ptr(c.v),
+            Arg::Ptr(c.staged_k),
+            Arg::Ptr(c.staged_v),
+            Arg::Ptr(s.att.ptr + q_at),
             Arg::I32(lp.num_heads as i32),
             Arg::I32(lp.num_kv_heads as i32),
             Arg::I32(lp.head_dim as i32),
-            Arg::Ptr(s.meta.ptr),
+            Arg::Ptr(meta),
             Arg::I32(lp.window.unwrap_or(0) as i32),
             Arg::I32(c.ring as i32),
             Arg::F32(self.model.plan.attn_scale),
@@ -1306,8 +1442,8 @@ impl CudaSeq {
             Arg::Ptr(norms.k_norm),
             Arg::Ptr(norms.inv_freq),
             Arg::F32(self.model.plan.eps),
-            Arg::Ptr(norms.kr),
-            Arg::Ptr(norms.vr),
+            Arg::Ptr(raw(norms.kr)),
+            Arg::Ptr(raw(norms.vr)),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)

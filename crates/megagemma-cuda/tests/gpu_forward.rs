@@ -95,6 +95,20 @@ fn megakernel_matches_graph_and_fails_cleanly() {
     assert!(err.contains("megakernel"), "{err}");
 }
 
+/// Several sequences in one `step` (one weight pass; nine sequences: a pass of eight and one
+/// alone) give every sequence the logits it gets stepped alone, bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn batched_steps_equal_lone_steps() {
+    for (dir, label, model) in fixture_models() {
+        let cm = CudaModel::load(&model).expect("upload");
+        let (_, p) = fixture_cases(&dir).expect("cases").remove(0);
+        let prompts: Vec<Vec<u32>> = (1..=9).map(|n| p.iter().cycle().take(n).copied().collect()).collect();
+        let r = check::batch_matches_lone(&cm, &prompts, 6).expect("batched steps");
+        assert!(r.ok(), "{label}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
+    }
+}
+
 /// Without a GPU loading is one clear error; with one, it works.
 #[test]
 fn load_is_one_clear_error_without_a_gpu() {

@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Decode steps timed.
     #[arg(long, default_value_t = 128)]
     pub tokens: usize,
+    /// Also decode N sequences together, one `step` of all of them per token (one weight pass on
+    /// CUDA for up to 8; a batched matmul on the CPU), and report the aggregate tok/s.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub batch: usize,
     /// Context length of the sequence.
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
@@ -65,6 +69,10 @@ struct Figures {
     verify_ms: f64,
     weight_bytes: usize,
     spec_tps: Option<(f64, f64)>,
+    /// Launches per token of the single-sequence decode (before the batched run).
+    launches: Option<f64>,
+    /// `--batch N`: ms per step of all N sequences.
+    batch_ms: Option<f64>,
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
@@ -73,6 +81,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     }
     if args.prompt_len == 0 || args.tokens == 0 {
         bail!("--prompt-len and --tokens must be at least 1");
+    }
+    if !(1..=256).contains(&args.batch) {
+        bail!("--batch must be between 1 and 256");
     }
     let kind: BackendKind = args.backend.parse()?;
     let decode: Option<Decode> = args.decode.as_deref().map(str::parse).transpose()?;
@@ -164,6 +175,8 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         let mean = g.spec.as_ref().map_or(0.0, |s| s.mean_accepted());
         Some((g.decode_tokens_per_second(), mean))
     };
+    let launches = b.launches_per_token();
+    let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
     Ok(Figures {
         read_gbps,
         prefill_tps: args.prompt_len as f64 / prefill_s,
@@ -172,7 +185,39 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         verify_ms,
         weight_bytes: b.decode_weight_bytes(),
         spec_tps,
+        launches,
+        batch_ms,
     })
+}
+
+/// ms per decode step of `--batch` sequences stepped together (after a prefill of each and one
+/// untimed step: kernels, caches).
+fn measure_batch(b: &mut dyn Backend, args: &BenchArgs, prompt: &[u32]) -> Result<f64> {
+    let mut batch = Vec::with_capacity(args.batch);
+    for i in 0..args.batch {
+        let seq = b.new_sequence()?;
+        // Each sequence its own prompt (a rotation of the bench prompt).
+        let mut p = prompt.to_vec();
+        p.rotate_left(i % prompt.len());
+        batch.push((seq, b.prefill(seq, &p, Want::Argmax)?.argmax));
+    }
+    let mut step = |batch: &mut Vec<(megagemma_model::backend::SeqId, u32)>| -> Result<()> {
+        let outs = b.step(batch, Want::Argmax)?;
+        for ((_, tok), o) in batch.iter_mut().zip(outs) {
+            *tok = o.argmax;
+        }
+        Ok(())
+    };
+    step(&mut batch)?;
+    let t = Instant::now();
+    for _ in 0..args.tokens {
+        step(&mut batch)?;
+    }
+    let ms = t.elapsed().as_secs_f64() * 1e3 / args.tokens as f64;
+    for (seq, _) in batch {
+        b.free(seq)?;
+    }
+    Ok(ms)
 }
 
 /// Read bandwidth of the memory the backend streams weights from: the device's (from the
@@ -214,7 +259,7 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     let gbps = f.weight_bytes as f64 / (f.decode_ms / 1e3) / 1e9;
     let pct = 100.0 * gbps / f.read_gbps;
     let ceiling = f.read_gbps * 1e9 / f.weight_bytes as f64;
-    let launches = b.launches_per_token();
+    let launches = f.launches;
     println!("model            {label}");
     println!("build            megagemma {} ({})", env!("CARGO_PKG_VERSION"), env!("MEGAGEMMA_COMMIT"));
     println!("backend          {} ({})", b.name(), b.device_name());
@@ -234,6 +279,14 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     }
     if let Some((s, mean)) = f.spec_tps {
         println!("speculative      {s:.1} tok/s with --draft {} (mean accepted/round {mean:.2})", args.draft.draft);
+    }
+    let batch_tps = f.batch_ms.map(|ms| args.batch as f64 * 1e3 / ms);
+    if let (Some(ms), Some(agg)) = (f.batch_ms, batch_tps) {
+        println!(
+            "batch            {} sequences: {ms:.3} ms/step = {agg:.1} tok/s aggregate ({:.2}x one sequence's)",
+            args.batch,
+            agg / tps
+        );
     }
     let json = serde_json::json!({
         "model": label,
@@ -257,6 +310,9 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
         "draft": args.draft.draft,
         "spec_tok_s": f.spec_tps.map(|s| s.0),
         "spec_mean_accepted": f.spec_tps.map(|s| s.1),
+        "batch": args.batch,
+        "batch_ms_per_step": f.batch_ms,
+        "batch_tok_s": batch_tps,
     });
     println!("{json}");
 }

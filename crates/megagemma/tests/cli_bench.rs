@@ -48,6 +48,25 @@ fn bench_prints_the_table_and_a_json_line() {
     assert!(version.contains(&format!("({head})")), "{version}");
 }
 
+/// `--batch N` steps N sequences together and reports their aggregate speed beside the lone one.
+#[test]
+fn bench_batch_reports_the_aggregate() {
+    let d = fixtures_dir().join("sliding_wrap");
+    let args = ["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--prompt-len", "8", "--tokens", "6"];
+    let out = megagemma(&[&args[..], &["--batch", "3"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text.lines().find(|l| l.starts_with("batch")).unwrap_or_else(|| panic!("no batch line in:\n{text}"));
+    assert!(line.contains("3 sequences"), "{line}");
+    let json: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(json["batch"], 3);
+    let (ms, tps) = (json["batch_ms_per_step"].as_f64().unwrap(), json["batch_tok_s"].as_f64().unwrap());
+    assert!((tps - 3.0 * 1e3 / ms).abs() < 1e-6 * tps, "{ms} ms per step, {tps} tok/s");
+    // Without --batch there is no batched figure.
+    let json: serde_json::Value = serde_json::from_str(stdout(&megagemma(&args)).lines().last().unwrap()).unwrap();
+    assert!(json["batch_tok_s"].is_null() && json["batch"] == 1, "{json}");
+}
+
 #[test]
 fn bench_errors_are_one_line() {
     let d = fixtures_dir().join("sliding_wrap");
@@ -56,6 +75,7 @@ fn bench_errors_are_one_line() {
         (vec!["bench", "--synthetic", "e4b", "--backend", "cpu"], "GPU"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--tokens", "0"], "--tokens"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--ctx", "16"], "--ctx"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--batch", "0"], "--batch"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--trace", "t.json"], "--decode megakernel"),
     ] {
         let out = megagemma(&args);
