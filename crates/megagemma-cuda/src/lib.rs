@@ -22,7 +22,9 @@
 //! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
 //! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for, default 1) and
-//! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic).
+//! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic),
+//! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
+//! weight pass per eight).
 
 pub mod backend;
 mod capture;
