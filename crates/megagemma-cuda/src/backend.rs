@@ -76,9 +76,12 @@ impl CudaBackend {
 
     /// One weight pass for the (distinct, checked) sequences of `chunk` (`CudaSeq::step_batch`).
     fn step_batched(&mut self, chunk: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
+        let before = self.model.launches();
         if chunk.len() == 1 {
             let (seq, tok) = chunk[0];
             let o = self.seq_mut(seq)?.step(tok, needs_logits(want))?;
+            self.step_launches += self.model.launches() - before;
+            self.step_tokens += 1;
             self.stats.passes += 1;
             return Ok(vec![self.host_output(o, want)]);
         }
@@ -86,7 +89,6 @@ impl CudaBackend {
         let mut taken: Vec<(SeqId, CudaSeq)> =
             chunk.iter().filter_map(|(id, _)| self.seqs.remove(id).map(|s| (*id, s))).collect();
         let tokens: Vec<u32> = chunk.iter().map(|&(_, t)| t).collect();
-        let before = self.model.launches();
         let ran = match taken.split_first_mut() {
             Some((first, rest)) if rest.len() + 1 == chunk.len() => {
                 let mut others: Vec<&mut CudaSeq> = rest.iter_mut().map(|(_, s)| s).collect();
