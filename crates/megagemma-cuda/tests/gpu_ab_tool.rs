@@ -1,6 +1,7 @@
 //! `tools/gpu_ab.sh` runs every variant's bench with that variant's environment only and with its
 //! own build (`label@DIR`), in the order and with the labels it prints, after each binary's
-//! `--version` (no GPU needed: stand-in `megagemma`s echo what they got).
+//! `--version`, with `BENCH_ARGS` added to every run (no GPU needed: stand-in `megagemma`s echo
+//! what they got).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -37,6 +38,7 @@ fn each_variant_runs_with_its_own_environment() {
         .env("ROUNDS", "1")
         .env("MODELS", "e2b")
         .env("DECODES", "megakernel")
+        .env("BENCH_ARGS", "--batch 4")
         .env_remove("MEGAGEMMA_CUDA_MMA_WAVES")
         .env_remove("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS")
         .output()
@@ -61,7 +63,7 @@ fn each_variant_runs_with_its_own_environment() {
         assert_eq!(&fields[..5], ["round", "1", "e2b", "megakernel", label], "{line}");
         assert!(line.contains(env), "{line}");
         assert!(
-            line.contains("--synthetic e2b --quant q4 --backend cuda") && line.contains("--decode megakernel"),
+            line.contains("--synthetic e2b --quant q4 --backend cuda") && line.contains("--decode megakernel --batch 4"),
             "{line}"
         );
     }
