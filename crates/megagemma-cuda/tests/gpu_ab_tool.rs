@@ -63,7 +63,8 @@ fn each_variant_runs_with_its_own_environment() {
         assert_eq!(&fields[..5], ["round", "1", "e2b", "megakernel", label], "{line}");
         assert!(line.contains(env), "{line}");
         assert!(
-            line.contains("--synthetic e2b --quant q4 --backend cuda") && line.contains("--decode megakernel --batch 4"),
+            line.contains("--synthetic e2b --quant q4 --backend cuda")
+                && line.contains("--decode megakernel --batch 4"),
             "{line}"
         );
     }
