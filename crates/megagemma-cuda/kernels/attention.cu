@@ -65,7 +65,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const int per = (n + nsplit - 1) / nsplit;
   const int k0 = lo + split * per, nk = min(per, n - split * per);  // keys k0 .. k0 + nk
   const int kvw = kv_heads * hd;
-  // Fused norms: this thread's weight pairs (`head_pair` in common.cuh) before the wait.
+  // Fused norms: this thread's weight pairs (`weight_pair` in common.cuh) before the wait.
   const int half = hd / 2;
   const float2 wqp = weight_pair(fused & ATT_FUSED_Q ? wq : nullptr, half);
   const float2 wkp = weight_pair(fused & ATT_FUSED_KV ? wk : nullptr, half);

@@ -102,6 +102,11 @@ __device__ __forceinline__ float block_sum(float v) { return block_reduce(v, Sum
 __device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v, SumOp()); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
+// 1 / RMS of a row from its f64 sum of squares (+ eps): every norm's scale, as the CPU reference.
+__device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
+  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+}
+
 // 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.
 // Called by every thread of the block.
 __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
@@ -111,8 +116,7 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
     double v = x[i];
     ss += v * v;
   }
-  ss = block_sum_d(ss);
-  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  return rms_scale(block_sum_d(ss), dim, eps);
 }
 
 // Three block sums at once (one barrier round), each combined exactly as `block_sum_d` combines
@@ -153,10 +157,6 @@ __device__ __forceinline__ float2 head_pair(const float* row, int half) {
 __device__ __forceinline__ double pair_sq(float2 v) {
   const double a = v.x, b = v.y;
   return a * a + b * b;
-}
-// 1 / RMS of a row from its sum of squares (+ eps), as `inv_rms`.
-__device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
-  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
 }
 // The pair normed (r), times the weight pair w when `weighted`, then rotated by pos·f (not when f = 0).
 __device__ __forceinline__ float2 norm_rope_pair(float2 v, float r, bool weighted, float2 w, float f, int pos) {

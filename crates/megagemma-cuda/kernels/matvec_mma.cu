@@ -157,7 +157,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
     for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
   }
   ss = block_sum_d(ss);
-  const float r1 = (float)(1.0 / sqrt(ss / (double)dim + (double)res.eps));
+  const float r1 = rms_scale(ss, dim, res.eps);
   double ss2 = 0.0;
   if (in_regs) {
 #pragma unroll
@@ -179,7 +179,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   ss2 = block_sum_d(ss2);
   if (threadIdx.x == 0) {
     r[0][j] = r1;
-    r[1][j] = (float)(1.0 / sqrt(ss2 / (double)dim + (double)res.eps));
+    r[1][j] = rms_scale(ss2, dim, res.eps);
   }
 }
 

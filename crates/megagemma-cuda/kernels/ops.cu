@@ -99,7 +99,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
     for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
   }
   ss = block_sum_d(ss);
-  const float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+  const float r = rms_scale(ss, dim, eps);
   double ss2 = 0.0;
   if (in_regs) {
 #pragma unroll
@@ -119,7 +119,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
   }
   if (!w2) return;
   ss2 = block_sum_d(ss2);
-  const float r2 = (float)(1.0 / sqrt(ss2 / (double)dim + (double)eps));
+  const float r2 = rms_scale(ss2, dim, eps);
   if (in_regs) {
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {

@@ -74,7 +74,9 @@ impl CudaBackend {
         check_pass(seq, tokens, self.model.plan().vocab_size, s.len(), s.staged(), self.max_context)
     }
 
-    /// One weight pass for the (distinct, checked) sequences of `chunk` (`CudaSeq::step_batch`).
+    /// One weight pass for the (distinct, checked) sequences of `chunk` (`CudaSeq::step_batch`),
+    /// or a lone sequence's step (its pass and K/V commit: one launch on the graph and megakernel
+    /// paths).
     fn step_batched(&mut self, chunk: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
         let before = self.model.launches();
         if chunk.len() == 1 {
@@ -199,24 +201,12 @@ impl Backend for CudaBackend {
                 return Err(Error::invalid_input(format!("sequence {seq} appears twice in one step")));
             }
         }
-        // Several sequences: one weight pass per MAX_BATCH of them (`MEGAGEMMA_CUDA_BATCH=0`: one
-        // pass per sequence, each a graph or megakernel launch).
-        if batch.len() > 1 && self.batch_steps {
-            let mut outs = Vec::with_capacity(batch.len());
-            for chunk in batch.chunks(MAX_BATCH) {
-                outs.extend(self.step_batched(chunk, want)?);
-            }
-            return Ok(outs);
-        }
+        // One weight pass per MAX_BATCH sequences (`MEGAGEMMA_CUDA_BATCH=0`: one pass per sequence,
+        // each a graph or megakernel launch).
+        let per_pass = if self.batch_steps { MAX_BATCH } else { 1 };
         let mut outs = Vec::with_capacity(batch.len());
-        for (seq, tok) in batch {
-            let before = self.model.launches();
-            // The pass and the commit of its K/V row: one launch on the graph and megakernel paths.
-            let o = self.seq_mut(*seq)?.step(*tok, needs_logits(want))?;
-            self.step_launches += self.model.launches() - before;
-            self.step_tokens += 1;
-            self.stats.passes += 1;
-            outs.push(self.host_output(o, want));
+        for chunk in batch.chunks(per_pass) {
+            outs.extend(self.step_batched(chunk, want)?);
         }
         Ok(outs)
     }

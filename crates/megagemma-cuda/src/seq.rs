@@ -619,6 +619,18 @@ impl CudaSeq {
         Ok(out)
     }
 
+    /// `tokens` fit this sequence's remaining positions and the vocabulary.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.plan.vocab_size;
+        if self.len + tokens.len() > self.max_len {
+            bail!("position {} is past this sequence's maximum length {}", self.len + tokens.len() - 1, self.max_len);
+        }
+        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
+            bail!("token id {bad} is out of range (vocab_size is {vocab})");
+        }
+        Ok(())
+    }
+
     /// One decode step of several sequences in one weight pass, committed: column 0 is this
     /// sequence's `tokens[0]`, column i its `others[i − 1]`'s `tokens[i]`. Each column's attention
     /// reads and stages its own sequence's K/V at its own position, and every column's arithmetic
@@ -634,18 +646,13 @@ impl CudaSeq {
                 others.len() + 1
             );
         }
-        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
-            bail!("token id {bad} is out of range (vocab_size is {vocab})");
-        }
         for o in others.iter() {
             if !Arc::ptr_eq(&o.model, &self.model) || o.max_len != self.max_len {
                 bail!("a batched step runs sequences of one model and one context length");
             }
         }
-        for s in std::iter::once(&*self).chain(others.iter().map(|o| &**o)) {
-            if s.len + 1 > s.max_len {
-                bail!("position {} is past this sequence's maximum length {}", s.len, s.max_len);
-            }
+        for (s, tok) in std::iter::once(&*self).chain(others.iter().map(|o| &**o)).zip(tokens) {
+            s.check_tokens(std::slice::from_ref(tok))?;
         }
         self.reserve(n)?;
         let model = self.model.clone();
@@ -743,12 +750,7 @@ impl CudaSeq {
         if want.all_positions && t > MAX_VERIFY {
             bail!("{t} positions' outputs from one forward: at most {MAX_VERIFY}");
         }
-        if self.len + t > self.max_len {
-            bail!("position {} is past this sequence's maximum length {}", self.len + t - 1, self.max_len);
-        }
-        if let Some(&bad) = tokens.iter().find(|&&x| x as usize >= vocab) {
-            bail!("token id {bad} is out of range (vocab_size is {vocab})");
-        }
+        self.check_tokens(tokens)?;
         self.staged = 0;
         self.reserve(t)?;
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
