@@ -22,6 +22,19 @@
 #define ATT_FUSED_KV 2      // (with Q) this pass's K/V rows are raw in kr/vr: norms, RoPE; ks/vs written here
 #define ATT_FUSED_VNORM 4   // with ATT_FUSED_KV: values are RMS-normed (no weight), else taken as they are
 
+// A batched step's column (`cols` non-null: one entry per token of the pass): the sequence the
+// token belongs to — that sequence's committed and staged K/V of this layer, its ring and the
+// token's position. Each column runs as the one token of its own sequence's pass: the same keys,
+// splits and arithmetic as that sequence's lone step (`AttColumnDesc` in src/seq.rs).
+struct AttColumn {
+  const float* kc;
+  const float* vc;
+  float* ks;
+  float* vs;
+  int pos;
+  int ring;
+};
+
 // Splits of a query over n keys in a pass of T tokens.
 // split_keys: the fewest keys a split gets (the host's choice, `AttentionSplit` in src/seq.rs).
 __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
@@ -47,17 +60,26 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
           const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
-          const float* __restrict__ kr, const float* __restrict__ vr) {
+          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
   extern __shared__ float smem[];
   __shared__ int last;
   // The positions and the committed cache rows were written before this pass began (positions
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
-  const int p0 = pos_ptr[0];
   const int split = vb % grid_splits, query = vb / grid_splits;
   const int t = query / heads, head = query % heads;
+  // tl: the token's index in its own sequence's pass (its staged row); raw0: that pass's first
+  // row of kr/vr. A batched column is token 0 of a one-token pass whose raw row is column t.
+  int p0, tl = t, raw0 = 0;
+  if (cols) {
+    const AttColumn c = cols[t];
+    kc = c.kc, vc = c.vc, ks = c.ks, vs = c.vs, ring = c.ring, p0 = c.pos;
+    tl = 0, raw0 = t;
+  } else {
+    p0 = pos_ptr[0];
+  }
   const int kvh = head / (heads / kv_heads);
-  const int pos = p0 + t;
+  const int pos = p0 + tl;
   const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
   const int n = pos - lo + 1;
   const int nsplit = att_splits(n, T, split_keys);
@@ -94,7 +116,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     // one block reduction for the query and the first key and value, one per further key.
     float2 x = head_pair(qrow, half);
     for (int i = 0; i == 0 || i < ns; i++) {
-      const u64 raw = (u64)(js0 + i - p0) * kvw + kvh * hd;
+      const u64 raw = (u64)(js0 + i - p0 + raw0) * kvw + kvh * hd;
       const float2 kx = i < ns ? head_pair(kr + raw, half) : make_float2(0.f, 0.f);
       const float2 vx = i < ns ? head_pair(vr + raw, half) : make_float2(0.f, 0.f);
       double sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
@@ -114,7 +136,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   __syncthreads();
   if (ns > 0 && head % (heads / kv_heads) == 0 && split == nsplit - 1) {
     // The range ends at this token's own key (position pos): its row goes to the staging.
-    const u64 row = (u64)t * kvw + kvh * hd;
+    const u64 row = (u64)tl * kvw + kvh * hd;
     const int i = pos - js0;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
       ks[row + d] = kn[i * hd + d];
@@ -217,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const 
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
           const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
-          const float* __restrict__ kr, const float* __restrict__ vr) {
+          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
   attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits,
-                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr);
+                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr, cols);
 }

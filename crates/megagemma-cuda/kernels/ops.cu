@@ -266,6 +266,16 @@ extern "C" __global__ void kv_commit_step(const KvLayer* __restrict__ layers, co
   kv_commit_step_body(blockIdx.x, layers, meta);
 }
 
+// A batched step's commits: sequence c's staged row 0 (its `KvLayer` table tables[c]) at its
+// position positions[c]. Grid: (layers·2, sequences).
+extern "C" __global__ void kv_commit_columns(const u64* __restrict__ tables, const int* __restrict__ positions) {
+  const int c = blockIdx.y;
+  const KvLayer* layers = (const KvLayer*)tables[c];
+  const int p0 = positions[c];
+  pdl_start();
+  kv_commit_row(layers, blockIdx.x, 0, 1, p0);
+}
+
 // (value, index) pair order for the argmax: larger value first, then the lower index.
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 

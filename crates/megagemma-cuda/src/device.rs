@@ -33,6 +33,7 @@ const FUNCTIONS: [(&str, &[&str]); 6] = [
             "moe_combine",
             "kv_commit",
             "kv_commit_step",
+            "kv_commit_columns",
             "softcap_argmax_partial",
             "argmax_final",
         ],
@@ -62,7 +63,7 @@ pub const MMA_KERNELS: [&str; 8] = [
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
 /// stream serialization, so each may start (and prefetch its weights) while the kernel before it
 /// finishes.
-pub(crate) const PDL_KERNELS: [&str; 17] = [
+pub(crate) const PDL_KERNELS: [&str; 18] = [
     "matvec_experts",
     "matvec",
     "matvec_q4",
@@ -80,6 +81,7 @@ pub(crate) const PDL_KERNELS: [&str; 17] = [
     "softcap_argmax_partial",
     "argmax_final",
     "kv_commit_step",
+    "kv_commit_columns",
 ];
 
 /// Default fewest keys per attention block. Measured on the H200 (E4B q4, 64–192-key contexts):

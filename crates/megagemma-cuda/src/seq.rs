@@ -129,7 +129,7 @@ impl LayerCache {
 }
 
 /// A cache-owning layer's device pointers, as a pass's attention reads and stages them.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct KvView {
     k: u64,
     v: u64,
@@ -138,17 +138,23 @@ struct KvView {
     ring: usize,
 }
 
-/// One column of a batched step ([`CudaSeq::step_batch`]): its sequence's caches and positions.
-struct Member {
-    caches: Vec<Option<KvView>>,
-    /// The sequence's `[position, token]` upload (`Scratch::meta`): the attention and the K/V
-    /// commit of its column read the position there.
-    meta: u64,
+/// One column of a batched step's attention table (`struct AttColumn` in kernels/attention.cu):
+/// the sequence of the pass's token t — its cache of the layer, ring slots and position.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AttColumnDesc {
+    kc: u64,
+    vc: u64,
+    ks: u64,
+    vs: u64,
+    pos: i32,
+    ring: i32,
 }
 
-/// Most sequences one batched step runs (its attention norms every column's K/V: passes of up to
-/// eight tokens).
+/// Most sequences one batched step runs: a batch is one short pass (its attention norms every
+/// column's K/V; its columns split their keys as a lone token does).
 pub const MAX_BATCH: usize = 8;
+const _: () = assert!(MAX_BATCH <= AttentionSplit::FEW_TOKENS);
 
 /// One cache-owning layer as `kv_commit` reads it (`struct KvLayer` in `kernels/ops.cu`).
 #[repr(C)]
@@ -175,6 +181,13 @@ pub(crate) struct Scratch {
     /// kernel, which writes the cache's staged rows (`fuse_norms`).
     kr: DevBuf,
     vr: DevBuf,
+    /// A batched step's tables, uploaded with its tokens: per layer and column the column's
+    /// cache and position (`AttColumnDesc`), and per column its `KvLayerDesc` table and position
+    /// for the commit. A captured batched pass reads them, so one graph serves every set of
+    /// sequences.
+    att_cols: DevBuf,
+    commit_tables: DevBuf,
+    commit_pos: DevBuf,
     pub(crate) att: DevBuf,
     o: DevBuf,
     f: DevBuf,
@@ -298,6 +311,9 @@ impl Scratch {
             q: gpu.alloc_zeros(f32s(t * max_q))?,
             kr: gpu.alloc_zeros(f32s(t * max_kv))?,
             vr: gpu.alloc_zeros(f32s(t * max_kv))?,
+            att_cols: gpu.alloc_zeros(plan.layers.len() * MAX_BATCH * std::mem::size_of::<AttColumnDesc>())?,
+            commit_tables: gpu.alloc_zeros(MAX_BATCH * 8)?,
+            commit_pos: gpu.alloc_zeros(MAX_BATCH * 4)?,
             att: gpu.alloc_zeros(f32s(t * max_q))?,
             o: gpu.alloc_zeros(f32s(t * h))?,
             f: gpu.alloc_zeros(f32s(t * h))?,
@@ -357,8 +373,11 @@ pub struct CudaSeq {
     trace_file: Option<std::path::PathBuf>,
     /// While a pass is being launched: whether the residual stream is in `s.x2` (`xcur`).
     x_in_x2: std::cell::Cell<bool>,
-    /// During a batched step, the sequence of each column (empty: every column is this one's).
-    members: std::cell::RefCell<Vec<Member>>,
+    /// While a batched step's pass is launched or captured: its attention takes each column's
+    /// cache and position from `Scratch::att_cols`.
+    batched: std::cell::Cell<bool>,
+    /// The batched pass of n sequences (and its commits), captured on first use: index n.
+    batch_graphs: Vec<Option<CudaGraph>>,
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
@@ -443,7 +462,8 @@ impl CudaSeq {
             trace_megakernel: trace_file.is_some(),
             trace_file,
             x_in_x2: Default::default(),
-            members: Default::default(),
+            batched: Default::default(),
+            batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
         };
         seq.upload_kv_table()?;
@@ -479,6 +499,7 @@ impl CudaSeq {
         let gpu = &self.model.gpu;
         gpu.sync()?;
         self.decode_graph = [None, None];
+        self.batch_graphs.iter_mut().for_each(|g| *g = None);
         self.megakernels.clear();
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
@@ -531,29 +552,35 @@ impl CudaSeq {
     /// from the device (`meta`), and attention's shared memory is sized for the longest window, so
     /// one graph serves every step.
     fn decode_graph(&mut self) -> Result<()> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let which = self.commit_in_step as usize;
         if self.decode_graph[which].is_none() {
-            let stream = self.model.gpu.stream.clone();
-            let graph = crate::capture::capture(|| {
-                stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(|e| cuda_err("begin capture", e))?;
-                self.model.gpu.set_capturing(true);
-                let ran = self.run_step();
-                self.model.gpu.set_capturing(false);
-                let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
-                ran?;
-                graph
-            });
-            match graph? {
-                Some(g) => self.decode_graph[which] = Some(g),
-                None => bail!("CUDA graph capture of the decode step produced no graph"),
-            }
+            let g = self.capture(|| self.run_step())?;
+            self.decode_graph[which] = Some(g);
         }
         let g = self.decode_graph[which].as_ref().expect("captured above");
         self.model.gpu.count_launch();
         g.launch().map_err(|e| cuda_err("graph launch", e))
+    }
+
+    /// The launches `pass` makes, captured into a CUDA graph instead of run.
+    fn capture(&self, pass: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let stream = self.model.gpu.stream.clone();
+        let graph = crate::capture::capture(|| {
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| cuda_err("begin capture", e))?;
+            self.model.gpu.set_capturing(true);
+            let ran = pass();
+            self.model.gpu.set_capturing(false);
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| cuda_err("end capture", e));
+            ran?;
+            graph
+        });
+        match graph? {
+            Some(g) => Ok(g),
+            None => bail!("CUDA graph capture of a pass produced no graph"),
+        }
     }
 
     /// How single-token passes are launched (both run the same arithmetic).
@@ -656,27 +683,28 @@ impl CudaSeq {
         }
         self.reserve(n)?;
         let model = self.model.clone();
-        let gpu = &model.gpu;
+        let (gpu, plan) = (&model.gpu, &model.plan);
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
         gpu.upload(self.s.meta.ptr, &meta)?;
-        for (o, &tok) in others.iter().zip(&tokens[1..]) {
-            gpu.upload(o.s.meta.ptr, &[o.len as u32, tok])?;
-        }
-        let member = |s: &CudaSeq| Member {
-            caches: s.caches.iter().map(|c| c.as_ref().map(LayerCache::view)).collect(),
-            meta: s.s.meta.ptr,
-        };
-        *self.members.borrow_mut() = std::iter::once(member(self)).chain(others.iter().map(|o| member(o))).collect();
-        let ran = self.run(n, 0);
-        self.members.borrow_mut().clear();
-        ran?;
-        // Each column's K/V row, staged by its attention, committed at its sequence's position.
-        for s in std::iter::once(&*self).chain(others.iter().map(|o| &**o)) {
-            if s.kv_layers > 0 {
-                let args = [Arg::Ptr(s.kv_table.ptr), Arg::Ptr(s.s.meta.ptr)];
-                gpu.launch("kv_commit_step", 2 * s.kv_layers as u32, 128, 0, &args)?;
+        let seqs: Vec<&CudaSeq> = std::iter::once(&*self).chain(others.iter().map(|o| &**o)).collect();
+        let mut cols = vec![AttColumnDesc::default(); plan.layers.len() * MAX_BATCH];
+        for (l, lp) in plan.layers.iter().enumerate() {
+            for (c, s) in seqs.iter().enumerate() {
+                if let Some(kv) = &s.caches[lp.kv_source] {
+                    let (kc, vc, ks, vs) = (kv.k.ptr, kv.v.ptr, kv.staged_k.ptr, kv.staged_v.ptr);
+                    cols[l * MAX_BATCH + c] = AttColumnDesc { kc, vc, ks, vs, pos: s.len as i32, ring: kv.ring as i32 };
+                }
             }
         }
+        gpu.upload(self.s.att_cols.ptr, &cols)?;
+        gpu.upload(self.s.commit_tables.ptr, &seqs.iter().map(|s| s.kv_table.ptr).collect::<Vec<u64>>())?;
+        gpu.upload(self.s.commit_pos.ptr, &seqs.iter().map(|s| s.len as i32).collect::<Vec<i32>>())?;
+        // The pass and every column's commit: one graph per n (what differs between steps is in
+        // the tables), or launched kernel by kernel without graphs.
+        self.batched.set(true);
+        let ran = if self.use_graphs { self.batch_graph(n) } else { self.run_batch(n) };
+        self.batched.set(false);
+        ran?;
         let mut ids = vec![0u32; n];
         gpu.download(&mut ids, self.s.ids.ptr)?;
         let mut all = vec![];
@@ -693,6 +721,27 @@ impl CudaSeq {
             .enumerate()
             .map(|(i, argmax)| PosOut { argmax, logits: logits.then(|| all[i * vocab..(i + 1) * vocab].to_vec()) })
             .collect())
+    }
+
+    /// A batched pass of `n` columns and the commit of each column's K/V row to its sequence.
+    fn run_batch(&self, n: usize) -> Result<()> {
+        self.run(n, 0)?;
+        if self.kv_layers > 0 {
+            let args = [Arg::Ptr(self.s.commit_tables.ptr), Arg::Ptr(self.s.commit_pos.ptr)];
+            self.gpu().launch_2d("kv_commit_columns", (2 * self.kv_layers as u32, n as u32), 128, 0, &args)?;
+        }
+        Ok(())
+    }
+
+    /// [`CudaSeq::run_batch`] as a CUDA graph, captured on first use for each `n`.
+    fn batch_graph(&mut self, n: usize) -> Result<()> {
+        if self.batch_graphs[n].is_none() {
+            let g = self.capture(|| self.run_batch(n))?;
+            self.batch_graphs[n] = Some(g);
+        }
+        let g = self.batch_graphs[n].as_ref().expect("captured above");
+        self.model.gpu.count_launch();
+        g.launch().map_err(|e| cuda_err("graph launch", e))
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
@@ -1269,7 +1318,7 @@ impl CudaSeq {
         let long = self.long_pass(t);
         let gpu = self.gpu();
         // A batched step's columns have their own positions: only the attention knows them.
-        let batched = !self.members.borrow().is_empty();
+        let batched = self.batched.get();
         let fused = !long
             && t <= AttentionSplit::FEW_TOKENS
             && (batched || gpu.fuse_norms.unwrap_or_else(|| gpu.is_recording()));
@@ -1378,38 +1427,24 @@ impl CudaSeq {
         self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
     }
 
-    /// Attention of the pass's `t` tokens over this sequence's cache, or in a batched step of each
-    /// column over its own sequence's cache (one launch per column).
+    /// Attention of the pass's `t` tokens over this sequence's cache, or in a batched step of
+    /// each column over its own sequence's cache (the table `step_batch` uploaded).
     fn attention(&self, lp: &LayerPlan, t: usize, norms: &AttentionNorms) -> Result<()> {
-        let members = self.members.borrow();
-        if members.is_empty() {
-            let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
-            return self.attention_launch(lp, c.view(), self.s.meta.ptr, 0, t, norms);
+        if self.batched.get() {
+            let cols = self.s.att_cols.ptr + (lp.index * MAX_BATCH * std::mem::size_of::<AttColumnDesc>()) as u64;
+            return self.attention_launch(lp, KvView::default(), t, norms, cols);
         }
-        for (col, m) in members.iter().enumerate() {
-            let Some(c) = m.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
-            self.attention_launch(lp, c, m.meta, col, 1, norms)?;
-        }
-        Ok(())
+        let Some(c) = &self.caches[lp.kv_source] else { bail!("layer {} has no KV cache", lp.kv_source) };
+        self.attention_launch(lp, c.view(), t, norms, 0)
     }
 
-    /// Attention of tokens `col .. col + t` of the pass over the cache `c`, at the positions from
-    /// `meta` on.
-    fn attention_launch(
-        &self,
-        lp: &LayerPlan,
-        c: KvView,
-        meta: u64,
-        col: usize,
-        t: usize,
-        norms: &AttentionNorms,
-    ) -> Result<()> {
+    /// Attention of the pass's `t` tokens over the cache `c`, or (`cols` non-zero) over each
+    /// column's cache from that table.
+    fn attention_launch(&self, lp: &LayerPlan, c: KvView, t: usize, norms: &AttentionNorms, cols: u64) -> Result<()> {
         let s = &self.s;
         if lp.head_dim > 512 {
             bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
         }
-        let (q_at, kv_at) = (f32s(col * lp.q_width()) as u64, f32s(col * lp.kv_width()) as u64);
-        let raw = |p: u64| if p == 0 { 0 } else { p + kv_at };
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
@@ -1420,16 +1455,16 @@ impl CudaSeq {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
         let args = [
-            Arg::Ptr(s.q.ptr + q_at),
+            Arg::Ptr(s.q.ptr),
             Arg::Ptr(c.k),
             Arg::Ptr(c.v),
             Arg::Ptr(c.staged_k),
             Arg::Ptr(c.staged_v),
-            Arg::Ptr(s.att.ptr + q_at),
+            Arg::Ptr(s.att.ptr),
             Arg::I32(lp.num_heads as i32),
             Arg::I32(lp.num_kv_heads as i32),
             Arg::I32(lp.head_dim as i32),
-            Arg::Ptr(meta),
+            Arg::Ptr(s.meta.ptr),
             Arg::I32(lp.window.unwrap_or(0) as i32),
             Arg::I32(c.ring as i32),
             Arg::F32(self.model.plan.attn_scale),
@@ -1444,8 +1479,9 @@ impl CudaSeq {
             Arg::Ptr(norms.k_norm),
             Arg::Ptr(norms.inv_freq),
             Arg::F32(self.model.plan.eps),
-            Arg::Ptr(raw(norms.kr)),
-            Arg::Ptr(raw(norms.vr)),
+            Arg::Ptr(norms.kr),
+            Arg::Ptr(norms.vr),
+            Arg::Ptr(cols),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
@@ -1549,6 +1585,21 @@ mod attention_split_tests {
                 }
             }
         }
+    }
+
+    /// The host's fused-norm flags, batch size and column table are the kernel's.
+    #[test]
+    fn host_attention_arguments_match_the_kernel() {
+        assert_eq!(super::ATT_FUSED_Q as usize, kernel_define("ATT_FUSED_Q"));
+        assert_eq!(super::ATT_FUSED_KV as usize, kernel_define("ATT_FUSED_KV"));
+        assert_eq!(super::ATT_FUSED_VNORM as usize, kernel_define("ATT_FUSED_VNORM"));
+        // struct AttColumn: four pointers, then the position and the ring, as AttColumnDesc.
+        assert_eq!(std::mem::size_of::<super::AttColumnDesc>(), 40);
+        let src = include_str!("../kernels/attention.cu");
+        let body = &src[src.find("struct AttColumn {").expect("struct AttColumn")..];
+        let fields: Vec<&str> = body.lines().skip(1).take_while(|l| !l.starts_with('}')).map(str::trim).collect();
+        let want = ["const float* kc;", "const float* vc;", "float* ks;", "float* vs;", "int pos;", "int ring;"];
+        assert_eq!(fields, want);
     }
 }
 
