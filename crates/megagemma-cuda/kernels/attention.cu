@@ -63,6 +63,8 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
           const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
   extern __shared__ float smem[];
   __shared__ int last;
+  __shared__ float2 att_ml[ATT_MAX_SPLITS];  // the combine's per-split (m, Σe) and weights
+  __shared__ float att_w[ATT_MAX_SPLITS];
   // The positions and the committed cache rows were written before this pass began (positions
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
@@ -217,19 +219,29 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // The combine is latency: every split's (m, Σe) is loaded at once into shared memory and each
+  // thread's Σe·v terms eight at a time, so it waits for a few L2 round trips, not three per split.
+  // The same operations in split order as ever: m = max m_s, w_s = e^(m_s − m), l = Σ Σe_s·w_s.
   const u64 first = (u64)query * grid_splits;
+  if ((int)threadIdx.x < nsplit) att_ml[threadIdx.x] = __ldcg(&part_ml[first + threadIdx.x]);
+  __syncthreads();
   float m = NEG_INF;
-  for (int s = 0; s < nsplit; s++) m = fmaxf(m, __ldcg(&part_ml[first + s]).x);
+  for (int s = 0; s < nsplit; s++) m = fmaxf(m, att_ml[s].x);
+  if ((int)threadIdx.x < nsplit) att_w[threadIdx.x] = expf(att_ml[threadIdx.x].x - m);
+  __syncthreads();
   float l = 0.f;
-  for (int s = 0; s < nsplit; s++) {
-    const float2 ml = __ldcg(&part_ml[first + s]);
-    l = fmaf(ml.y, expf(ml.x - m), l);
-  }
+  for (int s = 0; s < nsplit; s++) l = fmaf(att_ml[s].y, att_w[s], l);
   const float inv = 1.f / l;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc_d = 0.f;
-    for (int s = 0; s < nsplit; s++)
-      acc_d = fmaf(__ldcg(&part_o[(first + s) * hd + d]), expf(__ldcg(&part_ml[first + s]).x - m), acc_d);
+    for (int s0 = 0; s0 < nsplit; s0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) v[i] = s0 + i < nsplit ? __ldcg(&part_o[(first + s0 + i) * hd + d]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+        if (s0 + i < nsplit) acc_d = fmaf(v[i], att_w[s0 + i], acc_d);
+    }
     o[d] = __fmul_rn(acc_d, inv);
   }
   if (threadIdx.x == 0) counters[query] = 0u;

@@ -119,6 +119,21 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
   return rms_scale(block_sum_d(ss), dim, eps);
 }
 
+// p[0] + p[stride] + … + p[(n − 1)·stride], added in that order, read through L2 (other blocks
+// wrote them) eight loads at a time: one round trip per eight terms, not one per term.
+__device__ __forceinline__ float sum_in_order(const float* p, u64 stride, int n) {
+  float s = 0.f;
+  for (int q0 = 0; q0 < n; q0 += 8) {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = q0 + i < n ? __ldcg(p + (u64)(q0 + i) * stride) : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+      if (q0 + i < n) s += v[i];
+  }
+  return s;
+}
+
 // Three block sums at once (one barrier round), each combined exactly as `block_sum_d` combines
 // one: the same bits as three calls.
 __device__ __forceinline__ void block_sum_d3(double& x, double& y, double& z) {

@@ -636,9 +636,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {
       const int j = i / (tpb * 16), row = t0 * 16 + i % (tpb * 16);
       if (row >= W.rows) continue;
-      float s = 0.f;
-      for (int q = 0; q < parts; q++) s += __ldcg(partial + ((u64)q * m + j) * W.rows + row);
-      out[(u64)j * W.rows + row] = s;
+      out[(u64)j * W.rows + row] = sum_in_order(partial + (u64)j * W.rows + row, (u64)m * W.rows, parts);
     }
     if (threadIdx.x == 0) counters[g] = 0u;
   }
