@@ -238,10 +238,9 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
       t[1] = mk_waited;
       t[2] = mk_now();
     }
-    if (threadIdx.x == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
-    }
+    // The barrier above orders every thread's writes before thread 0's release, and a release is
+    // cumulative: the waiter's acquire sees them all. A full `__threadfence()` before it cost 1.5%.
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
   }
 }
 
