@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Kernel ablations: copies of the CUDA kernels with one piece of work removed, to time what that
+piece costs a decode token (docs/perf-notes.md, "Eleventh session").
+
+An ablation's output is wrong by design; only its time means something. Each writes a folder that
+`MEGAGEMMA_KERNELS` reads at run time, so no Rust rebuild is needed on the GPU machine:
+
+    python3 tools/kernel_ablations.py .gpu/abl floor noloop noatt
+    ROUNDS=2 DECODES=graph tools/gpu_ab.sh .gpu base \\
+      floor:MEGAGEMMA_KERNELS=.gpu/abl/floor noloop:MEGAGEMMA_KERNELS=.gpu/abl/noloop ...
+
+`--list` prints the ablations; `--check DIR` writes every one of them (each edit must match the
+kernel source exactly once, so a kernel change that breaks an ablation fails `cargo test`).
+Every ablation also makes `argmax_final` return token 0 when no logit compares (all NaN), so a
+run whose values are garbage still produces valid ids.
+"""
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+KERNELS = Path(__file__).resolve().parent.parent / "crates" / "megagemma-cuda" / "kernels"
+
+# A token id every ablation can emit (garbage inputs can make every logit NaN).
+ARGMAX_SAFE = (
+    "ops.cu",
+    "  if (threadIdx.x == 0) ids[vb] = (unsigned)bi;",
+    "  if (threadIdx.x == 0) ids[vb] = bi == 0x7fffffff ? 0u : (unsigned)bi;",
+)
+
+ATT_AFTER_WAIT = (
+    "attention.cu",
+    "  pdl_start();\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n",
+    "  pdl_start();\n  return;\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n",
+)
+MMA_AFTER_WAIT = (
+    "matvec_mma.cu",
+    "  pdl_start();\n  float4 keep[RES_F4] = {};",
+    "  pdl_start();\n  return;\n  float4 keep[RES_F4] = {};",
+)
+NORM_AFTER_WAIT = (
+    "ops.cu",
+    "  pdl_start();\n  float* row = h + (u64)b * hd;",
+    "  pdl_start();\n  return;\n  float* row = h + (u64)b * hd;",
+)
+BUILD_INPUTS = "      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
+
+# name -> (what it removes, [(file, text, replacement)])
+ABLATIONS = {
+    "floor": (
+        "tensor-core matvec, attention and q/k/v norm bodies end right after their wait (weights "
+        "are still asked of L2 before it): the launch chain plus the weight stream",
+        [MMA_AFTER_WAIT, ATT_AFTER_WAIT, NORM_AFTER_WAIT],
+    ),
+    "noloop": (
+        "the tensor-core matvec's inner loop (tile_slice: weight loads, mma, scaling)",
+        [("matvec_mma.cu", "        tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, yp, m);\n", "")],
+    ),
+    "noatt": ("attention after its wait (the cache rows are still asked of L2)", [ATT_AFTER_WAIT]),
+    "attnocomb": (
+        "attention's split combine (arrival counter, last block's sum)",
+        [(
+            "attention.cu",
+            "  __threadfence();\n  __syncthreads();\n  if (threadIdx.x == 0) last = atomicAdd",
+            "  return;\n  __threadfence();\n  __syncthreads();\n  if (threadIdx.x == 0) last = atomicAdd",
+        )],
+    ),
+    "attnokv": (
+        "attention's K and V loads (the query row in shared memory stands in for both)",
+        [
+            ("attention.cu", "s = fmaf(qs[d], k[d], s);", "s = fmaf(qs[d], qs[d], s);"),
+            ("attention.cu", "acc[i] = fmaf(e, v[d], acc[i]);", "acc[i] = fmaf(e, qs[d], acc[i]);"),
+        ],
+    ),
+    "nostats": (
+        "a folded residual step's two row statistics (1/rms taken as 1)",
+        [(
+            "matvec_mma.cu",
+            "    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept);\n",
+            "    if (threadIdx.x < 16) mma_rstat[threadIdx.x / 8][threadIdx.x % 8] = 1.f;\n",
+        )],
+    ),
+    "nocombine": (
+        "the tensor-core matvec's column-part combine (arrival counter, last block's sum)",
+        [("matvec_mma.cu", "  if (parts == 1) return;\n", "  return;\n")],
+    ),
+    "noinplain": (
+        "the input build (digit planes, unit sums, a folded step's norm) of plain matvec launches",
+        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED) " + BUILD_INPUTS.lstrip())],
+    ),
+    "noingated": (
+        "the input build (GeGLU / PLE gate, digit planes) of gated matvec launches",
+        [("matvec_mma.cu", BUILD_INPUTS, "      if (!GATED) " + BUILD_INPUTS.lstrip())],
+    ),
+    "mkempty": (
+        "megakernel: no stage body runs; every block still waits for the previous stage and "
+        "signals its own (the stage barriers alone)",
+        [(
+            "megakernel.cu",
+            "    if (blockIdx.x < g && !st.waits_itself) mk_wait();\n"
+            "    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL>(st, b, g);\n",
+            "    if (blockIdx.x < g) mk_wait();\n",
+        )],
+    ),
+}
+
+
+def write(name: str, out: Path) -> Path:
+    """Writes ablation `name` into out/name (every kernel file, the edits applied)."""
+    _, edits = ABLATIONS[name]
+    dest = out / name
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in KERNELS.iterdir():
+        if f.suffix in (".cu", ".cuh"):
+            shutil.copy(f, dest / f.name)
+    for file, text, replacement in [ARGMAX_SAFE] + edits:
+        path = dest / file
+        src = path.read_text()
+        if src.count(text) != 1:
+            raise SystemExit(
+                f"kernel_ablations: ablation {name}: the text to replace occurs {src.count(text)} times "
+                f"in {file} (expected once); update tools/kernel_ablations.py"
+            )
+        path.write_text(src.replace(text, replacement))
+    return dest
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", type=Path, help="folder to write the ablations into")
+    ap.add_argument("names", nargs="*", help="ablations to write (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the ablations and exit")
+    ap.add_argument("--check", action="store_true", help="write every ablation (what cargo test runs)")
+    a = ap.parse_args()
+    if a.list:
+        for name, (what, _) in ABLATIONS.items():
+            print(f"{name:<10} {what}")
+        return 0
+    if a.out is None:
+        ap.error("give a folder to write the ablations into (or --list)")
+    names = list(ABLATIONS) if a.check or not a.names else a.names
+    unknown = [n for n in names if n not in ABLATIONS]
+    if unknown:
+        ap.error(f"unknown ablation(s) {', '.join(unknown)}; --list shows them")
+    for name in names:
+        print(write(name, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
