@@ -62,8 +62,8 @@ ABLATIONS = {
         "attention's split combine (arrival counter, last block's sum)",
         [(
             "attention.cu",
-            "  __threadfence();\n  __syncthreads();\n  if (threadIdx.x == 0) last = atomicAdd",
-            "  return;\n  __threadfence();\n  __syncthreads();\n  if (threadIdx.x == 0) last = atomicAdd",
+            "  if (!last_to_arrive(&counters[query], nsplit, last)) return;\n",
+            "  return;\n",
         )],
     ),
     "attnokv": (

@@ -213,12 +213,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     part_o[slot * hd + d] = s;
   }
   if (threadIdx.x == 0) part_ml[slot] = make_float2(mx, sum);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&counters[query], 1u) == (unsigned)(nsplit - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_to_arrive(&counters[query], nsplit, last)) return;
   // The combine is latency: every split's (m, Σe) is loaded at once into shared memory and each
   // thread's Σe·v terms eight at a time, so it waits for a few L2 round trips, not three per split.
   // The same operations in split order as ever: m = max m_s, w_s = e^(m_s − m), l = Σ Σe_s·w_s.

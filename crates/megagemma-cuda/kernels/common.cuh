@@ -119,6 +119,22 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
   return rms_scale(block_sum_d(ss), dim, eps);
 }
 
+// Whether this block is the last of `n` to arrive at `counter` (the same answer in every thread;
+// `flag` is a __shared__ int of the caller's). Every block's writes before the call are visible to
+// the last block after it: the block barrier orders them before thread 0's release, a release is
+// cumulative, and the last block's acquire orders them before its barrier and reads (through L2:
+// `__ldcg`). No `__threadfence()` in every thread, which cost more than this pair.
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, int n, int& flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+    flag = old == (unsigned)(n - 1);
+  }
+  __syncthreads();
+  return flag;
+}
+
 // p[0] + p[stride] + … + p[(n − 1)·stride], added in that order, read through L2 (other blocks
 // wrote them) eight loads at a time: one round trip per eight terms, not one per term.
 __device__ __forceinline__ float sum_in_order(const float* p, u64 stride, int n) {

@@ -626,12 +626,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     asm volatile("bar.sync %0, %1;" ::"r"(1 + tl), "r"(ks * 32) : "memory");  // `red` is reused next
   }
   if (parts == 1) return;
-  __threadfence();  // this block's partial sums are visible before its arrival is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&counters[g], 1u) == (unsigned)(parts - 1);
-  __syncthreads();
-  if (last) {
-    __threadfence();
+  if (last_to_arrive(&counters[g], parts, last)) {
     const int t0 = g * tpb;
     for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {
       const int j = i / (tpb * 16), row = t0 * 16 + i % (tpb * 16);
