@@ -16,6 +16,16 @@
 #define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
 #define ATT_MAX_SPLITS 64
 #define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
+// Floats of shared memory for committed K and V rows copied before the wait: a range's first
+// ATT_PRE_FLOATS / (2·hd) committed keys (16 at head dim 256, 8 at 512); the rest are asked of L2.
+#define ATT_PRE_FLOATS 8192
+// Not in the megakernel: its stages share one register allocation, and the copy's registers made
+// its entries spill more (lean entry 200 → 340 bytes of spill stores).
+#ifdef MEGAKERNEL
+#define ATT_PRE 0
+#else
+#define ATT_PRE 1
+#endif
 
 // Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
 #define ATT_FUSED_Q 1       // q holds the raw projection: each block norms (wq) and rotates its head
@@ -61,7 +71,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
           const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
           const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   __shared__ int last;
   __shared__ float2 att_ml[ATT_MAX_SPLITS];  // the combine's per-split (m, Σe) and weights
   __shared__ float att_w[ATT_MAX_SPLITS];
@@ -94,19 +104,34 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const float2 wqp = weight_pair(fused & ATT_FUSED_Q ? wq : nullptr, half);
   const float2 wkp = weight_pair(fused & ATT_FUSED_KV ? wk : nullptr, half);
   const float f = fused & ATT_FUSED_Q && inv_freq && (int)threadIdx.x < half ? inv_freq[threadIdx.x] : 0.f;
+  // The range's first `npre` committed keys and values are copied into shared memory (cp.async:
+  // nothing waits for them before the scores), the rest asked of L2.
+  const int committed = max(0, min(k0 + nk, p0) - k0);
+  const int npre = ATT_PRE && (hd & 3) == 0 ? min(committed, ATT_PRE_FLOATS / (2 * hd)) : 0;
+  float* kpre = smem;
+  float* vpre = smem + ATT_PRE_FLOATS / 2;
   {
-    const int lines = (hd + 31) / 32;  // 128-byte lines per head row
-    const int committed = max(0, min(k0 + nk, p0) - k0);
-    for (int i = threadIdx.x; i < 2 * committed * lines; i += blockDim.x) {
-      const int j = k0 + (i / lines) % committed, l = i % lines;
-      const float* base = i < committed * lines ? kc : vc;
+    const int q4 = hd / 4;  // 16-byte pieces of a row
+    const unsigned sk = smem_addr(kpre), sv = smem_addr(vpre);
+    for (int i = threadIdx.x; i < npre * q4; i += blockDim.x) {
+      const int jj = i / q4, c = 4 * (i - jj * q4), j = k0 + jj;
+      const u64 g = (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + c;
+      const unsigned o = (unsigned)(jj * hd + c) * 4;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sk + o), "l"(kc + g) : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sv + o), "l"(vc + g) : "memory");
+    }
+    if (ATT_PRE) asm volatile("cp.async.commit_group;" ::: "memory");
+    const int lines = (hd + 31) / 32, rest = committed - npre;  // 128-byte lines per head row
+    for (int i = threadIdx.x; i < 2 * rest * lines; i += blockDim.x) {
+      const int j = k0 + npre + (i / lines) % rest, l = i % lines;
+      const float* base = i < rest * lines ? kc : vc;
       prefetch_l2(base + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + l * 32);
     }
   }
   pdl_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* qs = smem;
-  float* scores = smem + hd;
+  float* qs = smem + ATT_PRE_FLOATS;
+  float* scores = qs + hd;
   float* part = scores + per;  // [ATT_WARPS, hd]
   const float* qrow = q + ((u64)t * heads + head) * hd;
   // This pass's keys in the range (positions js0 .. k0 + nk) from the raw rows: kn/vn [ns, hd].
@@ -135,6 +160,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   } else {
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
   }
+  if (ATT_PRE) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   if (ns > 0 && head % (heads / kv_heads) == 0 && split == nsplit - 1) {
     // The range ends at this token's own key (position pos): its row goes to the staging.
@@ -150,7 +176,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
 #pragma unroll 4
   for (int jj = warp; jj < nk; jj += ATT_WARPS) {
     const int j = k0 + jj;
-    const float* k = j < p0 ? kc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd
+    const float* k = j < p0 ? (jj < npre ? kpre + jj * hd : kc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd)
                      : ns > 0 ? kn + (j - js0) * hd
                               : ks + (u64)(j - p0) * kvw + kvh * hd;
     float s = 0.f;
@@ -179,7 +205,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
 #pragma unroll 2
   for (int jj = warp; jj < nk; jj += ATT_WARPS) {
     const int j = k0 + jj;
-    const float* v = j < p0 ? vc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd
+    const float* v = j < p0 ? (jj < npre ? vpre + jj * hd : vc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd)
                      : ns > 0 ? vn + (j - js0) * hd
                               : vs + (u64)(j - p0) * kvw + kvh * hd;
     const float e = scores[jj];

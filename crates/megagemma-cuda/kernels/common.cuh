@@ -50,6 +50,13 @@ __device__ __forceinline__ void pdl_start() {
 }
 #endif
 
+// The shared-window address of a pointer into shared memory (for cp.async).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
 // Asks for the 128-byte line holding `p` in L2 (a hint: no register waits for it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

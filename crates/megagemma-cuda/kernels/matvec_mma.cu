@@ -470,12 +470,6 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
 #define MMA_RING 8
 #define MMA_RING_SLOT(UPC) (512 + 128 * (UPC))
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
 // Copies chunk cc's codes (this lane's 16 bytes) and scales to the slot at shared address `dst`
 // (this warp's slot; the lane's offsets are added here). `codes` is the chunk's codes for this lane.
 template <int UPC>

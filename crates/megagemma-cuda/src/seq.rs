@@ -27,6 +27,9 @@ const PREFILL_CHUNK: usize = 1024;
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
 const ATTENTION_WARPS: usize = 8;
+/// Floats of an attention block's shared memory for committed K/V rows copied before the wait
+/// (`ATT_PRE_FLOATS` in `kernels/attention.cu`).
+const ATTENTION_PRE_FLOATS: usize = 8192;
 
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
@@ -1448,9 +1451,11 @@ impl CudaSeq {
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
-        // Queries, scores, per-warp sums and, with fused K/V norms, the range's normed K/V rows.
+        // Committed K/V rows copied before the wait, queries, scores, per-warp sums and, with fused
+        // K/V norms, the range's normed K/V rows.
         let staged_rows = if norms.fused & ATT_FUSED_KV != 0 { t.min(split.keys_per_block) } else { 0 };
-        let smem = f32s(lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
+        let smem =
+            f32s(ATTENTION_PRE_FLOATS + lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
@@ -1573,6 +1578,7 @@ mod attention_split_tests {
         assert_eq!(AttentionSplit::FEW_TOKENS, kernel_define("ATT_FEW_TOKENS"));
         assert_eq!(AttentionSplit::MAX_SPLITS, kernel_define("ATT_MAX_SPLITS"));
         assert_eq!(AttentionSplit::LONG_SPLITS, kernel_define("ATT_LONG_SPLITS"));
+        assert_eq!(super::ATTENTION_PRE_FLOATS, kernel_define("ATT_PRE_FLOATS"));
         // The kernel's split of n keys (att_splits) fits the host's grid and shared memory.
         for (t, split_keys) in [1, 4, 8, 9, 64].into_iter().flat_map(|t| [1, 16, ATT_SPLIT_KEYS, 64].map(|k| (t, k))) {
             for max_keys in [1, 31, 32, 33, 200, 512, 4096, 131072] {
