@@ -9,6 +9,10 @@ An ablation's output is wrong by design; only its time means something. Each wri
     ROUNDS=2 DECODES=graph tools/gpu_ab.sh .gpu base \\
       floor:MEGAGEMMA_KERNELS=.gpu/abl/floor noloop:MEGAGEMMA_KERNELS=.gpu/abl/noloop ...
 
+or, in one line on the GPU machine (`--variants` prints gpu_ab.sh's variant arguments instead of the folders):
+
+    tools/gpu_ab.sh .gpu base $(python3 tools/kernel_ablations.py .gpu/abl --variants floor noloop noatt)
+
 `--list` prints the ablations; `--check DIR` writes every one of them (each edit must match the
 kernel source exactly once, so a kernel change that breaks an ablation fails `cargo test`).
 Every ablation also makes `argmax_final` return token 0 when no logit compares (all NaN), so a
@@ -134,7 +138,12 @@ def main() -> int:
     ap.add_argument("names", nargs="*", help="ablations to write (default: all)")
     ap.add_argument("--list", action="store_true", help="print the ablations and exit")
     ap.add_argument("--check", action="store_true", help="write every ablation (what cargo test runs)")
-    a = ap.parse_args()
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="print each written ablation as a tools/gpu_ab.sh variant (NAME:MEGAGEMMA_KERNELS=DIR), space-separated",
+    )
+    a = ap.parse_intermixed_args()
     if a.list:
         for name, (what, _) in ABLATIONS.items():
             print(f"{name:<10} {what}")
@@ -145,8 +154,12 @@ def main() -> int:
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
         ap.error(f"unknown ablation(s) {', '.join(unknown)}; --list shows them")
-    for name in names:
-        print(write(name, a.out))
+    written = [(name, write(name, a.out)) for name in names]
+    if a.variants:
+        print(" ".join(f"{name}:MEGAGEMMA_KERNELS={path}" for name, path in written))
+    else:
+        for _, path in written:
+            print(path)
     return 0
 
 

@@ -49,6 +49,17 @@ fn every_ablation_applies_to_the_current_kernels() {
     }
     std::fs::remove_dir_all(&out_dir).ok();
 
+    // --variants: gpu_ab.sh's variant arguments, one per ablation asked for, naming its folder.
+    let v = tool(&[out_dir.to_str().unwrap(), "--variants", "floor", "noatt"]);
+    assert!(v.status.success());
+    let expect = format!(
+        "floor:MEGAGEMMA_KERNELS={0}/floor noatt:MEGAGEMMA_KERNELS={0}/noatt",
+        out_dir.to_str().unwrap().trim_end_matches('/')
+    );
+    assert_eq!(String::from_utf8_lossy(&v.stdout).trim(), expect);
+    assert!(out_dir.join("noatt/attention.cu").exists());
+    std::fs::remove_dir_all(&out_dir).ok();
+
     // An unknown name is one clear error and a non-zero exit.
     let bad = tool(&[out_dir.to_str().unwrap(), "nosuch"]);
     assert!(!bad.status.success());
