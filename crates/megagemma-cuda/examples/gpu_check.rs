@@ -245,8 +245,8 @@ fn prefill_bench(name: &str, tokens: usize) -> Result<()> {
     Ok(())
 }
 
-/// The megakernel against the graph path (bit for bit), its failure on a broken schedule, and
-/// both paths' decode speed.
+/// Several sequences stepped together against each stepped alone (bit for bit): three on every
+/// fixture, nine (a pass of eight and one alone) on synthetic tiny and E4B.
 fn batch_check(dirs: &[PathBuf]) -> Result<bool> {
     const STEPS: usize = 12;
     let mut ok = true;
@@ -285,6 +285,8 @@ fn batch_check(dirs: &[PathBuf]) -> Result<bool> {
     Ok(ok)
 }
 
+/// The megakernel against the graph path (bit for bit), its failure on a broken schedule, and
+/// both paths' decode speed.
 fn megakernel_check(dirs: &[PathBuf]) -> Result<bool> {
     const STEPS: usize = 16;
     let mut ok = true;

@@ -33,8 +33,8 @@ extern "C" __global__ void rms_norm(float* y, const float* x, const float* __res
 // Q, K and V heads after their projections, in one launch: Q heads normed with wq and rotated,
 // K heads normed with wk and rotated, V heads normed without weight (nk = 0 skips K and V; wv
 // unused when nv = 0). Each buffer is [T, heads, hd]; one block per (t, head); blocks run Q, then
-// K, then V. Passes of more than eight tokens only: a shorter pass's attention norms its rows itself
-// (`ATT_FUSED_*` in attention.cu) with the same functions.
+// K, then V. Not run where a short pass's attention norms its rows itself (`ATT_FUSED_*` in
+// attention.cu: the megakernel's table, batched steps), which uses the same functions.
 STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ wq, int nq, float* k,
                                          const float* __restrict__ wk, int nk, float* v, int nv,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,

@@ -79,27 +79,23 @@ impl CudaBackend {
     /// paths).
     fn step_batched(&mut self, chunk: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
         let before = self.model.launches();
-        if chunk.len() == 1 {
-            let (seq, tok) = chunk[0];
-            let o = self.seq_mut(seq)?.step(tok, needs_logits(want))?;
-            self.step_launches += self.model.launches() - before;
-            self.step_tokens += 1;
-            self.stats.passes += 1;
-            return Ok(vec![self.host_output(o, want)]);
-        }
-        // The sequences leave the map for the pass and all come back, whatever it returns.
-        let mut taken: Vec<(SeqId, CudaSeq)> =
-            chunk.iter().filter_map(|(id, _)| self.seqs.remove(id).map(|s| (*id, s))).collect();
-        let tokens: Vec<u32> = chunk.iter().map(|&(_, t)| t).collect();
-        let ran = match taken.split_first_mut() {
-            Some((first, rest)) if rest.len() + 1 == chunk.len() => {
-                let mut others: Vec<&mut CudaSeq> = rest.iter_mut().map(|(_, s)| s).collect();
-                first.1.step_batch(&mut others, &tokens, needs_logits(want))
-            }
-            _ => Err(Error::invalid_input("unknown sequence in a batched step".to_string())),
+        let outs = if let [(seq, tok)] = *chunk {
+            vec![self.seq_mut(seq)?.step(tok, needs_logits(want))?]
+        } else {
+            // The sequences leave the map for the pass and all come back, whatever it returns.
+            let mut taken: Vec<(SeqId, CudaSeq)> =
+                chunk.iter().filter_map(|(id, _)| self.seqs.remove(id).map(|s| (*id, s))).collect();
+            let tokens: Vec<u32> = chunk.iter().map(|&(_, t)| t).collect();
+            let ran = match taken.split_first_mut() {
+                Some((first, rest)) if rest.len() + 1 == chunk.len() => {
+                    let mut others: Vec<&mut CudaSeq> = rest.iter_mut().map(|(_, s)| s).collect();
+                    first.1.step_batch(&mut others, &tokens, needs_logits(want))
+                }
+                _ => Err(Error::invalid_input("unknown sequence in a batched step".to_string())),
+            };
+            self.seqs.extend(taken);
+            ran?
         };
-        self.seqs.extend(taken);
-        let outs = ran?;
         self.step_launches += self.model.launches() - before;
         self.step_tokens += chunk.len() as u64;
         self.stats.passes += 1;

@@ -154,6 +154,13 @@ struct AttColumnDesc {
     ring: i32,
 }
 
+impl AttColumnDesc {
+    /// Column `pos` of a sequence whose layer cache is `c`.
+    fn new(c: KvView, pos: usize) -> AttColumnDesc {
+        AttColumnDesc { kc: c.k, vc: c.v, ks: c.staged_k, vs: c.staged_v, pos: pos as i32, ring: c.ring as i32 }
+    }
+}
+
 /// Most sequences one batched step runs: a batch is one short pass (its attention norms every
 /// column's K/V; its columns split their keys as a lone token does).
 pub const MAX_BATCH: usize = 8;
@@ -665,8 +672,8 @@ impl CudaSeq {
     /// sequence's `tokens[0]`, column i its `others[i − 1]`'s `tokens[i]`. Each column's attention
     /// reads and stages its own sequence's K/V at its own position, and every column's arithmetic
     /// is a lone `step`'s (matvec columns are independent of each other; the norms run inside
-    /// the attention): the same ids and logits, bit for bit (`gpu_check batch`). Launched kernel
-    /// by kernel (no graph, no megakernel).
+    /// the attention): the same ids and logits, bit for bit (`gpu_check batch`). One CUDA graph per
+    /// sequence count (kernel by kernel without graphs; never the megakernel).
     pub fn step_batch(&mut self, others: &mut [&mut CudaSeq], tokens: &[u32], logits: bool) -> Result<Vec<PosOut>> {
         let n = tokens.len();
         let vocab = self.model.plan.vocab_size;
@@ -694,8 +701,7 @@ impl CudaSeq {
         for (l, lp) in plan.layers.iter().enumerate() {
             for (c, s) in seqs.iter().enumerate() {
                 if let Some(kv) = &s.caches[lp.kv_source] {
-                    let (kc, vc, ks, vs) = (kv.k.ptr, kv.v.ptr, kv.staged_k.ptr, kv.staged_v.ptr);
-                    cols[l * MAX_BATCH + c] = AttColumnDesc { kc, vc, ks, vs, pos: s.len as i32, ring: kv.ring as i32 };
+                    cols[l * MAX_BATCH + c] = AttColumnDesc::new(kv.view(), s.len);
                 }
             }
         }

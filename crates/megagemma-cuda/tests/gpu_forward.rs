@@ -30,6 +30,15 @@ fn fixture_models() -> Vec<(PathBuf, String, Model)> {
     out
 }
 
+/// Every fixture model (as `fixture_models`) uploaded, with its first case's prompt.
+fn uploaded_fixtures() -> impl Iterator<Item = (String, std::sync::Arc<CudaModel>, Vec<u32>)> {
+    fixture_models().into_iter().map(|(dir, label, model)| {
+        let cm = CudaModel::load(&model).expect("upload");
+        let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
+        (label, cm, prompt)
+    })
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn fixtures_match_cpu_reference() {
@@ -58,9 +67,7 @@ fn fixtures_match_cpu_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn verify_columns_equal_decode_steps() {
-    for (dir, label, model) in fixture_models() {
-        let cm = CudaModel::load(&model).expect("upload");
-        let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
+    for (label, cm, prompt) in uploaded_fixtures() {
         let r = verify_columns(&cm, &prompt, 8).expect("verify");
         assert!(
             r.ok(),
@@ -77,9 +84,7 @@ fn verify_columns_equal_decode_steps() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn megakernel_matches_graph_and_fails_cleanly() {
-    for (dir, label, model) in fixture_models() {
-        let cm = CudaModel::load(&model).expect("upload");
-        let (_, prompt) = fixture_cases(&dir).expect("cases").remove(0);
+    for (label, cm, prompt) in uploaded_fixtures() {
         match check::megakernel_matches_graph(&cm, &prompt, 8) {
             Ok(r) => {
                 assert_eq!(r.identical, 8, "{label}: megakernel steps bit-identical to the graph's");
@@ -100,9 +105,7 @@ fn megakernel_matches_graph_and_fails_cleanly() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn batched_steps_equal_lone_steps() {
-    for (dir, label, model) in fixture_models() {
-        let cm = CudaModel::load(&model).expect("upload");
-        let (_, p) = fixture_cases(&dir).expect("cases").remove(0);
+    for (label, cm, p) in uploaded_fixtures() {
         let prompts: Vec<Vec<u32>> = (1..=9).map(|n| p.iter().cycle().take(n).copied().collect()).collect();
         let r = check::batch_matches_lone(&cm, &prompts, 6).expect("batched steps");
         assert!(r.ok(), "{label}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
