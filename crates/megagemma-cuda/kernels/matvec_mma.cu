@@ -347,8 +347,11 @@ __device__ __forceinline__ UnitScales unit_scales(float v) {
 // One unit's scaled sums into a pair accumulator: c = the int32 columns of the lane's two planes
 // for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); u = the unit's scales and biases (`unit_scales`);
 // f = 2^−E of the lane's token; sx = its Σ x (0 on plane 2–3 lanes).
+// The lane's two planes combine in int32 before one conversion: |c| ≤ 2^20 (see the layout notes), so
+// c1·256 + c0 is exact and the conversion rounds it once — the value of fmaf((float)c1, 256, (float)c0)
+// with half the (quarter-rate) integer-to-float conversions.
 __device__ __forceinline__ void scale_unit(const int c[4], const UnitScales& u, float f, float sx, float y[2]) {
-  const float r0 = fmaf((float)c[1], 256.f, (float)c[0]), r1 = fmaf((float)c[3], 256.f, (float)c[2]);
+  const float r0 = (float)(c[1] * 256 + c[0]), r1 = (float)(c[3] * 256 + c[2]);
   y[0] = fmaf(fmaf(8.f, u.s0, u.b0), sx, fmaf(__fmul_rn(u.s0, f), r0, y[0]));
   y[1] = fmaf(fmaf(8.f, u.s1, u.b1), sx, fmaf(__fmul_rn(u.s1, f), r1, y[1]));
 }
