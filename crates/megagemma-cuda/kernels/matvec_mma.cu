@@ -727,25 +727,32 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
 }
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
-// (1 for groups of ≥ 64 columns, 2 for groups of 32). The plain ones end with a `Residual` (rx …
-// reps; ro null: none).
-#define MMA_ENTRY(NAME, H, UPC)                                                                               \
+// (1 for groups of ≥ 64 columns, 2 for groups of 32), RING: the weights through the cp.async ring
+// (`ring_slice`) instead of register batches (`tile_slice`), one token group only. The plain ones
+// end with a `Residual` (rx … reps; ro null: none).
+#define MMA_ENTRY(NAME, H, UPC, RING)                                                                         \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
            int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,     \
            const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
-    mma_kernel<H, UPC, false>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, ks,   \
-                              parts, nblocks, ahead, partial, counters, nullptr, 0,                           \
-                              Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                              \
+    mma_kernel<H, UPC, false, RING>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m,  \
+                                    ks, parts, nblocks, ahead, partial, counters, nullptr, 0,                 \
+                                    Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<H, UPC, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, ks, parts,  \
-                             nblocks, ahead, partial, counters, gate, gstride, Residual{});                   \
+    mma_kernel<H, UPC, true, RING>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, ks,   \
+                                   parts, nblocks, ahead, partial, counters, gate, gstride, Residual{});      \
   }
 
-MMA_ENTRY(matvec_q4t_4, 1, 1)
-MMA_ENTRY(matvec_q4t_8, 2, 1)
-MMA_ENTRY(matvec_q4t_4_g32, 1, 2)
-MMA_ENTRY(matvec_q4t_8_g32, 2, 2)
+MMA_ENTRY(matvec_q4t_4, 1, 1, false)
+MMA_ENTRY(matvec_q4t_8, 2, 1, false)
+MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
+MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
+// The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
+// chunks in the same order, so the same bits; the megakernel inlines it instead.
+#ifndef MEGAKERNEL
+MMA_ENTRY(matvec_q4t_4_ring, 1, 1, true)
+MMA_ENTRY(matvec_q4t_4_g32_ring, 1, 2, true)
+#endif

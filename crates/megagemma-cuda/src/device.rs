@@ -47,8 +47,10 @@ const FUNCTIONS: [(&str, &[&str]); 6] = [
 ];
 
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of
-/// ≥ 64 columns or of 32, plain or gated — indexed `(tokens / 4 − 1) + 2·g32 + 4·gated`.
-pub const MMA_KERNELS: [&str; 8] = [
+/// ≥ 64 columns or of 32, plain or gated — indexed `(tokens / 4 − 1) + 2·g32 + 4·gated`; then
+/// the cp.async-ring form of the four-token ones (`MEGAGEMMA_CUDA_MMA_RING=1`), indexed
+/// `8 + g32 + 2·gated` ([`mma_kernel`]).
+pub const MMA_KERNELS: [&str; 12] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -57,7 +59,26 @@ pub const MMA_KERNELS: [&str; 8] = [
     "matvec_q4t_8_gated",
     "matvec_q4t_4_g32_gated",
     "matvec_q4t_8_g32_gated",
+    "matvec_q4t_4_ring",
+    "matvec_q4t_4_g32_ring",
+    "matvec_q4t_4_ring_gated",
+    "matvec_q4t_4_g32_ring_gated",
 ];
+
+/// The tensor-core matvec entry for `h` groups of four tokens, groups of 32 columns or not, gated
+/// or not, in the ring form or not (which only the four-token entries have).
+pub fn mma_kernel(h: usize, g32: bool, gated: bool, ring: bool) -> &'static str {
+    match ring && h == 1 {
+        true => MMA_KERNELS[8 + usize::from(g32) + 2 * usize::from(gated)],
+        false => MMA_KERNELS[(h - 1) + 2 * usize::from(g32) + 4 * usize::from(gated)],
+    }
+}
+
+/// Shared memory of the tensor-core matvec's cp.async rings beside its inputs (`MMA_RING` slots
+/// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps).
+pub(crate) fn mma_ring_bytes(upc: u32) -> u32 {
+    8 * 8 * (512 + 128 * upc)
+}
 
 /// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`), besides
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
@@ -111,6 +132,9 @@ pub struct Q4Stream {
     /// Most 64-column chunks in one column part of a split matvec (`MEGAGEMMA_CUDA_MMA_PART_CHUNKS`,
     /// default 40; part of the arithmetic, like `mma_waves`).
     pub mma_part_chunks: usize,
+    /// Launched passes of up to four tokens stream the tensor-core matvec's weights through the
+    /// megakernel's cp.async ring (`MEGAGEMMA_CUDA_MMA_RING=1`; same bits). Off by default.
+    pub mma_ring: bool,
 }
 
 /// A tuning knob from the environment: `name` parsed as a count within `range`, else `default`.
@@ -131,6 +155,7 @@ impl Q4Stream {
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
+            mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -321,10 +346,12 @@ impl Gpu {
         funcs["attention"]
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
-        // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums.
+        // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums,
+        // the ring form its weights' rings too (up to 48 KB).
         for name in MMA_KERNELS {
+            let kb = if name.contains("_ring") { 110 } else { 60 };
             funcs[name]
-                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 60 * 1024)
+                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kb * 1024)
                 .map_err(|e| cuda_err("matvec smem", e))?;
         }
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);

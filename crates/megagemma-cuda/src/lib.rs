@@ -24,7 +24,8 @@
 //! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for, default 1) and
 //! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic),
 //! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
-//! weight pass per eight).
+//! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
+//! the tensor-core matvec's weights through the megakernel's cp.async ring; same results).
 
 pub mod backend;
 mod capture;

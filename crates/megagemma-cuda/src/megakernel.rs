@@ -4,7 +4,7 @@
 //! own device functions, a counter per stage. Results are bit-identical to the graph path
 //! (`gpu_check megakernel`). Selected with `--decode megakernel` or `MEGAGEMMA_CUDA_DECODE=megakernel`.
 
-use crate::device::{cuda_err, Arg, DevBuf, Gpu, Recorded, MK_ENTRIES, MMA_KERNELS};
+use crate::device::{cuda_err, mma_ring_bytes, Arg, DevBuf, Gpu, Recorded, MK_ENTRIES, MMA_KERNELS};
 use megagemma_model::{bail, Result};
 
 /// Kernels the megakernel runs, by stage id (the `case`s of `mk_dispatch` in `megakernel.cu`).
@@ -46,11 +46,6 @@ const MK_THREADS: u32 = 256;
 const MK_BLOCKS_PER_SM: u32 = 2;
 /// Dynamic shared memory the megakernel may use (`Gpu::megakernel_fn` sets it).
 pub(crate) const MK_SMEM_MAX: u32 = 96 * 1024;
-/// Shared memory of the tensor-core matvec's cp.async rings beside its inputs (`MMA_RING` slots
-/// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps).
-fn mma_ring_bytes(upc: u32) -> u32 {
-    8 * 8 * (512 + 128 * upc)
-}
 
 /// One stage as the device reads it (`struct MkStage`).
 #[repr(C)]

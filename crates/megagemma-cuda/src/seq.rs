@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T, MMA_KERNELS};
+use crate::device::{cuda_err, mma_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T};
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
@@ -1010,8 +1010,12 @@ impl CudaSeq {
             let h = m.div_ceil(4);
             // Input fragments and per-unit sums per 64-column chunk.
             let slice = chunks.min(MMA_SLICE_BYTES / mma_chunk_bytes(h, upc));
-            let smem = (slice * mma_chunk_bytes(h, upc)) as u32;
-            let name = MMA_KERNELS[(h - 1) + 2 * usize::from(upc == 2) + 4 * usize::from(gate.is_some())];
+            // The ring form is for launched passes only: a megakernel's stage table records the
+            // register form's names (it inlines the ring itself).
+            let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording();
+            let ring_bytes = if ring { mma_ring_bytes(upc as u32) } else { 0 };
+            let smem = (slice * mma_chunk_bytes(h, upc)) as u32 + ring_bytes;
+            let name = mma_kernel(h, upc == 2, gate.is_some(), ring);
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
             // Both entry points take (columns, warps per tile, column parts, virtual blocks, blocks
