@@ -610,3 +610,31 @@ impl Gpu {
         self.launches.load(Ordering::Relaxed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{mma_kernel, MMA_KERNELS};
+
+    /// Every (token groups, g32, gated, ring) names the entry of that shape, and the ring form
+    /// falls back to the register form where it has no entry (eight tokens).
+    #[test]
+    fn mma_kernel_names_match_their_shape() {
+        for h in 1..=2 {
+            for g32 in [false, true] {
+                for gated in [false, true] {
+                    for ring in [false, true] {
+                        let name = mma_kernel(h, g32, gated, ring);
+                        assert!(name.starts_with(&format!("matvec_q4t_{}", 4 * h)), "{name}");
+                        assert_eq!(name.contains("_g32"), g32, "{name}");
+                        assert_eq!(name.ends_with("_gated"), gated, "{name}");
+                        assert_eq!(name.contains("_ring"), ring && h == 1, "{name}");
+                    }
+                }
+            }
+        }
+        let mut all: Vec<&str> = MMA_KERNELS.to_vec();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), MMA_KERNELS.len(), "duplicate entry names");
+    }
+}
