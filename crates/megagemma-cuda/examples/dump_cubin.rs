@@ -18,7 +18,7 @@ fn main() {
     }
     let run = || -> megagemma_model::Result<()> {
         let src = kernel_source(file)?;
-        let compiled = compile_cubin(file, &src, &options(arch))?;
+        let compiled = compile_cubin(file, &src, &options(arch)?)?;
         std::fs::write(out, &compiled.cubin).map_err(|e| megagemma_model::Error::msg(format!("{out}: {e}")))?;
         eprint!("{}", compiled.log);
         Ok(())

@@ -311,12 +311,26 @@ __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts,
   }
 }
 
+// A unit's scales as a lane holds them: by default one of the four values (s, b of row gid, s, b of
+// row gid + 8) its quad needs, shared by shuffles (`unit_scales`); with MMA_SCALES_F4 (an opt-in
+// experiment: `MEGAGEMMA_CUDA_DEFINES=MMA_SCALES_F4`) all four, one 16-byte load that the quad's
+// lanes share a line for — the same values, so the same bits, without the four shuffles.
+#ifdef MMA_SCALES_F4
+typedef float4 ScaleVal;
+__device__ __forceinline__ int sb_lane(int lane) { return (lane >> 2) * 4; }
+__device__ __forceinline__ float4 sb_load(const float* p) { return __ldcs((const float4*)p); }
+#else
+typedef float ScaleVal;
+__device__ __forceinline__ int sb_lane(int lane) { return lane; }
+__device__ __forceinline__ float sb_load(const float* p) { return __ldcs(p); }
+#endif
+
 // A batch of one warp's chunks: chunk cc = c + u·ks for u < U (those below `end`), their codes and
-// the (scale or bias) value this lane holds for each of their UPC scale units.
+// the scales this lane holds for each of their UPC scale units.
 template <int U, int UPC>
 struct Batch {
   uint4 q[U];
-  float sb[U][UPC];
+  ScaleVal sb[U][UPC];
 };
 
 template <int U, int UPC>
@@ -328,7 +342,7 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
     if (cc < end) {
       bt.q[u] = __ldcs(codes + (u64)cc * 32);
 #pragma unroll
-      for (int p = 0; p < UPC; p++) bt.sb[u][p] = __ldcs(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);
+      for (int p = 0; p < UPC; p++) bt.sb[u][p] = sb_load(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);
     }
   }
 }
@@ -343,6 +357,7 @@ __device__ __forceinline__ UnitScales unit_scales(float v) {
   return UnitScales{__shfl_sync(0xffffffffu, v, quad), __shfl_sync(0xffffffffu, v, quad + 1),
                     __shfl_sync(0xffffffffu, v, quad + 2), __shfl_sync(0xffffffffu, v, quad + 3)};
 }
+__device__ __forceinline__ UnitScales unit_scales(float4 v) { return UnitScales{v.x, v.y, v.z, v.w}; }
 
 // One unit's scaled sums into a pair accumulator: c = the int32 columns of the lane's two planes
 // for rows gid (c[0], c[1]) and gid + 8 (c[2], c[3]); u = the unit's scales and biases (`unit_scales`);
@@ -443,9 +458,8 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
-  // Lane (gid, tig) loads one of the four values (s, b of row gid, s, b of row gid + 8) its quad
-  // needs; the quad shares them by shuffles.
-  const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + lane;
+  // Lane (gid, tig) loads its share of the quad's scales (`ScaleVal`).
+  const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + sb_lane(lane);
   constexpr int U = H == 1 && UPC == 1 ? 3 : 2 / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
   // the sums do not depend on how many tokens (and so how large a slice) a launch has.
@@ -532,8 +546,17 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
     const int off = (i % MMA_RING) * MMA_RING_SLOT(UPC);
     Batch<1, UPC> bt;
     bt.q[0] = *(const uint4*)(ring + off + lane * 16);
+#ifdef MMA_SCALES_F4
+    // The quad's four lanes copied the line this lane reads: their copies are complete (each
+    // waited) and visible once the warp has met; and none refills the slot before all have read.
+    __syncwarp();
+#pragma unroll
+    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float4*)(ring + off + 512 + p * 128 + sb_lane(lane) * 4);
+    __syncwarp();
+#else
 #pragma unroll
     for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(ring + off + 512 + p * 128 + lane * 4);
+#endif
     if (i + MMA_RING < count)
       ring_issue<UPC>(ring_s + off, codes + (i + MMA_RING) * step, sbt, first + (i + MMA_RING) * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");

@@ -67,9 +67,35 @@ pub fn preprocess(src: &str, common: &str) -> String {
         .join("\n")
 }
 
-/// NVRTC options for a device of compute capability `arch` (e.g. "90a").
-pub fn options(arch: &str) -> Vec<String> {
-    vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "-lineinfo".into(), "-Xptxas=-v".into()]
+/// NVRTC options for a device of compute capability `arch` (e.g. "90a"), with the kernel
+/// experiments `MEGAGEMMA_CUDA_DEFINES` switches on ([`defines`]).
+pub fn options(arch: &str) -> Result<Vec<String>> {
+    let mut opts =
+        vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "-lineinfo".into(), "-Xptxas=-v".into()];
+    if let Ok(list) = std::env::var("MEGAGEMMA_CUDA_DEFINES") {
+        opts.extend(defines(&list)?);
+    }
+    Ok(opts)
+}
+
+/// `-D` options from a comma-separated list of `NAME` or `NAME=VALUE` (C identifiers; values of
+/// letters, digits, `_`, `.`, `+`, `-`): opt-in kernel variants, compiled only when asked for and
+/// cached under their own key (the options are part of it).
+pub fn defines(list: &str) -> Result<Vec<String>> {
+    let ident = |s: &str| {
+        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let value = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || "_.+-".contains(c));
+    let mut out = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, val) = item.split_once('=').unwrap_or((item, ""));
+        if !ident(name) || !value(val) {
+            bail!("MEGAGEMMA_CUDA_DEFINES: '{item}' is not NAME or NAME=VALUE (a C identifier; a value of letters, digits, _ . + -)");
+        }
+        out.push(format!("-D{item}"));
+    }
+    Ok(out)
 }
 
 /// A compiled module: the CUBIN and NVRTC's log (the `-Xptxas=-v` register/spill report).
@@ -178,7 +204,7 @@ fn cache_dir() -> Option<PathBuf> {
 /// written is not an error.
 pub fn cubin_for(file: &str, arch: &str, device_key: &str) -> Result<Vec<u8>> {
     let src = kernel_source(file)?;
-    let opts = options(arch);
+    let opts = options(arch)?;
     let ver = nvrtc_version()?;
     let key = fnv1a(&[src.as_bytes(), opts.join(" ").as_bytes(), ver.as_bytes(), device_key.as_bytes()]);
     let path = cache_dir().map(|d| d.join(format!("{}-{key:016x}.cubin", file.trim_end_matches(".cu"))));
@@ -215,6 +241,16 @@ pub(crate) fn kernel_define(file: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn defines_become_d_options_and_bad_ones_are_refused() {
+        assert_eq!(defines("MMA_SCALES_F4, X=3,,Y_2=a.b").unwrap(), ["-DMMA_SCALES_F4", "-DX=3", "-DY_2=a.b"]);
+        assert!(defines("").unwrap().is_empty());
+        for bad in ["1X", "A B", "X=$(rm)", "X=\"y\"", "-DX"] {
+            let e = defines(bad).unwrap_err().to_string();
+            assert!(e.contains("MEGAGEMMA_CUDA_DEFINES") && e.contains(bad), "{e}");
+        }
+    }
 
     #[test]
     fn include_line_is_replaced_once_without_pragma() {

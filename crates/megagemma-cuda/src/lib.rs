@@ -25,7 +25,9 @@
 //! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic),
 //! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
 //! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
-//! the tensor-core matvec's weights through the megakernel's cp.async ring; same results).
+//! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
+//! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (kernel experiments compiled in on request, e.g.
+//! `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of four shuffles).
 
 pub mod backend;
 mod capture;

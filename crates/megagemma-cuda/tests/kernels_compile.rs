@@ -4,7 +4,7 @@
 //! when set, else from the repository's ignored `.cache/nvrtc`, which `tools/fetch_nvrtc.sh`
 //! fills from PyPI (the wheel nvidia-cuda-nvrtc 13.0.88) on first use. No NVRTC is a failure.
 
-use megagemma_cuda::compile::{compile_cubin, kernel_source, options, parse_ptxas, KERNEL_FILES};
+use megagemma_cuda::compile::{compile_cubin, defines, kernel_source, options, parse_ptxas, KERNEL_FILES};
 use megagemma_cuda::libs::nvrtc_present;
 use std::path::PathBuf;
 use std::process::Command;
@@ -30,7 +30,7 @@ fn kernels_compile() {
     let mut failures = Vec::new();
     for (file, _) in KERNEL_FILES {
         let src = kernel_source(file).expect("kernel source");
-        match compile_cubin(file, &src, &options("90a")) {
+        match compile_cubin(file, &src, &options("90a").expect("NVRTC options")) {
             Err(e) => failures.push(format!("{e}")),
             Ok(c) => {
                 assert!(!c.cubin.is_empty(), "{file}: empty CUBIN");
@@ -52,4 +52,26 @@ fn kernels_compile() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The opt-in kernel experiments (`MEGAGEMMA_CUDA_DEFINES`) still compile, so a later session can
+/// time them without a rebuild; their registers and spills are printed, not judged (a variant is
+/// measured before it is kept).
+#[test]
+fn kernel_experiments_compile() {
+    ensure_nvrtc();
+    assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
+    for (file, define) in [("matvec_mma.cu", "MMA_SCALES_F4"), ("megakernel.cu", "MMA_SCALES_F4")] {
+        let mut opts = options("90a").expect("NVRTC options");
+        opts.extend(defines(define).expect("a valid define"));
+        let src = kernel_source(file).expect("kernel source");
+        let c = compile_cubin(file, &src, &opts).unwrap_or_else(|e| panic!("{file} with {define}: {e}"));
+        assert!(!c.cubin.is_empty(), "{file} with {define}: empty CUBIN");
+        for k in parse_ptxas(&c.log) {
+            eprintln!(
+                "{file} -D{define}: {} uses {} registers, {} spill bytes",
+                k.function, k.registers, k.spill_bytes
+            );
+        }
+    }
 }
