@@ -312,29 +312,45 @@ __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts,
 }
 
 // A unit's scales as a lane holds them: by default one of the four values (s, b of row gid, s, b of
-// row gid + 8) its quad needs, shared by shuffles (`unit_scales`); with MMA_SCALES_F4 (an opt-in
-// experiment: `MEGAGEMMA_CUDA_DEFINES=MMA_SCALES_F4`) all four, one 16-byte load that the quad's
-// lanes share a line for — the same values, so the same bits, without the four shuffles.
-#ifdef MMA_SCALES_F4
-typedef float4 ScaleVal;
-__device__ __forceinline__ int sb_lane(int lane) { return (lane >> 2) * 4; }
-__device__ __forceinline__ float4 sb_load(const float* p) { return __ldcs((const float4*)p); }
+// row gid + 8) its quad needs, shared by shuffles (`unit_scales`); whole (F4), all four, one 16-byte
+// load that the quad's lanes share a line for — the same values, so the same bits, without the four
+// shuffles. F4 is an opt-in experiment: `MEGAGEMMA_CUDA_DEFINES=MMA_SCALES_F4` (every form) or
+// `MMA_SCALES_F4_GATED` (the gated entries and the ring form, which have the registers for it).
+__device__ constexpr bool scales_f4(bool gated, bool ring) {
+#if defined(MMA_SCALES_F4)
+  return true;
+#elif defined(MMA_SCALES_F4_GATED)
+  return gated || ring;
 #else
-typedef float ScaleVal;
-__device__ __forceinline__ int sb_lane(int lane) { return lane; }
-__device__ __forceinline__ float sb_load(const float* p) { return __ldcs(p); }
+  return gated && ring && false;
 #endif
+}
+template <bool F4>
+struct ScaleOf {
+  typedef float type;
+};
+template <>
+struct ScaleOf<true> {
+  typedef float4 type;
+};
+// Where lane `lane` reads its scales within a unit's 32 floats.
+template <bool F4>
+__device__ __forceinline__ int sb_lane(int lane) {
+  return F4 ? (lane >> 2) * 4 : lane;
+}
+__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }
+__device__ __forceinline__ void sb_load(float4& v, const float* p) { v = __ldcs((const float4*)p); }
 
 // A batch of one warp's chunks: chunk cc = c + u·ks for u < U (those below `end`), their codes and
 // the scales this lane holds for each of their UPC scale units.
-template <int U, int UPC>
+template <int U, int UPC, bool F4>
 struct Batch {
   uint4 q[U];
-  ScaleVal sb[U][UPC];
+  typename ScaleOf<F4>::type sb[U][UPC];
 };
 
-template <int U, int UPC>
-__device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __restrict__ codes,
+template <int U, int UPC, bool F4>
+__device__ __forceinline__ void load_batch(Batch<U, UPC, F4>& bt, const uint4* __restrict__ codes,
                                            const float* __restrict__ sbt, int c, int ks, int end, int gsh) {
 #pragma unroll
   for (int u = 0; u < U; u++) {
@@ -342,7 +358,7 @@ __device__ __forceinline__ void load_batch(Batch<U, UPC>& bt, const uint4* __res
     if (cc < end) {
       bt.q[u] = __ldcs(codes + (u64)cc * 32);
 #pragma unroll
-      for (int p = 0; p < UPC; p++) bt.sb[u][p] = sb_load(sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);
+      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);
     }
   }
 }
@@ -373,8 +389,8 @@ __device__ __forceinline__ void scale_unit(const int c[4], const UnitScales& u, 
 
 // Multiplies a loaded batch into the pair accumulators y[p][r] (rows gid and gid + 8; token
 // 2p + tig/2, planes 2·(tig % 2) and 2·(tig % 2) + 1), chunk by chunk in increasing order.
-template <int H, int U, int UPC>
-__device__ __forceinline__ void compute_batch(const Batch<U, UPC>& bt, int c, int ks, int c0, int end,
+template <int H, int U, int UPC, bool F4>
+__device__ __forceinline__ void compute_batch(const Batch<U, UPC, F4>& bt, int c, int ks, int c0, int end,
                                               const uint4* xf, const float* xs, const bool live[2 * H],
                                               const bool pairs[2 * H], float y[2 * H][2]) {
   constexpr int P = 2 * H, XW = 8 * H;
@@ -452,14 +468,14 @@ __device__ __forceinline__ void pairs_to_tokens(const float yp[2 * H][2], float 
 // One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
 // Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
 // one is multiplied, so a warp keeps up to 2U chunks of weights on their way.
-template <int H, int UPC>
+template <int H, int UPC, bool F4>
 __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
                                            const float* xs, float y[2 * H][2], int m) {
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
   // Lane (gid, tig) loads its share of the quad's scales (`ScaleVal`).
-  const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + sb_lane(lane);
+  const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + sb_lane<F4>(lane);
   constexpr int U = H == 1 && UPC == 1 ? 3 : 2 / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
   // the sums do not depend on how many tokens (and so how large a slice) a launch has.
@@ -467,14 +483,14 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   const int end = c0 + n, step = U * ks;
   bool live[2 * H], pairs[2 * H];
   live_pairs<H>(m, live, pairs);
-  Batch<U, UPC> ba, bb;
-  load_batch<U, UPC>(ba, codes, sbt, first, ks, end, gsh);
+  Batch<U, UPC, F4> ba, bb;
+  load_batch<U, UPC, F4>(ba, codes, sbt, first, ks, end, gsh);
   for (int c = first; c < end; c += 2 * step) {
-    load_batch<U, UPC>(bb, codes, sbt, c + step, ks, end, gsh);
-    compute_batch<H, U, UPC>(ba, c, ks, c0, end, xf, xs, live, pairs, y);
+    load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
+    compute_batch<H, U, UPC, F4>(ba, c, ks, c0, end, xf, xs, live, pairs, y);
     if (c + step >= end) break;
-    load_batch<U, UPC>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
-    compute_batch<H, U, UPC>(bb, c + step, ks, c0, end, xf, xs, live, pairs, y);
+    load_batch<U, UPC, F4>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
+    compute_batch<H, U, UPC, F4>(bb, c + step, ks, c0, end, xf, xs, live, pairs, y);
   }
 }
 
@@ -525,7 +541,7 @@ __device__ __forceinline__ void ring_start(const Mat& W, int tile, int ws, int k
 }
 
 // `started`: ring_start has run for this slice already.
-template <int UPC>
+template <int UPC, bool F4>
 __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
                                            const float* xs, float y[2][2], unsigned char* ring, int m, bool started) {
   const int lane = threadIdx.x & 31;
@@ -544,24 +560,24 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   for (int i = 0; i < count; i++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
     const int off = (i % MMA_RING) * MMA_RING_SLOT(UPC);
-    Batch<1, UPC> bt;
+    Batch<1, UPC, F4> bt;
     bt.q[0] = *(const uint4*)(ring + off + lane * 16);
-#ifdef MMA_SCALES_F4
-    // The quad's four lanes copied the line this lane reads: their copies are complete (each
-    // waited) and visible once the warp has met; and none refills the slot before all have read.
-    __syncwarp();
+    if constexpr (F4) {
+      // The quad's four lanes copied the line this lane reads: their copies are complete (each
+      // waited) and visible once the warp has met; and none refills the slot before all have read.
+      __syncwarp();
 #pragma unroll
-    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float4*)(ring + off + 512 + p * 128 + sb_lane(lane) * 4);
-    __syncwarp();
-#else
+      for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float4*)(ring + off + 512 + p * 128 + sb_lane<F4>(lane) * 4);
+      __syncwarp();
+    } else {
 #pragma unroll
-    for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(ring + off + 512 + p * 128 + lane * 4);
-#endif
+      for (int p = 0; p < UPC; p++) bt.sb[0][p] = *(const float*)(ring + off + 512 + p * 128 + lane * 4);
+    }
     if (i + MMA_RING < count)
       ring_issue<UPC>(ring_s + off, codes + (i + MMA_RING) * step, sbt, first + (i + MMA_RING) * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const int cc = first + i * ks;
-    compute_batch<1, 1, UPC>(bt, cc, ks, c0, cc + 1, xf, xs, live, pairs, y);
+    compute_batch<1, 1, UPC, F4>(bt, cc, ks, c0, cc + 1, xf, xs, live, pairs, y);
   }
 }
 
@@ -606,9 +622,10 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     if (tile < tiles) {
       if constexpr (RING) {
         static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
-        ring_slice<UPC>(W, tile, ws, ks, c0, n, xf, xs, yp, ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
+        ring_slice<UPC, scales_f4(GATED, RING)>(W, tile, ws, ks, c0, n, xf, xs, yp,
+                                                ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC>(W, tile, ws, ks, c0, n, xf, xs, yp, m);
+        tile_slice<H, UPC, scales_f4(GATED, RING)>(W, tile, ws, ks, c0, n, xf, xs, yp, m);
       }
     }
     started = false;

@@ -27,7 +27,8 @@
 //! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
 //! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (kernel experiments compiled in on request, e.g.
-//! `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of four shuffles).
+//! `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of four shuffles;
+//! `MMA_SCALES_F4_GATED`: the same in the gated and ring forms only).
 
 pub mod backend;
 mod capture;

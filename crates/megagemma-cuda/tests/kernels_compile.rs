@@ -61,7 +61,12 @@ fn kernels_compile() {
 fn kernel_experiments_compile() {
     ensure_nvrtc();
     assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
-    for (file, define) in [("matvec_mma.cu", "MMA_SCALES_F4"), ("megakernel.cu", "MMA_SCALES_F4")] {
+    let experiments = [
+        ("matvec_mma.cu", "MMA_SCALES_F4"),
+        ("matvec_mma.cu", "MMA_SCALES_F4_GATED"),
+        ("megakernel.cu", "MMA_SCALES_F4"),
+    ];
+    for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
         opts.extend(defines(define).expect("a valid define"));
         let src = kernel_source(file).expect("kernel source");
