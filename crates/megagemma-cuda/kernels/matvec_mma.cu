@@ -322,7 +322,8 @@ __device__ constexpr bool scales_f4(bool gated, bool ring) {
 #elif defined(MMA_SCALES_F4_GATED)
   return gated || ring;
 #else
-  return gated && ring && false;
+  (void)gated, (void)ring;
+  return false;
 #endif
 }
 template <bool F4>
@@ -474,7 +475,7 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
-  // Lane (gid, tig) loads its share of the quad's scales (`ScaleVal`).
+  // Lane (gid, tig) loads its share of the quad's scales (`ScaleOf`, `sb_lane`).
   const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + sb_lane<F4>(lane);
   constexpr int U = H == 1 && UPC == 1 ? 3 : 2 / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
