@@ -4,7 +4,9 @@
 //! when set, else from the repository's ignored `.cache/nvrtc`, which `tools/fetch_nvrtc.sh`
 //! fills from PyPI (the wheel nvidia-cuda-nvrtc 13.0.88) on first use. No NVRTC is a failure.
 
-use megagemma_cuda::compile::{compile_cubin, defines, kernel_source, options, parse_ptxas, KERNEL_FILES};
+use megagemma_cuda::compile::{
+    compile_cubin, defines, kernel_source, options, parse_ptxas, KernelReport, KERNEL_FILES,
+};
 use megagemma_cuda::libs::nvrtc_present;
 use std::path::PathBuf;
 use std::process::Command;
@@ -23,30 +25,35 @@ fn ensure_nvrtc() {
     std::env::set_var("MEGAGEMMA_CUDA_LIB_DIR", dir);
 }
 
+/// `file` compiled with `opts` (NVRTC from `ensure_nvrtc`): its ptxas report, each entry printed.
+fn compile_report(file: &str, opts: &[String], label: &str) -> Result<Vec<KernelReport>, String> {
+    let src = kernel_source(file).map_err(|e| format!("{label}: {e}"))?;
+    let c = compile_cubin(file, &src, opts).map_err(|e| format!("{label}: {e}"))?;
+    assert!(!c.cubin.is_empty(), "{label}: empty CUBIN");
+    let report = parse_ptxas(&c.log);
+    assert!(!report.is_empty(), "{label}: no ptxas report in the log:\n{}", c.log);
+    for k in &report {
+        eprintln!("{label}: {} uses {} registers, {} spill bytes", k.function, k.registers, k.spill_bytes);
+    }
+    Ok(report)
+}
+
 #[test]
 fn kernels_compile() {
     ensure_nvrtc();
     assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
+    let opts = options("90a").expect("NVRTC options");
     let mut failures = Vec::new();
     for (file, _) in KERNEL_FILES {
-        let src = kernel_source(file).expect("kernel source");
-        match compile_cubin(file, &src, &options("90a").expect("NVRTC options")) {
-            Err(e) => failures.push(format!("{e}")),
-            Ok(c) => {
-                assert!(!c.cubin.is_empty(), "{file}: empty CUBIN");
-                let report = parse_ptxas(&c.log);
-                assert!(!report.is_empty(), "{file}: no ptxas report in the log:\n{}", c.log);
-                for k in report {
-                    eprintln!("{file}: {} uses {} registers, {} spill bytes", k.function, k.registers, k.spill_bytes);
-                    // megakernel.cu holds every stage file again (checked in its own module) and the
-                    // opt-in megakernel, whose register budget (all stages in one 128-register
-                    // kernel) still spills: docs/perf-notes.md, "Decode megakernel, first version".
-                    if file == "megakernel.cu" {
-                        continue;
-                    }
-                    if k.spill_bytes > 0 {
-                        failures.push(format!("{file}: {} spills {} bytes", k.function, k.spill_bytes));
-                    }
+        match compile_report(file, &opts, file) {
+            Err(e) => failures.push(e),
+            // megakernel.cu holds every stage file again (checked in its own module) and the
+            // opt-in megakernel, whose register budget (all stages in one 128-register kernel)
+            // still spills: docs/perf-notes.md, "Decode megakernel, first version".
+            Ok(_) if file == "megakernel.cu" => {}
+            Ok(report) => {
+                for k in report.iter().filter(|k| k.spill_bytes > 0) {
+                    failures.push(format!("{file}: {} spills {} bytes", k.function, k.spill_bytes));
                 }
             }
         }
@@ -69,14 +76,8 @@ fn kernel_experiments_compile() {
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
         opts.extend(defines(define).expect("a valid define"));
-        let src = kernel_source(file).expect("kernel source");
-        let c = compile_cubin(file, &src, &opts).unwrap_or_else(|e| panic!("{file} with {define}: {e}"));
-        assert!(!c.cubin.is_empty(), "{file} with {define}: empty CUBIN");
-        for k in parse_ptxas(&c.log) {
-            eprintln!(
-                "{file} -D{define}: {} uses {} registers, {} spill bytes",
-                k.function, k.registers, k.spill_bytes
-            );
+        if let Err(e) = compile_report(file, &opts, &format!("{file} -D{define}")) {
+            panic!("{e}");
         }
     }
 }
