@@ -31,9 +31,17 @@
 #include "common.cuh"
 
 #define MMA_WARPS 8
+// Chunks per batch of a one-token-group warp (`tile_slice`). This and the next two defines can be
+// set for an experiment (`MEGAGEMMA_CUDA_DEFINES`; MMA_BLOCKS_PER_SM with the host's
+// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`).
+#ifndef MMA_U1
+#define MMA_U1 3
+#endif
 // Blocks per SM the register budget is set for (src/seq.rs `MMA_BLOCKS_PER_SM`): 2 leaves 128
 // registers a thread, room for two batches of chunks in flight per warp.
+#ifndef MMA_BLOCKS_PER_SM
 #define MMA_BLOCKS_PER_SM 2
+#endif
 // Dynamic shared memory for the inputs: per 64-column chunk 512 bytes of B fragments per token pair
 // (2·H pairs) and UPC + 1 rows of 8·H floats (Σ x per unit, then 2^(−E−4); see `build_inputs`). A
 // slice is as many chunks as fit (45 for H = 1), which a column part never exceeds.
@@ -118,10 +126,12 @@ struct Residual {
 // The folded step keeps x' in registers for the input build (`build_inputs`) in the separate
 // kernel; the megakernel re-reads it (its stages share one register allocation: 12 more live
 // registers there cost more than the L2 round trip they save).
+#ifndef RES_KEEP
 #ifdef MEGAKERNEL
 #define RES_KEEP 0
 #else
 #define RES_KEEP 1
+#endif
 #endif
 
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j]; block 0 also writes x'.
@@ -314,15 +324,12 @@ __device__ __forceinline__ void prefetch_block(const Mat& W, int tpb, int parts,
 // A unit's scales as a lane holds them: by default one of the four values (s, b of row gid, s, b of
 // row gid + 8) its quad needs, shared by shuffles (`unit_scales`); whole (F4), all four, one 16-byte
 // load that the quad's lanes share a line for — the same values, so the same bits, without the four
-// shuffles. F4 is an opt-in experiment: `MEGAGEMMA_CUDA_DEFINES=MMA_SCALES_F4` (every form) or
-// `MMA_SCALES_F4_GATED` (the gated entries and the ring form, which have the registers for it).
-__device__ constexpr bool scales_f4(bool gated, bool ring) {
+// shuffles. F4 is an opt-in experiment (`MEGAGEMMA_CUDA_DEFINES=MMA_SCALES_F4`; docs/perf-notes.md,
+// twelfth and thirteenth sessions: decode +1.4% or ±0, verify −1.9%).
+__device__ constexpr bool scales_f4() {
 #if defined(MMA_SCALES_F4)
   return true;
-#elif defined(MMA_SCALES_F4_GATED)
-  return gated || ring;
 #else
-  (void)gated, (void)ring;
   return false;
 #endif
 }
@@ -477,7 +484,7 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   const uint4* __restrict__ codes = (const uint4*)W.w + (u64)tile * chunks * 32 + lane;
   // Lane (gid, tig) loads its share of the quad's scales (`ScaleOf`, `sb_lane`).
   const float* __restrict__ sbt = (const float*)W.sb + (u64)tile * groups * 32 + sb_lane<F4>(lane);
-  constexpr int U = H == 1 && UPC == 1 ? 3 : 2 / UPC;  // chunks per batch (registers allow two batches)
+  constexpr int U = H == 1 && UPC == 1 ? MMA_U1 : 2 / UPC;  // chunks per batch (registers allow two batches)
   // The warp's chunks are those ≡ ws (mod ks) whatever the slicing, taken in increasing order, so
   // the sums do not depend on how many tokens (and so how large a slice) a launch has.
   const int first = c0 + ((ws - c0) & (ks - 1));  // ks is a power of two
@@ -623,10 +630,10 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     if (tile < tiles) {
       if constexpr (RING) {
         static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
-        ring_slice<UPC, scales_f4(GATED, RING)>(W, tile, ws, ks, c0, n, xf, xs, yp,
+        ring_slice<UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
                                                 ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC, scales_f4(GATED, RING)>(W, tile, ws, ks, c0, n, xf, xs, yp, m);
+        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m);
       }
     }
     started = false;

@@ -78,9 +78,10 @@ pub fn options(arch: &str) -> Result<Vec<String>> {
     Ok(opts)
 }
 
-/// `-D` options from a comma-separated list of `NAME` or `NAME=VALUE` (C identifiers; values of
-/// letters, digits, `_`, `.`, `+`, `-`): opt-in kernel variants, compiled only when asked for and
-/// cached under their own key (the options are part of it).
+/// `-D` options from a list of `NAME` or `NAME=VALUE` separated by `,` or `;` (C identifiers;
+/// values of letters, digits, `_`, `.`, `+`, `-`): opt-in kernel variants, compiled only when asked
+/// for and cached under their own key (the options are part of it). `;` lets one
+/// `tools/gpu_ab.sh` variant (whose settings are comma-separated) carry several.
 pub fn defines(list: &str) -> Result<Vec<String>> {
     let ident = |s: &str| {
         s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
@@ -88,7 +89,7 @@ pub fn defines(list: &str) -> Result<Vec<String>> {
     };
     let value = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || "_.+-".contains(c));
     let mut out = Vec::new();
-    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+    for item in list.split([',', ';']).map(str::trim).filter(|s| !s.is_empty()) {
         let (name, val) = item.split_once('=').unwrap_or((item, ""));
         if !ident(name) || !value(val) {
             bail!("MEGAGEMMA_CUDA_DEFINES: '{item}' is not NAME or NAME=VALUE (a C identifier; a value of letters, digits, _ . + -)");
@@ -245,6 +246,7 @@ mod tests {
     #[test]
     fn defines_become_d_options_and_bad_ones_are_refused() {
         assert_eq!(defines("MMA_SCALES_F4, X=3,,Y_2=a.b").unwrap(), ["-DMMA_SCALES_F4", "-DX=3", "-DY_2=a.b"]);
+        assert_eq!(defines("MMA_U1=2;RES_KEEP=0").unwrap(), ["-DMMA_U1=2", "-DRES_KEEP=0"]);
         assert!(defines("").unwrap().is_empty());
         for bad in ["1X", "A B", "X=$(rm)", "X=\"y\"", "-DX"] {
             let e = defines(bad).unwrap_err().to_string();

@@ -26,9 +26,10 @@
 //! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
 //! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
 //! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
-//! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (kernel experiments compiled in on request, e.g.
-//! `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of four shuffles;
-//! `MMA_SCALES_F4_GATED`: the same in the gated and ring forms only).
+//! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
+//! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
+//! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
+//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`).
 
 pub mod backend;
 mod capture;

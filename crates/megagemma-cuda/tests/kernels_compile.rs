@@ -70,13 +70,13 @@ fn kernel_experiments_compile() {
     assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
-        ("matvec_mma.cu", "MMA_SCALES_F4_GATED"),
+        ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
         opts.extend(defines(define).expect("a valid define"));
-        if let Err(e) = compile_report(file, &opts, &format!("{file} -D{define}")) {
+        if let Err(e) = compile_report(file, &opts, &format!("{file} {define}")) {
             panic!("{e}");
         }
     }
