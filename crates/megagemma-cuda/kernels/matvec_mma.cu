@@ -774,11 +774,18 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   }
   // A folded residual step's norm weights are weights too: asked of L2 before the wait, they are not
   // a cold read between the step's two row reductions (they are 10 KB, but evicted every token).
+  // MMA_NORM_W_L1 (an experiment) asks this SM's L1 for them instead, so the input build's reads of
+  // w2, an L2 round trip after the statistics, hit L1.
   if (!GATED && res.o) {
     const int cols = mats.get(0).cols;
     for (int i = threadIdx.x * 32; i < cols; i += blockDim.x * 32) {
+#ifdef MMA_NORM_W_L1
+      prefetch_l1(res.w1 + i);
+      if (res.w2) prefetch_l1(res.w2 + i);
+#else
       prefetch_l2(res.w1 + i);
       if (res.w2) prefetch_l2(res.w2 + i);
+#endif
     }
   }
   // The ring form copies its first virtual block's first chunks into shared memory before the wait

@@ -71,6 +71,7 @@ fn kernel_experiments_compile() {
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
+        ("matvec_mma.cu", "MMA_NORM_W_L1"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
