@@ -59,7 +59,13 @@ ABLATIONS = {
     ),
     "noloop": (
         "the tensor-core matvec's inner loop (tile_slice: weight loads, mma, scaling)",
-        [("matvec_mma.cu", "        tile_slice<H, UPC, scales_f4(GATED, RING)>(W, tile, ws, ks, c0, n, xf, xs, yp, m);\n", "")],
+        [
+            (
+                "matvec_mma.cu",
+                "        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);\n",
+                "",
+            )
+        ],
     ),
     "noatt": ("attention after its wait (the cache rows are still asked of L2)", [ATT_AFTER_WAIT]),
     "attnocomb": (
