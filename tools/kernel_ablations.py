@@ -87,7 +87,7 @@ ABLATIONS = {
         "a folded residual step's two row statistics (1/rms taken as 1)",
         [(
             "matvec_mma.cu",
-            "    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept);\n",
+            "    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2);\n",
             "    if (threadIdx.x < 16) mma_rstat[threadIdx.x / 8][threadIdx.x % 8] = 1.f;\n",
         )],
     ),

@@ -134,13 +134,25 @@ struct Residual {
 #endif
 #endif
 
+// MMA_NORM_W2_REGS (an experiment; with RES_KEEP): the second norm weight w2 of the kept float4s is
+// loaded into registers before the wait (`NormW2`), and the statistics step leaves norm(x')·w2 in
+// `keep`, so the input build reads no w2 after the statistics (the same products: same bits).
+#ifdef MMA_NORM_W2_REGS
+#define NORM_W2_REGS (RES_KEEP == 1)
+#else
+#define NORM_W2_REGS false
+#endif
+struct NormW2 {
+  float4 v[NORM_W2_REGS ? RES_F4 : 1];
+};
+
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j]; block 0 also writes x'.
 // Called by every thread of the block. The elements and sums of `add_norm_body` (ops.cu), in the
 // same order, so the bits are those of the separate step: float4s f = tid + q·blockDim, in
 // registers for rows of up to 4·RES_F4·blockDim elements (one load round trip). x' of those float4s
 // is left in `keep` (`kept`: all of the row is there).
 __device__ __forceinline__ void residual_stats(const Residual& res, int j, int dim, bool write, float r[2][8],
-                                               float4 (&keep)[RES_F4], bool& kept) {
+                                               float4 (&keep)[RES_F4], bool& kept, const NormW2& w2) {
   const u64 base = (u64)j * dim;
   const int n4 = dim / 4, bd = blockDim.x;
   const float* xr = res.x + base;
@@ -191,12 +203,20 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
     r[0][j] = r1;
     r[1][j] = rms_scale(ss2, dim, res.eps);
   }
+  if constexpr (NORM_W2_REGS) {
+    if (kept && res.w2) {
+      const float r2 = rms_scale(ss2, dim, res.eps);  // every thread has the block's sum
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) keep[q] = norm4(keep[q], r2, w2.v[q]);
+    }
+  }
 }
 
 // The input float4 at element k of token j with the residual step folded in (see `Residual`), from
 // x' when the caller has it (`have`), else from x, o and w1 again.
 __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8],
                                                   bool have, float4 xk) {
+  if (NORM_W2_REGS && have) return xk;  // `residual_stats` normed it already
   const float4 v = have ? xk : residual4(ld4(res.x + (u64)j * dim, k / 4), ld4(res.o + (u64)j * dim, k / 4), r[0][j],
                                          ld4(res.w1, k / 4), res.scale);
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
@@ -811,11 +831,22 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       started = true;
     }
   }
+  NormW2 w2 = {};
+  if constexpr (NORM_W2_REGS && !GATED) {
+    if (res.o && res.w2 && m == 1) {
+      const int n4 = mats.get(0).cols / 4;
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) {
+        const int f = threadIdx.x + q * blockDim.x;
+        w2.v[q] = f < n4 ? ld4(res.w2, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  }
   pdl_start();
   float4 keep[RES_F4] = {};  // x' of this thread's float4s of a one-token folded step
   bool kept = false;
   if (!GATED && res.o) {
-    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept);
+    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2);
     kept = kept && m == 1;
     __syncthreads();
   }

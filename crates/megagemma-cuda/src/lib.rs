@@ -30,7 +30,8 @@
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
-//! `MMA_NORM_W_L1`: a folded residual step's norm weights asked of L1 before the wait, not L2).
+//! `MMA_NORM_W_L1`: a folded residual step's norm weights asked of L1 before the wait, not L2;
+//! `MMA_NORM_W2_REGS`: its second norm weight held in registers from before the wait).
 
 pub mod backend;
 mod capture;
