@@ -493,9 +493,6 @@ __device__ __forceinline__ void pairs_to_tokens(const float yp[2 * H][2], float 
     }
 }
 
-// One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
-// Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
-// one is multiplied, so a warp keeps up to 2U chunks of weights on their way.
 // Chunks per register batch (registers allow two batches in flight).
 template <int H, int UPC>
 __device__ constexpr int batch_chunks() {
@@ -527,20 +524,41 @@ __device__ __forceinline__ TileWalk tile_walk(const Mat& W, int tile, int ws, in
 // The first batch of a warp's share of a tile: `mma_kernel` loads it for a block's first virtual
 // block before it waits (weights never depend on activations), so its loads are in flight during the
 // wait, the residual step and the input build (thirteenth session: E4B −2.5%, E2B −3.2%).
+// MMA_FIRST2_GATED (an experiment): the gated entries (down, PLE projection), which have registers
+// to spare, load their second batch before the wait too.
+#ifdef MMA_FIRST2_GATED
+#define FIRST2_GATED true
+#else
+#define FIRST2_GATED false
+#endif
+template <int H, int UPC, bool TWO>
+struct FirstBatchesOf {
+  TileBatch<H, UPC> a, b;
+};
 template <int H, int UPC>
-__device__ __forceinline__ void tile_start(const Mat& W, int tile, int ws, int ks, int c0, int n, TileBatch<H, UPC>& ba) {
+struct FirstBatchesOf<H, UPC, false> {
+  TileBatch<H, UPC> a;
+};
+template <int H, int UPC>
+using FirstBatches = FirstBatchesOf<H, UPC, FIRST2_GATED>;
+template <int H, int UPC>
+__device__ __forceinline__ void tile_start(const Mat& W, int tile, int ws, int ks, int c0, int n, bool two,
+                                           FirstBatches<H, UPC>& fb) {
   const TileWalk tw = tile_walk<scales_f4()>(W, tile, ws, ks, c0, n);
-  load_batch(ba, tw.codes, tw.sbt, tw.first, ks, tw.end, tw.gsh);
+  load_batch(fb.a, tw.codes, tw.sbt, tw.first, ks, tw.end, tw.gsh);
+  if constexpr (FIRST2_GATED) {
+    if (two) load_batch(fb.b, tw.codes, tw.sbt, tw.first + batch_chunks<H, UPC>() * ks, ks, tw.end, tw.gsh);
+  }
 }
 
 // One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
 // Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
-// one is multiplied, so a warp keeps up to 2U chunks of weights on their way. `started`:
-// `first_batch` holds the first batch already (`tile_start`).
+// one is multiplied, so a warp keeps up to 2U chunks of weights on their way. `started`: `fb`
+// holds the first batch already (`tile_start`), and the second too with `two`.
 template <int H, int UPC, bool F4>
 __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
                                            const float* xs, float y[2 * H][2], int m,
-                                           const TileBatch<H, UPC>& first_batch, bool started) {
+                                           const FirstBatches<H, UPC>& fb, bool started, bool two) {
   constexpr int U = batch_chunks<H, UPC>();
   const TileWalk tw = tile_walk<F4>(W, tile, ws, ks, c0, n);
   const uint4* __restrict__ codes = tw.codes;
@@ -550,11 +568,19 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   live_pairs<H>(m, live, pairs);
   Batch<U, UPC, F4> ba, bb;
   if (started)
-    ba = first_batch;
+    ba = fb.a;
   else
     load_batch<U, UPC, F4>(ba, codes, sbt, first, ks, end, gsh);
+  bool second = FIRST2_GATED && two && started;
   for (int c = first; c < end; c += 2 * step) {
-    load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
+    if constexpr (FIRST2_GATED) {
+      if (second)
+        bb = fb.b, second = false;
+      else
+        load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
+    } else {
+      load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
+    }
     compute_batch<H, U, UPC, F4>(ba, c, ks, c0, end, xf, xs, live, pairs, y);
     if (c + step >= end) break;
     load_batch<U, UPC, F4>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
@@ -666,7 +692,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
-                                          bool& started, TileBatch<H, UPC>& first_batch,
+                                          bool& started, FirstBatches<H, UPC>& first_batches,
                                           const float4 (&keep)[RES_F4], bool kept) {
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
@@ -694,7 +720,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         ring_slice<UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
                                                 ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);
+        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batches, started,
+                                        FIRST2_GATED && GATED);
       }
     }
     started = false;
@@ -822,12 +849,13 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
   }
   // The register form loads its first virtual block's first batch before the wait, likewise.
-  TileBatch<H, UPC> first_batch;
+  FirstBatches<H, UPC> first_batches;
   if constexpr (!RING) {
     if (bid < nblocks) {
       const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
       if (vw.tile < (W.rows + 15) / 16)
-        tile_start<H, UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x), first_batch);
+        tile_start<H, UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
+                           FIRST2_GATED && GATED, first_batches);
       started = true;
     }
   }
@@ -859,7 +887,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                   partial, counters, ring, res, started, first_batch, keep, kept);
+                                   partial, counters, ring, res, started, first_batches, keep, kept);
   }
 }
 

@@ -31,7 +31,8 @@
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
 //! `MMA_NORM_W_L1`: a folded residual step's norm weights asked of L1 before the wait, not L2;
-//! `MMA_NORM_W2_REGS`: its second norm weight held in registers from before the wait).
+//! `MMA_NORM_W2_REGS`: its second norm weight held in registers from before the wait;
+//! `MMA_FIRST2_GATED`: the gated entries load their second batch of weights before the wait too).
 
 pub mod backend;
 mod capture;
