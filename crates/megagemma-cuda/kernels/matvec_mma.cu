@@ -835,29 +835,23 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
 #endif
     }
   }
-  // The ring form copies its first virtual block's first chunks into shared memory before the wait
-  // (weights never depend on activations; the block's shared memory is free: its previous stage
-  // ended with a barrier), so they arrive while the previous stage finishes.
+  // Each warp's first weights of its block's first virtual block are fetched before the wait
+  // (weights never depend on activations): the ring form copies its first chunks into shared memory
+  // (free: the previous stage ended with a barrier), the register form loads its first batch into
+  // registers. They arrive while the previous stage finishes and the inputs are built.
   bool started = false;
-  if constexpr (RING) {
-    if (bid < nblocks) {
-      const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
-      if (vw.tile < (W.rows + 15) / 16)
+  FirstBatches<H, UPC> first_batches;
+  if (bid < nblocks) {
+    const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
+    if (vw.tile < (W.rows + 15) / 16) {
+      if constexpr (RING)
         ring_start<UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
                         ring + (threadIdx.x >> 5) * MMA_RING * MMA_RING_SLOT(UPC));
-      started = true;
-    }
-  }
-  // The register form loads its first virtual block's first batch before the wait, likewise.
-  FirstBatches<H, UPC> first_batches;
-  if constexpr (!RING) {
-    if (bid < nblocks) {
-      const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
-      if (vw.tile < (W.rows + 15) / 16)
+      else
         tile_start<H, UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
                            FIRST2_GATED && GATED, first_batches);
-      started = true;
     }
+    started = true;
   }
   NormW2 w2 = {};
   if constexpr (NORM_W2_REGS && !GATED) {
