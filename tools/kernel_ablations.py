@@ -62,8 +62,7 @@ ABLATIONS = {
         [
             (
                 "matvec_mma.cu",
-                "        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batches, started,\n"
-                "                                        FIRST2_GATED && GATED);\n",
+                "        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);\n",
                 "",
             )
         ],

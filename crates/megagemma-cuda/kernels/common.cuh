@@ -59,8 +59,6 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 
 // Asks for the 128-byte line holding `p` in L2 (a hint: no register waits for it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-// Asks for it in this SM's L1 (and L2): a later load of the line waits for L1, not L2.
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((unsigned)h) << 16); }
 

@@ -134,19 +134,16 @@ struct Residual {
 #endif
 #endif
 
-// MMA_NORM_W2_REGS (an experiment; with RES_KEEP): the second norm weight w2 of the kept float4s is
-// loaded into registers before the wait (`NormW2`), and the statistics step leaves norm(x')·w2 in
-// `keep`, so the input build reads no w2 after the statistics (the same products: same bits).
-#ifdef MMA_NORM_W2_REGS
+// With RES_KEEP the second norm weight w2 of the kept float4s is loaded into registers before the
+// wait (`NormW2`), and the statistics step leaves norm(x')·w2 in `keep`, so the input build reads no
+// w2 after the statistics (the same products: same bits; fourteenth session: E4B −1.2%, E2B −0.6%).
 #define NORM_W2_REGS (RES_KEEP == 1)
-#else
-#define NORM_W2_REGS false
-#endif
 struct NormW2 {
   float4 v[NORM_W2_REGS ? RES_F4 : 1];
 };
 
-// 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j]; block 0 also writes x'.
+// 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j] (the second only with w2);
+// block 0 also writes x'.
 // Called by every thread of the block. The elements and sums of `add_norm_body` (ops.cu), in the
 // same order, so the bits are those of the separate step: float4s f = tid + q·blockDim, in
 // registers for rows of up to 4·RES_F4·blockDim elements (one load round trip). x' of those float4s
@@ -188,23 +185,23 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
       if (f >= n4) continue;
       keep[q] = residual4(keep[q], ov[q], r1, RES_KEEP ? wv[q] : ld4(res.w1, f), res.scale);
       if (write) st4(res.x_out + base, f, keep[q]);
-      ss2 = sumsq4(ss2, keep[q]);
+      if (res.w2) ss2 = sumsq4(ss2, keep[q]);
     }
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) {
       const float4 v = residual4(ld4(xr, f), ld4(orow, f), r1, ld4(res.w1, f), res.scale);
       if (write) st4(res.x_out + base, f, v);
-      ss2 = sumsq4(ss2, v);
+      if (res.w2) ss2 = sumsq4(ss2, v);
     }
   }
   kept = RES_KEEP && in_regs;
+  if (threadIdx.x == 0) r[0][j] = r1;
+  // Without w2 the input is x' itself (the PLE gate's): no second statistic, no second reduction.
+  if (!res.w2) return;
   ss2 = block_sum_d(ss2);
-  if (threadIdx.x == 0) {
-    r[0][j] = r1;
-    r[1][j] = rms_scale(ss2, dim, res.eps);
-  }
+  if (threadIdx.x == 0) r[1][j] = rms_scale(ss2, dim, res.eps);
   if constexpr (NORM_W2_REGS) {
-    if (kept && res.w2) {
+    if (kept) {
       const float r2 = rms_scale(ss2, dim, res.eps);  // every thread has the block's sum
 #pragma unroll
       for (int q = 0; q < RES_F4; q++) keep[q] = norm4(keep[q], r2, w2.v[q]);
@@ -524,41 +521,23 @@ __device__ __forceinline__ TileWalk tile_walk(const Mat& W, int tile, int ws, in
 // The first batch of a warp's share of a tile: `mma_kernel` loads it for a block's first virtual
 // block before it waits (weights never depend on activations), so its loads are in flight during the
 // wait, the residual step and the input build (thirteenth session: E4B −2.5%, E2B −3.2%).
-// MMA_FIRST2_GATED (an experiment): the gated entries (down, PLE projection), which have registers
-// to spare, load their second batch before the wait too.
-#ifdef MMA_FIRST2_GATED
-#define FIRST2_GATED true
-#else
-#define FIRST2_GATED false
-#endif
-template <int H, int UPC, bool TWO>
-struct FirstBatchesOf {
-  TileBatch<H, UPC> a, b;
-};
+// (The gated entries' second batch before the wait too was measured slower: +1.5–2%, fourteenth
+// session.)
 template <int H, int UPC>
-struct FirstBatchesOf<H, UPC, false> {
-  TileBatch<H, UPC> a;
-};
-template <int H, int UPC>
-using FirstBatches = FirstBatchesOf<H, UPC, FIRST2_GATED>;
-template <int H, int UPC>
-__device__ __forceinline__ void tile_start(const Mat& W, int tile, int ws, int ks, int c0, int n, bool two,
-                                           FirstBatches<H, UPC>& fb) {
+__device__ __forceinline__ void tile_start(const Mat& W, int tile, int ws, int ks, int c0, int n,
+                                           TileBatch<H, UPC>& first) {
   const TileWalk tw = tile_walk<scales_f4()>(W, tile, ws, ks, c0, n);
-  load_batch(fb.a, tw.codes, tw.sbt, tw.first, ks, tw.end, tw.gsh);
-  if constexpr (FIRST2_GATED) {
-    if (two) load_batch(fb.b, tw.codes, tw.sbt, tw.first + batch_chunks<H, UPC>() * ks, ks, tw.end, tw.gsh);
-  }
+  load_batch(first, tw.codes, tw.sbt, tw.first, ks, tw.end, tw.gsh);
 }
 
 // One warp's share of a tile: chunks ≡ ws (mod ks) in [c0, c0 + n), accumulated into y[h][r].
 // Batches of U chunks are double-buffered: the next batch's loads are in flight while the current
-// one is multiplied, so a warp keeps up to 2U chunks of weights on their way. `started`: `fb`
-// holds the first batch already (`tile_start`), and the second too with `two`.
+// one is multiplied, so a warp keeps up to 2U chunks of weights on their way. `started`: `first`
+// holds the first batch already (`tile_start`).
 template <int H, int UPC, bool F4>
 __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
                                            const float* xs, float y[2 * H][2], int m,
-                                           const FirstBatches<H, UPC>& fb, bool started, bool two) {
+                                           const TileBatch<H, UPC>& first_batch, bool started) {
   constexpr int U = batch_chunks<H, UPC>();
   const TileWalk tw = tile_walk<F4>(W, tile, ws, ks, c0, n);
   const uint4* __restrict__ codes = tw.codes;
@@ -568,19 +547,11 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   live_pairs<H>(m, live, pairs);
   Batch<U, UPC, F4> ba, bb;
   if (started)
-    ba = fb.a;
+    ba = first_batch;
   else
     load_batch<U, UPC, F4>(ba, codes, sbt, first, ks, end, gsh);
-  bool second = FIRST2_GATED && two && started;
   for (int c = first; c < end; c += 2 * step) {
-    if constexpr (FIRST2_GATED) {
-      if (second)
-        bb = fb.b, second = false;
-      else
-        load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
-    } else {
-      load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
-    }
+    load_batch<U, UPC, F4>(bb, codes, sbt, c + step, ks, end, gsh);
     compute_batch<H, U, UPC, F4>(ba, c, ks, c0, end, xf, xs, live, pairs, y);
     if (c + step >= end) break;
     load_batch<U, UPC, F4>(ba, codes, sbt, c + 2 * step, ks, end, gsh);
@@ -692,7 +663,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
-                                          bool& started, FirstBatches<H, UPC>& first_batches,
+                                          bool& started, const TileBatch<H, UPC>& first_batch,
                                           const float4 (&keep)[RES_F4], bool kept) {
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
@@ -720,8 +691,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         ring_slice<UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
                                                 ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batches, started,
-                                        FIRST2_GATED && GATED);
+        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);
       }
     }
     started = false;
@@ -821,18 +791,11 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   }
   // A folded residual step's norm weights are weights too: asked of L2 before the wait, they are not
   // a cold read between the step's two row reductions (they are 10 KB, but evicted every token).
-  // MMA_NORM_W_L1 (an experiment) asks this SM's L1 for them instead, so the input build's reads of
-  // w2, an L2 round trip after the statistics, hit L1.
   if (!GATED && res.o) {
     const int cols = mats.get(0).cols;
     for (int i = threadIdx.x * 32; i < cols; i += blockDim.x * 32) {
-#ifdef MMA_NORM_W_L1
-      prefetch_l1(res.w1 + i);
-      if (res.w2) prefetch_l1(res.w2 + i);
-#else
       prefetch_l2(res.w1 + i);
       if (res.w2) prefetch_l2(res.w2 + i);
-#endif
     }
   }
   // Each warp's first weights of its block's first virtual block are fetched before the wait
@@ -840,7 +803,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   // (free: the previous stage ended with a barrier), the register form loads its first batch into
   // registers. They arrive while the previous stage finishes and the inputs are built.
   bool started = false;
-  FirstBatches<H, UPC> first_batches;
+  TileBatch<H, UPC> first_batch;
   if (bid < nblocks) {
     const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
     if (vw.tile < (W.rows + 15) / 16) {
@@ -849,7 +812,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
                         ring + (threadIdx.x >> 5) * MMA_RING * MMA_RING_SLOT(UPC));
       else
         tile_start<H, UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
-                           FIRST2_GATED && GATED, first_batches);
+                           first_batch);
     }
     started = true;
   }
@@ -881,7 +844,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                   partial, counters, ring, res, started, first_batches, keep, kept);
+                                   partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
 

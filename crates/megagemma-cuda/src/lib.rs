@@ -29,10 +29,7 @@
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
-//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
-//! `MMA_NORM_W_L1`: a folded residual step's norm weights asked of L1 before the wait, not L2;
-//! `MMA_NORM_W2_REGS`: its second norm weight held in registers from before the wait;
-//! `MMA_FIRST2_GATED`: the gated entries load their second batch of weights before the wait too).
+//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`).
 
 pub mod backend;
 mod capture;

@@ -71,9 +71,6 @@ fn kernel_experiments_compile() {
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
-        ("matvec_mma.cu", "MMA_NORM_W_L1"),
-        ("matvec_mma.cu", "MMA_NORM_W2_REGS"),
-        ("matvec_mma.cu", "MMA_FIRST2_GATED"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
