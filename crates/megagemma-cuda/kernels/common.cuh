@@ -110,8 +110,17 @@ __device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v,
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
 // 1 / RMS of a row from its f64 sum of squares (+ eps): every norm's scale, as the CPU reference.
+// RMS_RSQRT (an experiment): f64 `rsqrt` (about 1 ulp of a double) instead of a correctly rounded
+// division of a correctly rounded square root (~49 instructions per warp, two dependent chains on
+// the folded residual step's critical path, fourteenth session); the float it rounds to differs
+// only when the exact value lies within ~2 ulps of a double from a float rounding boundary. Every
+// GPU path calls this one function, so decode and verify stay bit-identical either way.
 __device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
+#ifdef RMS_RSQRT
+  return (float)rsqrt(ss / (double)dim + (double)eps);
+#else
   return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+#endif
 }
 
 // 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.

@@ -240,7 +240,15 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
-  const SmallDiv token_of(per_token);  // e / per_token: the token of float4 e
+  const SmallDiv div_token(per_token);  // e / per_token: the token of float4 e
+  // MMA_TOKEN0 (an experiment): a float4 of the first token skips the division (a one-token pass
+  // has no other; ~60 instructions per warp of every plain launch's input build, fourteenth
+  // session). The same values.
+#ifdef MMA_TOKEN0
+  auto token_of = [&](int e) { return e < per_token ? 0 : div_token(e); };
+#else
+  auto token_of = [&](int e) { return div_token(e); };
+#endif
   // Whole warps iterate (the unit sums shuffle across lanes); lanes past the end add zeros.
   for (int base = threadIdx.x & ~31; base < total; base += R * blockDim.x) {
     // One token, the row's first slice, the first round: element e = tid + r·blockDim is float4 r of

@@ -29,7 +29,9 @@
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
-//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`).
+//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
+//! `MMA_TOKEN0`: the input build skips the token division for the first token's elements;
+//! `RMS_RSQRT`: every norm's 1/RMS from f64 `rsqrt` instead of a division of a square root).
 
 pub mod backend;
 mod capture;

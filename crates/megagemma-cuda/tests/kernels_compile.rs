@@ -71,6 +71,10 @@ fn kernel_experiments_compile() {
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
+        ("matvec_mma.cu", "MMA_TOKEN0;RMS_RSQRT"),
+        ("megakernel.cu", "MMA_TOKEN0;RMS_RSQRT"),
+        ("ops.cu", "RMS_RSQRT"),
+        ("attention.cu", "RMS_RSQRT"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
