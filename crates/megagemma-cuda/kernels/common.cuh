@@ -92,14 +92,33 @@ __device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp
 
 // Block-wide reduction (blockDim.x a multiple of 32, at most 1024), combined in warp order so
 // the result does not depend on timing; every thread gets it. Safe to call repeatedly.
+// BLOCK_REDUCE_V (an experiment): blocks of eight warps read the warp results in 16-byte loads
+// (a fixed count the compiler unrolls) instead of eight dependent-address loads; the same adds in
+// the same order, so the same bits (fourteenth session: this second level is ~31 instructions per
+// warp of each f64 reduction).
 template <typename T, typename Op>
 __device__ __forceinline__ T block_reduce(T v, Op op) {
+#ifdef BLOCK_REDUCE_V
+  __shared__ __align__(16) T sh[32];
+#else
   __shared__ T sh[32];
+#endif
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   v = warp_reduce(v, op);
   __syncthreads();
   if (lane == 0) sh[warp] = v;
   __syncthreads();
+#ifdef BLOCK_REDUCE_V
+  if (nw == 8) {
+    T w[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = sh[i];
+    T t = w[0];
+#pragma unroll
+    for (int i = 1; i < 8; i++) t = op(t, w[i]);
+    return t;
+  }
+#endif
   T t = sh[0];
   for (int i = 1; i < nw; i++) t = op(t, sh[i]);
   return t;
@@ -239,11 +258,18 @@ __device__ __forceinline__ void store_pair(float* row, int half, float2 v) {
 #define RES_F4 3  // float4s per thread kept in registers (rows up to 12·blockDim elements)
 
 // s + Σ v², element by element in f64.
+// SUMSQ_F32 (an experiment): the four squares summed in f32 before one f64 add (one conversion and
+// one f64 add instead of four of each; the sum is rounded to ~2^-24 of its size, where today each
+// square is exact: bits change within the contract, the same in every GPU path).
 __device__ __forceinline__ double sumsq4(double s, float4 v) {
+#ifdef SUMSQ_F32
+  return s + (double)fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, __fmul_rn(v.x, v.x))));
+#else
   s += (double)v.x * (double)v.x;
   s += (double)v.y * (double)v.y;
   s += (double)v.z * (double)v.z;
   return s + (double)v.w * (double)v.w;
+#endif
 }
 
 // (x + o·r·w)·scale per element: the residual update.
