@@ -33,7 +33,8 @@
 //! `MMA_TOKEN0`: the input build skips the token division for the first token's elements;
 //! `RMS_RSQRT`: every norm's 1/RMS from f64 `rsqrt` instead of a division of a square root;
 //! `BLOCK_REDUCE_V`: a block reduction reads its eight warp results in 16-byte loads; `SUMSQ_F32`:
-//! sums of squares add four f32 squares before each f64 add).
+//! sums of squares add four f32 squares before each f64 add; `MMA_PARTS_POW2`: a power-of-two
+//! count of column parts divides by a shift).
 
 pub mod backend;
 mod capture;
