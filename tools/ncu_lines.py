@@ -119,11 +119,14 @@ def opcode(text):
     return parts[1] if parts and parts[0].startswith("@") and len(parts) > 1 else (parts[0] if parts else "")
 
 
-def find_cubin(cubins, kernel, insts, nvdisasm):
-    """The CUBIN whose SASS of `kernel` has the profiled instructions, with its line table."""
+def find_cubin(cubins, kernel, insts, nvdisasm, listings):
+    """The CUBIN whose SASS of `kernel` has the profiled instructions, with its line table.
+    `listings` keeps each CUBIN's `nvdisasm -gi` text across launches (a megakernel CUBIN takes
+    seconds to disassemble)."""
     for path in sorted(cubins):
-        sass = subprocess.run([nvdisasm, "-gi", str(path)], capture_output=True, text=True).stdout
-        table = line_table(sass, kernel)
+        if path not in listings:
+            listings[path] = subprocess.run([nvdisasm, "-gi", str(path)], capture_output=True, text=True).stdout
+        table = line_table(listings[path], kernel)
         if not table or len(table) != len(insts):
             continue
         if all(opcode(table.get(off, ([], ""))[1]) == opcode(text) for off, text, _, _ in insts):
@@ -178,9 +181,10 @@ def main():
     nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
     cubins = list(Path(args.cubins).glob("*.cubin"))
     all_launches = launches(args.csv)
+    listings = {}
     for i in args.launch or range(len(all_launches)):
         kernel, insts = all_launches[i]
-        path, table = find_cubin(cubins, kernel, insts, nvdisasm)
+        path, table = find_cubin(cubins, kernel, insts, nvdisasm, listings)
         print(f"=== launch {i}: {kernel}" + (f" ({path.name})" if path else ""))
         if path is None:
             print(f"  no CUBIN in {args.cubins} has this launch's SASS for {kernel}")

@@ -143,9 +143,8 @@ struct Residual {
 // With RES_KEEP the second norm weight w2 of the kept float4s is loaded into registers before the
 // wait (`NormW2`), and the statistics step leaves norm(x')·w2 in `keep`, so the input build reads no
 // w2 after the statistics (the same products: same bits; fourteenth session: E4B −1.2%, E2B −0.6%).
-#define NORM_W2_REGS (RES_KEEP == 1)
 struct NormW2 {
-  float4 v[NORM_W2_REGS ? RES_F4 : 1];
+  float4 v[RES_KEEP ? RES_F4 : 1];
 };
 
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j] (the second only with w2);
@@ -206,7 +205,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   if (!res.w2) return;
   ss2 = block_sum_d(ss2);
   if (threadIdx.x == 0) r[1][j] = rms_scale(ss2, dim, res.eps);
-  if constexpr (NORM_W2_REGS) {
+  if constexpr (RES_KEEP) {
     if (kept) {
       const float r2 = rms_scale(ss2, dim, res.eps);  // every thread has the block's sum
 #pragma unroll
@@ -215,13 +214,14 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   }
 }
 
-// The input float4 at element k of token j with the residual step folded in (see `Residual`), from
-// x' when the caller has it (`have`), else from x, o and w1 again.
+// The input float4 at element k of token j with the residual step folded in (see `Residual`): the
+// kept float4 when the caller has it (`have`: `residual_stats` left the input there, normed when
+// there is a w2), else from x, o, w1 and w2 again.
 __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8],
                                                   bool have, float4 xk) {
-  if (NORM_W2_REGS && have) return xk;  // `residual_stats` normed it already
-  const float4 v = have ? xk : residual4(ld4(res.x + (u64)j * dim, k / 4), ld4(res.o + (u64)j * dim, k / 4), r[0][j],
-                                         ld4(res.w1, k / 4), res.scale);
+  if (have) return xk;
+  const float4 v = residual4(ld4(res.x + (u64)j * dim, k / 4), ld4(res.o + (u64)j * dim, k / 4), r[0][j],
+                             ld4(res.w1, k / 4), res.scale);
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
@@ -831,7 +831,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     started = true;
   }
   NormW2 w2 = {};
-  if constexpr (NORM_W2_REGS && !GATED) {
+  if constexpr (RES_KEEP && !GATED) {
     if (res.o && res.w2 && m == 1) {
       const int n4 = mats.get(0).cols / 4;
 #pragma unroll
