@@ -92,23 +92,17 @@ __device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp
 
 // Block-wide reduction (blockDim.x a multiple of 32, at most 1024), combined in warp order so
 // the result does not depend on timing; every thread gets it. Safe to call repeatedly.
-// BLOCK_REDUCE_V (an experiment): blocks of eight warps read the warp results in 16-byte loads
-// (a fixed count the compiler unrolls) instead of eight dependent-address loads; the same adds in
-// the same order, so the same bits (fourteenth session: this second level is ~31 instructions per
-// warp of each f64 reduction).
+// Blocks of eight warps (every launch on the decode path) read the warp results with a fixed,
+// unrolled count of 16-byte loads instead of a loop of dependent-address loads: the same adds in
+// the same order (fifteenth session: E4B decode −1.5%, same bits).
 template <typename T, typename Op>
 __device__ __forceinline__ T block_reduce(T v, Op op) {
-#ifdef BLOCK_REDUCE_V
   __shared__ __align__(16) T sh[32];
-#else
-  __shared__ T sh[32];
-#endif
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   v = warp_reduce(v, op);
   __syncthreads();
   if (lane == 0) sh[warp] = v;
   __syncthreads();
-#ifdef BLOCK_REDUCE_V
   if (nw == 8) {
     T w[8];
 #pragma unroll
@@ -118,7 +112,6 @@ __device__ __forceinline__ T block_reduce(T v, Op op) {
     for (int i = 1; i < 8; i++) t = op(t, w[i]);
     return t;
   }
-#endif
   T t = sh[0];
   for (int i = 1; i < nw; i++) t = op(t, sh[i]);
   return t;
@@ -129,17 +122,13 @@ __device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v,
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
 // 1 / RMS of a row from its f64 sum of squares (+ eps): every norm's scale, as the CPU reference.
-// RMS_RSQRT (an experiment): f64 `rsqrt` (about 1 ulp of a double) instead of a correctly rounded
-// division of a correctly rounded square root (~49 instructions per warp, two dependent chains on
-// the folded residual step's critical path, fourteenth session); the float it rounds to differs
-// only when the exact value lies within ~2 ulps of a double from a float rounding boundary. Every
-// GPU path calls this one function, so decode and verify stay bit-identical either way.
+// f64 `rsqrt` (about 1 ulp of a double), not a correctly rounded division of a correctly rounded
+// square root (~49 more instructions per warp on the folded residual step's critical path;
+// fifteenth session: E4B decode −1.3%): the float it rounds to differs from the CPU's only when
+// the exact value lies within ~2 ulps of a double from a float rounding boundary. Every GPU path
+// calls this one function, so decode and verify stay bit-identical.
 __device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
-#ifdef RMS_RSQRT
   return (float)rsqrt(ss / (double)dim + (double)eps);
-#else
-  return (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
-#endif
 }
 
 // 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.
@@ -257,19 +246,13 @@ __device__ __forceinline__ void store_pair(float* row, int half, float2 v) {
 // and use these functions in the same order, so the step gives the same bits either way.
 #define RES_F4 3  // float4s per thread kept in registers (rows up to 12·blockDim elements)
 
-// s + Σ v², element by element in f64.
-// SUMSQ_F32 (an experiment): the four squares summed in f32 before one f64 add (one conversion and
-// one f64 add instead of four of each; the sum is rounded to ~2^-24 of its size, where today each
-// square is exact: bits change within the contract, the same in every GPU path).
+// s + Σ v², element by element in f64 (each square exact; four f32 squares per f64 add measured
+// ±0, fifteenth session).
 __device__ __forceinline__ double sumsq4(double s, float4 v) {
-#ifdef SUMSQ_F32
-  return s + (double)fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, __fmul_rn(v.x, v.x))));
-#else
   s += (double)v.x * (double)v.x;
   s += (double)v.y * (double)v.y;
   s += (double)v.z * (double)v.z;
   return s + (double)v.w * (double)v.w;
-#endif
 }
 
 // (x + o·r·w)·scale per element: the residual update.

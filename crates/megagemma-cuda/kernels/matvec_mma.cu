@@ -247,14 +247,6 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
   const SmallDiv div_token(per_token);  // e / per_token: the token of float4 e
-  // MMA_TOKEN0 (an experiment): a float4 of the first token skips the division (a one-token pass
-  // has no other; ~60 instructions per warp of every plain launch's input build, fourteenth
-  // session). The same values.
-#ifdef MMA_TOKEN0
-  auto token_of = [&](int e) { return e < per_token ? 0 : div_token(e); };
-#else
-  auto token_of = [&](int e) { return div_token(e); };
-#endif
   // Whole warps iterate (the unit sums shuffle across lanes); lanes past the end add zeros.
   for (int base = threadIdx.x & ~31; base < total; base += R * blockDim.x) {
     // One token, the row's first slice, the first round: element e = tid + r·blockDim is float4 r of
@@ -264,7 +256,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
 #pragma unroll
     for (int r = 0; r < R; r++) {
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
-      const int j = token_of(e), k = c0 * 64 + 4 * (e - j * per_token);
+      const int j = div_token(e), k = c0 * 64 + 4 * (e - j * per_token);
       v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
       if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
         const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat, r < RES_F4 && from_keep,
@@ -284,7 +276,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
     for (int r = 0; r < R; r++) {
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
       const bool in = e < total;
-      const int je = token_of(e), j = in ? je : 0, k4 = e - je * per_token;
+      const int je = div_token(e), j = in ? je : 0, k4 = e - je * per_token;
       const int lc = k4 >> 4, f4 = k4 & 15;  // local chunk, float4 within it
       const float* w = v[r];
       // A chunk's 16 float4s are one half-warp's (per_token and base are multiples of 16).

@@ -30,11 +30,7 @@
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
-//! `MMA_TOKEN0`: the input build skips the token division for the first token's elements;
-//! `RMS_RSQRT`: every norm's 1/RMS from f64 `rsqrt` instead of a division of a square root;
-//! `BLOCK_REDUCE_V`: a block reduction reads its eight warp results in 16-byte loads; `SUMSQ_F32`:
-//! sums of squares add four f32 squares before each f64 add; `MMA_PARTS_POW2`: a power-of-two
-//! count of column parts divides by a shift).
+//! `MMA_PARTS_POW2`: a power-of-two count of column parts divides by a shift).
 
 pub mod backend;
 mod capture;

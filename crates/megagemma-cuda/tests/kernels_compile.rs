@@ -71,10 +71,8 @@ fn kernel_experiments_compile() {
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
-        ("matvec_mma.cu", "MMA_TOKEN0;RMS_RSQRT;BLOCK_REDUCE_V;SUMSQ_F32;MMA_PARTS_POW2"),
-        ("megakernel.cu", "MMA_TOKEN0;RMS_RSQRT;BLOCK_REDUCE_V;SUMSQ_F32;MMA_PARTS_POW2"),
-        ("ops.cu", "RMS_RSQRT;BLOCK_REDUCE_V;SUMSQ_F32"),
-        ("attention.cu", "RMS_RSQRT;BLOCK_REDUCE_V;SUMSQ_F32"),
+        ("matvec_mma.cu", "MMA_PARTS_POW2"),
+        ("megakernel.cu", "MMA_PARTS_POW2"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
