@@ -65,14 +65,12 @@ __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) 
 // counted ~10 of them per warp and virtual block, 10–20% of a launch's instructions). The warps per
 // tile `ks` are a power of two: shifts. Column parts are usually one: no division then.
 __device__ __forceinline__ int log2_pow2(int v) { return __ffs(v) - 1; }
-// MMA_PARTS_POW2 (an experiment): a power-of-two count of column parts (E4B's down projection: 4)
-// divides by a shift; the division sequence was ~116 instructions per warp of the down launch
-// (fourteenth session, source-line profile). The same quotients.
+// A power-of-two count of column parts (E4B's down projection: 4) divides by a shift: the division
+// sequence was ~116 instructions per warp of the down launch (fourteenth session, source-line
+// profile; fifteenth: 5-column verify −2.6%, decode ±0). The same quotients.
 __device__ __forceinline__ int div_parts(int a, int parts) {
-#ifdef MMA_PARTS_POW2
   if ((parts & (parts - 1)) == 0) return a >> log2_pow2(parts);
-#endif
-  return parts == 1 ? a : (int)((unsigned)a / (unsigned)parts);
+  return (int)((unsigned)a / (unsigned)parts);
 }
 
 // a / d for 0 ≤ a < 2^20 and a block-uniform d ≥ 1: a float estimate from a reciprocal taken once,

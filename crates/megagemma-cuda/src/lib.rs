@@ -30,7 +30,7 @@
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
-//! `MMA_PARTS_POW2`: a power-of-two count of column parts divides by a shift).
+//! `RMS_RCP`: a norm's mean square as a product by 1/dim instead of a division).
 
 pub mod backend;
 mod capture;
