@@ -123,19 +123,15 @@ __device__ __forceinline__ float block_max(float v) { return block_reduce(v, Max
 
 // 1 / RMS of a row from its f64 sum of squares (+ eps): every norm's scale, as the CPU reference.
 // f64 `rsqrt` (about 1 ulp of a double), not a correctly rounded division of a correctly rounded
-// square root (~49 more instructions per warp on the folded residual step's critical path;
-// fifteenth session: E4B decode −1.3%): the float it rounds to differs from the CPU's only when
-// the exact value lies within ~2 ulps of a double from a float rounding boundary. Every GPU path
-// calls this one function, so decode and verify stay bit-identical.
-// RMS_RCP (an experiment): the mean square as ss · (1/dim), the reciprocal independent of ss (so
-// scheduled before the reduction ends) instead of an f64 division after it; exact when dim is a
-// power of two (head dims; E4B's 2560 and E2B's 1536 are not: there within an ulp of a double).
+// square root, and the mean square as ss · (1/dim), the reciprocal independent of ss (scheduled
+// before the reduction ends), not an f64 division after it: ~49 + ~25 fewer instructions per warp
+// on the folded residual step's critical path (fifteenth session: E4B decode −1.3% and −1%). The
+// product is exact when dim is a power of two (head dims); for E4B's 2560 or E2B's 1536 it is within
+// an ulp of a double. So the float differs from the CPU's only when the exact value lies within a
+// few ulps of a double from a float rounding boundary. Every GPU path calls this one function, so
+// decode and verify stay bit-identical.
 __device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
-#ifdef RMS_RCP
   return (float)rsqrt(__dadd_rn(__dmul_rn(ss, __drcp_rn((double)dim)), (double)eps));
-#else
-  return (float)rsqrt(ss / (double)dim + (double)eps);
-#endif
 }
 
 // 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.

@@ -71,10 +71,6 @@ fn kernel_experiments_compile() {
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
-        ("matvec_mma.cu", "RMS_RCP"),
-        ("megakernel.cu", "RMS_RCP"),
-        ("ops.cu", "RMS_RCP"),
-        ("attention.cu", "RMS_RCP"),
         ("megakernel.cu", "MMA_SCALES_F4"),
     ];
     for (file, define) in experiments {
