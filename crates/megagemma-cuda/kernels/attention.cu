@@ -5,10 +5,7 @@
 // Split along the keys (flash-decoding): a query's n keys are cut into nsplit contiguous ranges,
 // one block each, so a long context streams from many SMs at once. Each block writes its range's
 // maximum score m, Σ exp(s − m) and Σ exp(s − m)·v; the last of the query's blocks to finish (an
-// arrival counter per query, reset by that block) combines them in split order — or, launched in
-// thread-block clusters of `cluster` blocks (ATT_CLUSTER below) with nsplit ≤ cluster, split 0 reads
-// the others' results from their shared memory and combines them, the same arithmetic in the same
-// order, without the global round trips. nsplit depends only
+// arrival counter per query, reset by that block) combines them in split order. nsplit depends only
 // on n, on the host's `split_keys` and on whether the pass has at most ATT_FEW_TOKENS tokens (decode and speculative verify
 // split alike), and every reduction runs in a fixed order, so a query's result never depends on the
 // other tokens of its pass or on timing.
@@ -59,7 +56,7 @@ __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
 // Σ (Σe·v)_s·w_s / l. ml(s) gives split s's (m, Σe), part(s, d) its Σe·v at dim d: from global
 // scratch (the last block to arrive) or from the cluster's shared memory (split 0), so both give the
 // same bits. Every split's (m, Σe) is loaded at once into shared memory and each thread's Σe·v terms
-// eight at a time, so the combine waits for a few round trips, not three per split.
+// eight at a time, so the combine waits for a few L2 round trips, not three per split.
 template <class Ml, class Part>
 __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2* att_ml, float* att_w, Ml ml,
                                             Part part) {
@@ -86,32 +83,6 @@ __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2
   }
 }
 
-// Thread-block clusters (Hopper): a barrier of every thread of the cluster's blocks (release /
-// acquire: shared-memory writes before it are visible to the others' reads after it; `relaxed`:
-// only that every block got there), and loads from block `rank`'s shared memory at the address `p`
-// has in this block's.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-__device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {
-  unsigned a;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-  return a;
-}
-__device__ __forceinline__ float cluster_ld(unsigned a) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-__device__ __forceinline__ float2 cluster_ld2(unsigned a) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
-  return v;
-}
-
 // q, out: [T, heads·hd]. Committed rows: kc/vc [slots or max_len, kv_heads·hd]; staged rows
 // (positions p0 + i, p0 = pos[0]): ks/vs [T, kv_heads·hd]. window 0 = full attention; ring 0 =
 // full cache, else the number of ring slots (slot = pos mod ring). Grid: T·heads·grid_splits
@@ -125,22 +96,16 @@ __device__ __forceinline__ float2 cluster_ld2(unsigned a) {
 // range ends at its own token's key writes that token's normed row to ks/vs, for the K/V commit
 // and the layers that share this cache (they run later and read ks/vs with `fused` = ATT_FUSED_Q).
 // Every block that needs a row computes it with the same function as `qkv_norm_rope`: same bits.
-//
-// cluster: 0, or the blocks per thread-block cluster the launch has (grid_splits a multiple of it,
-// so a cluster is splits [c·cluster, (c + 1)·cluster) of one query and a block's rank is its split
-// mod cluster). Queries with 1 < nsplit ≤ cluster then combine within their first cluster.
 STAGE void attention_body(const int vb, const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           float* ks, float* vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
           const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
-          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols,
-          int cluster) {
+          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
   extern __shared__ __align__(16) float smem[];
   __shared__ int last;
   __shared__ float2 att_ml[ATT_MAX_SPLITS];  // the combine's per-split (m, Σe) and weights
   __shared__ float att_w[ATT_MAX_SPLITS];
-  __shared__ float2 att_own_ml;  // this split's (m, Σe), for a cluster's combine
   // The positions and the committed cache rows were written before this pass began (positions
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
@@ -161,18 +126,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
   const int n = pos - lo + 1;
   const int nsplit = att_splits(n, T, split_keys);
-  // The same for every block of a cluster (one query): whether its first cluster combines.
-  const bool in_cluster = cluster > 1 && nsplit > 1 && nsplit <= cluster;
-  if (split >= nsplit) {
-    if (in_cluster && split < cluster) {
-      // A rank without keys still takes part in both barriers, having let the next kernel launch
-      // (it starts once every block has, or has exited).
-      pdl_start();
-      cluster_sync();
-      cluster_sync_relaxed();
-    }
-    return;
-  }
+  if (split >= nsplit) return;
   const int per = (n + nsplit - 1) / nsplit;
   const int k0 = lo + split * per, nk = min(per, n - split * per);  // keys k0 .. k0 + nk
   const int kvw = kv_heads * hd;
@@ -308,23 +262,6 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     }
     return;
   }
-  if (in_cluster) {
-    // This split's (m, Σe, Σe·v) stays in its shared memory (Σe·v over part's first row: thread d
-    // reads and writes only column d); split 0 combines them after the barrier, and no block leaves
-    // before the second, while split 0 may still read its shared memory.
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-      float s = 0.f;
-      for (int w = 0; w < ATT_WARPS; w++) s += part[w * hd + d];
-      part[d] = s;
-    }
-    if (threadIdx.x == 0) att_own_ml = make_float2(mx, sum);
-    cluster_sync();
-    if (split == 0)
-      att_combine(nsplit, hd, o, att_ml, att_w, [&](int s) { return cluster_ld2(cluster_addr(&att_own_ml, s)); },
-                  [&](int s, int d) { return cluster_ld(cluster_addr(part + d, s)); });
-    cluster_sync_relaxed();  // split 0's loads are done: their values are in its output
-    return;
-  }
   // Several splits: publish this one's (m, Σe, Σe·v); the last to arrive combines all in order.
   const u64 slot = (u64)query * grid_splits + split;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -344,8 +281,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const 
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
           const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
-          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols,
-          int cluster) {
+          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
   attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits,
-                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr, cols, cluster);
+                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr, cols);
 }

@@ -263,11 +263,6 @@ pub struct Gpu {
     /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
     /// decode and verify.
     pub att_split_keys: usize,
-    /// Blocks per thread-block cluster of the attention launches (`MEGAGEMMA_CUDA_ATT_CLUSTER`, a power
-    /// of two ≤ 8; 0, the default: none): a query split at most this many ways combines its splits
-    /// through the cluster's shared memory instead of global scratch and an arrival counter (the
-    /// same bits). Launched kernels only; the megakernel combines through global memory.
-    pub att_cluster: u32,
     /// Whether passes of up to eight tokens norm and rotate Q/K/V inside the attention kernel
     /// instead of a `qkv_norm_rope` stage (the same bits either way). By default (`None`) only in
     /// the megakernel's stage table, where a stage costs a grid-wide wait (E4B −2%); in the graph
@@ -376,10 +371,6 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
-            att_cluster: match env_count("MEGAGEMMA_CUDA_ATT_CLUSTER", 0..=8, 0) {
-                c if c.is_power_of_two() && c > 1 => c as u32,
-                _ => 0,
-            },
             fuse_norms: std::env::var("MEGAGEMMA_CUDA_FUSE_NORMS").ok().and_then(|v| match v.as_str() {
                 "0" => Some(false),
                 "1" => Some(true),
@@ -460,32 +451,6 @@ impl Gpu {
 
     /// [`Gpu::launch`] with a two-dimensional grid `(x, y)`.
     pub fn launch_2d(&self, name: &str, grid2: (u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
-        self.launch_ex(name, grid2, block, smem, args, 0)
-    }
-
-    /// [`Gpu::launch`] in thread-block clusters of `cluster` blocks along x (0: none; `grid` a
-    /// multiple of it). Recorded launches (the megakernel's table) keep no cluster.
-    pub fn launch_cluster(
-        &self,
-        name: &str,
-        grid: u32,
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-        cluster: u32,
-    ) -> Result<()> {
-        self.launch_ex(name, (grid, 1), block, smem, args, cluster)
-    }
-
-    fn launch_ex(
-        &self,
-        name: &str,
-        grid2: (u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-        cluster: u32,
-    ) -> Result<()> {
         let (grid, grid_y) = grid2;
         if grid == 0 || grid_y == 0 {
             return Ok(());
@@ -508,24 +473,12 @@ impl Gpu {
             self.count_launch();
         }
         let start = self.profile_start()?;
-        let pdl = self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name));
-        let launched = if pdl || cluster > 1 {
+        let launched = if self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name)) {
             // SAFETY: as below; the attribute array outlives the call.
             unsafe {
-                let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-                let mut n = 0;
-                if pdl {
-                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                    attrs[n].value.programmaticStreamSerializationAllowed = 1;
-                    n += 1;
-                }
-                if cluster > 1 {
-                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-                    attrs[n].value.clusterDim.x = cluster;
-                    attrs[n].value.clusterDim.y = 1;
-                    attrs[n].value.clusterDim.z = 1;
-                    n += 1;
-                }
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
                 let config = sys::CUlaunchConfig {
                     gridDimX: grid,
                     gridDimY: grid_y,
@@ -535,8 +488,8 @@ impl Gpu {
                     blockDimZ: 1,
                     sharedMemBytes: smem,
                     hStream: self.stream.cu_stream(),
-                    attrs: attrs.as_mut_ptr(),
-                    numAttrs: n as u32,
+                    attrs: &mut attr,
+                    numAttrs: 1,
                 };
                 sys::cuLaunchKernelEx(&config, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
             }

@@ -1477,12 +1477,6 @@ impl CudaSeq {
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
-        // Thread-block clusters of a query's splits (`Gpu::att_cluster`): the grid's splits per query
-        // a multiple of the cluster, and not in a megakernel's stage table.
-        let cluster = match self.gpu().att_cluster {
-            c if c > 1 && split.grid_splits % c as usize == 0 && !self.gpu().is_recording() => c,
-            _ => 0,
-        };
         let args = [
             Arg::Ptr(s.q.ptr),
             Arg::Ptr(c.k),
@@ -1511,10 +1505,9 @@ impl CudaSeq {
             Arg::Ptr(norms.kr),
             Arg::Ptr(norms.vr),
             Arg::Ptr(cols),
-            Arg::I32(cluster as i32),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
-        self.gpu().launch_cluster("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args, cluster)
+        self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
     /// `out = down(gelu(gate·a) · up·a)` for `t` columns, `a` the input the pending residual
