@@ -99,6 +99,16 @@ pub fn defines(list: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// Whether `MEGAGEMMA_CUDA_DEFINES` sets `name` (with or without a value): experiments whose
+/// weights the host lays out differently (`SB_BIAS8`) ask this at upload.
+pub fn has_define(name: &str) -> bool {
+    std::env::var("MEGAGEMMA_CUDA_DEFINES").is_ok_and(|list| define_listed(&list, name))
+}
+
+fn define_listed(list: &str, name: &str) -> bool {
+    list.split([',', ';']).any(|item| item.trim().split('=').next() == Some(name))
+}
+
 /// A compiled module: the CUBIN and NVRTC's log (the `-Xptxas=-v` register/spill report).
 pub struct Compiled {
     pub cubin: Vec<u8>,
@@ -252,6 +262,14 @@ mod tests {
             let e = defines(bad).unwrap_err().to_string();
             assert!(e.contains("MEGAGEMMA_CUDA_DEFINES") && e.contains(bad), "{e}");
         }
+    }
+
+    #[test]
+    fn a_define_is_found_by_name_only() {
+        assert!(define_listed("MMA_U1=2;SB_BIAS8", "SB_BIAS8"));
+        assert!(define_listed(" SB_BIAS8=1 , X", "SB_BIAS8"));
+        assert!(!define_listed("SB_BIAS8X,X=SB_BIAS8", "SB_BIAS8"));
+        assert!(!define_listed("", "SB_BIAS8"));
     }
 
     #[test]
