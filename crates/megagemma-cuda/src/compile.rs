@@ -100,13 +100,21 @@ pub fn defines(list: &str) -> Result<Vec<String>> {
 }
 
 /// Whether `MEGAGEMMA_CUDA_DEFINES` sets `name` (with or without a value): experiments whose
-/// weights the host lays out differently (`SB_BIAS8`) ask this at upload.
+/// weights or buffers the host lays out differently (`SB_BIAS8`, `MK_COUNTER_LINES`) ask this.
 pub fn has_define(name: &str) -> bool {
-    std::env::var("MEGAGEMMA_CUDA_DEFINES").is_ok_and(|list| define_listed(&list, name))
+    define_value(name).is_some()
 }
 
-fn define_listed(list: &str, name: &str) -> bool {
-    list.split([',', ';']).any(|item| item.trim().split('=').next() == Some(name))
+/// The value `MEGAGEMMA_CUDA_DEFINES` gives `name` ("" for a bare `NAME`), if it sets it.
+pub fn define_value(name: &str) -> Option<String> {
+    std::env::var("MEGAGEMMA_CUDA_DEFINES").ok().and_then(|list| define_in(&list, name))
+}
+
+fn define_in(list: &str, name: &str) -> Option<String> {
+    list.split([',', ';']).find_map(|item| {
+        let (n, v) = item.trim().split_once('=').unwrap_or((item.trim(), ""));
+        (n == name).then(|| v.to_string())
+    })
 }
 
 /// A compiled module: the CUBIN and NVRTC's log (the `-Xptxas=-v` register/spill report).
@@ -266,10 +274,10 @@ mod tests {
 
     #[test]
     fn a_define_is_found_by_name_only() {
-        assert!(define_listed("MMA_U1=2;SB_BIAS8", "SB_BIAS8"));
-        assert!(define_listed(" SB_BIAS8=1 , X", "SB_BIAS8"));
-        assert!(!define_listed("SB_BIAS8X,X=SB_BIAS8", "SB_BIAS8"));
-        assert!(!define_listed("", "SB_BIAS8"));
+        assert_eq!(define_in("MMA_U1=2;SB_BIAS8", "SB_BIAS8").as_deref(), Some(""));
+        assert_eq!(define_in(" MK_COUNTER_LINES=8 , X", "MK_COUNTER_LINES").as_deref(), Some("8"));
+        assert_eq!(define_in("SB_BIAS8X,X=SB_BIAS8", "SB_BIAS8"), None);
+        assert_eq!(define_in("", "SB_BIAS8"), None);
     }
 
     #[test]

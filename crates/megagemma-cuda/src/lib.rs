@@ -31,7 +31,8 @@
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
 //! `SB_BIAS8`: tiled 4-bit matrices store b + 8·s as their bias, which the matvec then loads instead
-//! of computing; the upload follows the define).
+//! of computing; the upload follows the define; `MK_COUNTER_LINES=N`: the megakernel's stage
+//! arrivals spread over N counter lines, each polled by its own thread; the host sizes them).
 
 pub mod backend;
 mod capture;

@@ -74,6 +74,7 @@ fn kernel_experiments_compile() {
         ("megakernel.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "SB_BIAS8"),
         ("megakernel.cu", "SB_BIAS8"),
+        ("megakernel.cu", "MK_COUNTER_LINES=8"),
         ("prefill.cu", "SB_BIAS8"),
     ];
     for (file, define) in experiments {
