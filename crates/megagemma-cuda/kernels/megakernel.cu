@@ -85,9 +85,7 @@ __device__ void mk_wait() {
     }
     if (k == 0 && !mk_waited) mk_waited = mk_now();
   }
-  __syncthreads();
-  return;
-#endif
+#else
   if (threadIdx.x == 0 && mk_counter && !mk_failed) {
     const unsigned long long deadline = mk_now() + MK_TIMEOUT_NS;
     for (unsigned spins = 0;; spins++) {
@@ -104,6 +102,7 @@ __device__ void mk_wait() {
     }
     if (!mk_waited) mk_waited = mk_now();
   }
+#endif
   __syncthreads();
 }
 
