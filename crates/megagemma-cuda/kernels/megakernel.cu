@@ -64,6 +64,8 @@ __device__ __forceinline__ unsigned long long mk_now() {
   return t;
 }
 
+// (The experiment's poll loop repeats the default's rather than sharing a helper: with one, the
+// default megakernel's SASS changed throughout, and its speed moves with its code generation.)
 __device__ void mk_wait() {
 #if MK_COUNTER_LINES > 1
   // Line k of the previous stage is done when each of its blocks (b ≡ k mod N) added one this launch.
