@@ -162,5 +162,21 @@ fi
 timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda 2>&1 \
   | grep -v '^starting' | tee "$OUT/serve_fork.log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail=1
-echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)" | tee "$OUT/summary.txt"
+# The summary again at the end (the call's output tail is 12,000 characters and the benches' tables
+# push the check lines out of it): every check's count, the sanitizer, each bench's figures.
+{
+  grep -h "test result" "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/GPU tests: /'
+  for f in "$OUT"/gpu_check_*.log; do
+    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -c ' ok$' "$f") checks ok"
+  done
+  [ -f "$OUT/cli_fixtures.log" ] && echo "CLI CUDA ids = CPU ids: $(grep -c '^ok ' "$OUT/cli_fixtures.log") runs ok, $(grep -c '^DIFF ' "$OUT/cli_fixtures.log") differ"
+  for tool in racecheck synccheck memcheck; do
+    f="$OUT/sanitizer_$tool.log"
+    [ -f "$f" ] && echo "compute-sanitizer $tool: $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f")"
+  done
+  for f in "$OUT"/bench_*.log; do
+    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch) ' "$f" | tr -s ' ' | paste -sd ';')"
+  done
+  echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
+} | tee "$OUT/summary.txt"
 exit $fail
