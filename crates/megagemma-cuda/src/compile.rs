@@ -110,9 +110,12 @@ pub fn define_value(name: &str) -> Option<String> {
     std::env::var("MEGAGEMMA_CUDA_DEFINES").ok().and_then(|list| define_in(&list, name))
 }
 
+/// `name`'s value in a define list, read through [`defines`] (a list it refuses sets nothing here;
+/// compiling with it fails with its message).
 fn define_in(list: &str, name: &str) -> Option<String> {
-    list.split([',', ';']).find_map(|item| {
-        let (n, v) = item.trim().split_once('=').unwrap_or((item.trim(), ""));
+    defines(list).ok()?.into_iter().find_map(|d| {
+        let item = d.strip_prefix("-D")?;
+        let (n, v) = item.split_once('=').unwrap_or((item, ""));
         (n == name).then(|| v.to_string())
     })
 }
