@@ -410,20 +410,10 @@ __device__ __forceinline__ UnitScales unit_scales(float4 v) { return UnitScales{
 // The lane's two planes combine in int32 before one conversion: |c| ≤ 2^20 (see the layout notes), so
 // c1·256 + c0 is exact and the conversion rounds it once — the value of fmaf((float)c1, 256, (float)c0)
 // with half the (quarter-rate) integer-to-float conversions.
-// SB_BIAS8 (an experiment; the host then stores b + 8·s as the bias, src/tiled.rs): the Σx
-// coefficient of the centred codes is loaded instead of computed, two FFMA per unit and chunk
-// fewer; the same float, so the same bits.
-__device__ __forceinline__ float sx_coef(float s, float b) {
-#ifdef SB_BIAS8
-  return b;
-#else
-  return fmaf(8.f, s, b);
-#endif
-}
 __device__ __forceinline__ void scale_unit(const int c[4], const UnitScales& u, float f, float sx, float y[2]) {
   const float r0 = (float)(c[1] * 256 + c[0]), r1 = (float)(c[3] * 256 + c[2]);
-  y[0] = fmaf(sx_coef(u.s0, u.b0), sx, fmaf(__fmul_rn(u.s0, f), r0, y[0]));
-  y[1] = fmaf(sx_coef(u.s1, u.b1), sx, fmaf(__fmul_rn(u.s1, f), r1, y[1]));
+  y[0] = fmaf(fmaf(8.f, u.s0, u.b0), sx, fmaf(__fmul_rn(u.s0, f), r0, y[0]));
+  y[1] = fmaf(fmaf(8.f, u.s1, u.b1), sx, fmaf(__fmul_rn(u.s1, f), r1, y[1]));
 }
 
 // Multiplies a loaded batch into the pair accumulators y[p][r] (rows gid and gid + 8; token

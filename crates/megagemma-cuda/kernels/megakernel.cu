@@ -30,13 +30,6 @@
 
 #define MK_ARGS 32
 #define MK_TIMEOUT_NS 1000000000ull  // 1 s per wait
-// MK_COUNTER_LINES (an experiment; the host reads the same define and sizes the counters): a
-// stage's arrivals spread over this many 128-byte lines (block b adds to line b mod N), so the
-// grid's ~264 same-address atomics per stage queue at N addresses, and threads 0 .. N − 1 of a
-// waiting block each poll one line. 1 (the default): one line per stage.
-#ifndef MK_COUNTER_LINES
-#define MK_COUNTER_LINES 1
-#endif
 
 // One stage (`MkStage` in src/megakernel.rs): kernel id (MK_KERNELS there, the cases below),
 // its grid, whether its body waits itself (`pdl_start()`), and its arguments in 8-byte slots
@@ -50,9 +43,6 @@ struct MkStage {
 };
 
 __shared__ unsigned mk_target;    // counter value that means "done in this launch"
-#if MK_COUNTER_LINES > 1
-__shared__ unsigned mk_gen;  // this launch's generation (a line's target: gen · its blocks, wrapping)
-#endif
 __shared__ unsigned* mk_counter;  // the previous stage's counter (null in the first stage)
 __shared__ unsigned* mk_err;
 __shared__ int mk_failed;
@@ -64,30 +54,7 @@ __device__ __forceinline__ unsigned long long mk_now() {
   return t;
 }
 
-// (The experiment's poll loop repeats the default's rather than sharing a helper: with one, the
-// default megakernel's SASS changed throughout, and its speed moves with its code generation.)
 __device__ void mk_wait() {
-#if MK_COUNTER_LINES > 1
-  // Line k of the previous stage is done when each of its blocks (b ≡ k mod N) added one this launch.
-  const int k = threadIdx.x;
-  if (k < MK_COUNTER_LINES && mk_counter && !mk_failed) {
-    const unsigned target = mk_gen * ((gridDim.x - k + MK_COUNTER_LINES - 1) / MK_COUNTER_LINES);
-    const unsigned* line = mk_counter + 32 * k;
-    const unsigned long long deadline = mk_now() + MK_TIMEOUT_NS;
-    for (unsigned spins = 0;; spins++) {
-      unsigned v;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(line) : "memory");
-      if ((int)(v - target) >= 0) break;
-      if (spins > 4) __nanosleep(64);
-      if (*(volatile unsigned*)mk_err || mk_now() > deadline) {
-        atomicExch(mk_err, 1u);
-        mk_failed = 1;
-        break;
-      }
-    }
-    if (k == 0 && !mk_waited) mk_waited = mk_now();
-  }
-#else
   if (threadIdx.x == 0 && mk_counter && !mk_failed) {
     const unsigned long long deadline = mk_now() + MK_TIMEOUT_NS;
     for (unsigned spins = 0;; spins++) {
@@ -104,7 +71,6 @@ __device__ void mk_wait() {
     }
     if (!mk_waited) mk_waited = mk_now();
   }
-#endif
   __syncthreads();
 }
 
@@ -237,8 +203,7 @@ __device__ __noinline__ void mk_prefetch_mma(const MkStage& st) {
   }
 }
 
-// Runs stages [0, n) for one token, the `gen`-th launch: stage s's counter (counters[32·s]; with
-// MK_COUNTER_LINES = N, lines counters[32·(N·s + k)])
+// Runs stages [0, n) for one token, the `gen`-th launch: stage s's counter (counters[32·s])
 // reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait. trace (when
 // not null): per (block, stage), trace[3·(block·n + s) ..] = %globaltimer at the stage's start, when
 // its wait was satisfied (0 if the block did not wait) and at its end.
@@ -247,9 +212,6 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
                                        unsigned* err, unsigned long long* trace) {
   if (threadIdx.x == 0) {
     mk_target = gen * gridDim.x;
-#if MK_COUNTER_LINES > 1
-    mk_gen = gen;
-#endif
     mk_err = err;
     mk_failed = 0;
   }
@@ -260,7 +222,7 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
       if (blockIdx.x < later.grid) mk_prefetch_mma(later);
     }
     if (threadIdx.x == 0) {
-      mk_counter = s > 0 ? counters + 32 * MK_COUNTER_LINES * (s - 1) : nullptr;
+      mk_counter = s > 0 ? counters + 32 * (s - 1) : nullptr;
       mk_waited = 0;
     }
     __syncthreads();
@@ -278,14 +240,7 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
     }
     // The barrier above orders every thread's writes before thread 0's release, and a release is
     // cumulative: the waiter's acquire sees them all. A full `__threadfence()` before it cost 1.5%.
-    if (threadIdx.x == 0) {
-#if MK_COUNTER_LINES > 1
-      unsigned* line = counters + 32 * (MK_COUNTER_LINES * s + blockIdx.x % MK_COUNTER_LINES);
-#else
-      unsigned* line = counters + 32 * s;
-#endif
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(line) : "memory");
-    }
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
   }
 }
 

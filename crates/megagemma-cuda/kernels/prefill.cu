@@ -58,15 +58,6 @@ extern "C" __global__ void widen_rows(Mat W, int r0, int n, unsigned short* __re
 #define WIDEN_ROW_WORDS (WIDEN_CHUNKS * 32 + 4)  // a row's fp16 pairs, padded: conflict-free stores
 extern "C" __global__ void __launch_bounds__(WIDEN_CHUNKS * 32)
 widen_tiles(Mat W, int t0, int nt, unsigned short* __restrict__ out) {
-  // A stored nibble n = q XOR 8 as a weight: s·q + b, or under SB_BIAS8 (bias b + 8·s stored)
-  // s·(q − 8) + (b + 8·s), within an ulp of it (prefill only; decode's matvec is bit-identical).
-  auto tiled_weight = [](unsigned n, float s, float b) {
-#ifdef SB_BIAS8
-    return __fadd_rn(__fmul_rn((float)((int)(n ^ 8u) - 8), s), b);
-#else
-    return q4_weight(n ^ 8u, s, b);
-#endif
-  };
   __shared__ __align__(16) unsigned hi_s[16][WIDEN_ROW_WORDS];
   __shared__ __align__(16) unsigned lo_s[16][WIDEN_ROW_WORDS];
   const int chunks = (W.cols + 63) / 64, groups = chunks * 64 / W.gs;
@@ -87,8 +78,8 @@ widen_tiles(Mat W, int t0, int nt, unsigned short* __restrict__ out) {
         const float scale = (r & 1) ? s.z : s.x, bias = (r & 1) ? s.w : s.y;
         const int sh = 4 * (e >> 1) + 16 * (e & 1);  // bits of column col; col + 1 is 8 bits up
         unsigned short h0, l0, h1, l1;
-        split_f16(tiled_weight((words[r] >> sh) & 15u, scale, bias), h0, l0);
-        split_f16(tiled_weight((words[r] >> (sh + 8)) & 15u, scale, bias), h1, l1);
+        split_f16(q4_weight(((words[r] >> sh) & 15u) ^ 8u, scale, bias), h0, l0);
+        split_f16(q4_weight(((words[r] >> (sh + 8)) & 15u) ^ 8u, scale, bias), h1, l1);
         hi_s[row][cl * 32 + col / 2] = h0 | (unsigned)h1 << 16;
         lo_s[row][cl * 32 + col / 2] = l0 | (unsigned)l1 << 16;
       }

@@ -17,19 +17,10 @@ extern "C" __global__ void fill_random_u32(unsigned* p, u64 n, u64 seed) {
 }
 
 // (scale, bias) pairs: scale in [s0, 2·s0), bias = −7.5·scale (zero-mean weights).
-__device__ __forceinline__ float2 q4_scale_pair(u64 i, u64 seed, float s0) {
-  const float s = s0 * (1.f + (hash32(i * 0x9e3779b97f4a7c15ull + seed) >> 8) * (1.f / 16777216.f));
-  return make_float2(s, -7.5f * s);
-}
 extern "C" __global__ void fill_q4_scales(float2* p, u64 n, u64 seed, float s0) {
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
-    p[i] = q4_scale_pair(i, seed, s0);
-}
-// The same pairs for a tiled matrix under the SB_BIAS8 experiment (src/tiled.rs): bias b + 8·s.
-extern "C" __global__ void fill_q4_scales_bias8(float2* p, u64 n, u64 seed, float s0) {
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-    const float2 v = q4_scale_pair(i, seed, s0);
-    p[i] = make_float2(v.x, fmaf(8.f, v.x, v.y));
+    float s = s0 * (1.f + (hash32(i * 0x9e3779b97f4a7c15ull + seed) >> 8) * (1.f / 16777216.f));
+    p[i] = make_float2(s, -7.5f * s);
   }
 }
 

@@ -99,27 +99,6 @@ pub fn defines(list: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// Whether `MEGAGEMMA_CUDA_DEFINES` sets `name` (with or without a value): experiments whose
-/// weights or buffers the host lays out differently (`SB_BIAS8`, `MK_COUNTER_LINES`) ask this.
-pub fn has_define(name: &str) -> bool {
-    define_value(name).is_some()
-}
-
-/// The value `MEGAGEMMA_CUDA_DEFINES` gives `name` ("" for a bare `NAME`), if it sets it.
-pub fn define_value(name: &str) -> Option<String> {
-    std::env::var("MEGAGEMMA_CUDA_DEFINES").ok().and_then(|list| define_in(&list, name))
-}
-
-/// `name`'s value in a define list, read through [`defines`] (a list it refuses sets nothing here;
-/// compiling with it fails with its message).
-fn define_in(list: &str, name: &str) -> Option<String> {
-    defines(list).ok()?.into_iter().find_map(|d| {
-        let item = d.strip_prefix("-D")?;
-        let (n, v) = item.split_once('=').unwrap_or((item, ""));
-        (n == name).then(|| v.to_string())
-    })
-}
-
 /// A compiled module: the CUBIN and NVRTC's log (the `-Xptxas=-v` register/spill report).
 pub struct Compiled {
     pub cubin: Vec<u8>,
@@ -273,14 +252,6 @@ mod tests {
             let e = defines(bad).unwrap_err().to_string();
             assert!(e.contains("MEGAGEMMA_CUDA_DEFINES") && e.contains(bad), "{e}");
         }
-    }
-
-    #[test]
-    fn a_define_is_found_by_name_only() {
-        assert_eq!(define_in("MMA_U1=2;SB_BIAS8", "SB_BIAS8").as_deref(), Some(""));
-        assert_eq!(define_in(" MK_COUNTER_LINES=8 , X", "MK_COUNTER_LINES").as_deref(), Some("8"));
-        assert_eq!(define_in("SB_BIAS8X,X=SB_BIAS8", "SB_BIAS8"), None);
-        assert_eq!(define_in("", "SB_BIAS8"), None);
     }
 
     #[test]

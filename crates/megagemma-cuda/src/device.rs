@@ -43,7 +43,7 @@ const FUNCTIONS: [(&str, &[&str]); 6] = [
         "prefill.cu",
         &["widen_rows", "widen_tiles", "split_inputs", "swap_rows", "split_queries", "kv_gather", "masked_softmax"],
     ),
-    ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_q4_scales_bias8", "fill_const", "read_bandwidth"]),
+    ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
 ];
 
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of

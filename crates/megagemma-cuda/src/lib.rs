@@ -29,10 +29,7 @@
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
-//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
-//! `SB_BIAS8`: tiled 4-bit matrices store b + 8·s as their bias, which the matvec then loads instead
-//! of computing; the upload follows the define; `MK_COUNTER_LINES=N`: the megakernel's stage
-//! arrivals spread over N counter lines, each polled by its own thread; the host sizes them).
+//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`).
 
 pub mod backend;
 mod capture;

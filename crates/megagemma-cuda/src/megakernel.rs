@@ -143,10 +143,7 @@ pub(crate) struct Megakernel {
     grid: u32,
     smem: u32,
     /// Per stage (128 bytes apart): blocks that finished it, over all launches; `gen` launches so far.
-    /// With `MEGAGEMMA_CUDA_DEFINES=MK_COUNTER_LINES=N` (an experiment) N lines per stage.
     counters: DevBuf,
-    /// 128-byte counter lines per stage (`MK_COUNTER_LINES` in kernels/megakernel.cu).
-    lines: usize,
     gen: u32,
     err: DevBuf,
 }
@@ -189,27 +186,12 @@ impl Megakernel {
         // SAFETY of the layout: MkStage is repr(C) plain data, uploaded as bytes.
         let table = gpu.alloc(std::mem::size_of_val(stages.as_slice()))?;
         gpu.upload(table.ptr, &stages)?;
-        let lines =
-            crate::compile::define_value("MK_COUNTER_LINES").and_then(|v| v.parse().ok()).unwrap_or(1usize).max(1);
-        let (counters, err) = (gpu.alloc_zeros(stages.len() * 128 * lines)?, gpu.alloc_zeros(4)?);
+        let (counters, err) = (gpu.alloc_zeros(stages.len() * 128)?, gpu.alloc_zeros(4)?);
         let grid = per_sm * gpu.sms;
         let names = stages.iter().map(|s| MK_KERNELS[s.kernel as usize]).collect();
         let trace = if trace { Some(gpu.alloc_zeros(grid as usize * stages.len() * 3 * 8)?) } else { None };
         let stepwise = std::env::var("MEGAGEMMA_CUDA_MK_STEPWISE").is_ok_and(|v| v == "1");
-        Ok(Megakernel {
-            entry,
-            stepwise,
-            table,
-            stages: stages.len(),
-            names,
-            trace,
-            grid,
-            smem,
-            counters,
-            lines,
-            gen: 0,
-            err,
-        })
+        Ok(Megakernel { entry, stepwise, table, stages: stages.len(), names, trace, grid, smem, counters, gen: 0, err })
     }
 
     /// Stages per token.
@@ -232,7 +214,7 @@ impl Megakernel {
             let args = [
                 Arg::Ptr(self.table.ptr + (first * std::mem::size_of::<MkStage>()) as u64),
                 Arg::I32(per_launch as i32),
-                Arg::Ptr(self.counters.ptr + (first * 128 * self.lines) as u64),
+                Arg::Ptr(self.counters.ptr + (first * 128) as u64),
                 Arg::I32(self.gen.wrapping_add(skew) as i32),
                 Arg::Ptr(self.err.ptr),
                 // The trace indexes stages within a launch: only whole-token launches are traced.
@@ -249,7 +231,7 @@ impl Megakernel {
         let mut err = [0u32];
         gpu.download(&mut err, self.err.ptr)?;
         if err[0] != 0 {
-            gpu.upload(self.counters.ptr, &vec![0u32; self.stages * 32 * self.lines])?;
+            gpu.upload(self.counters.ptr, &vec![0u32; self.stages * 32])?;
             gpu.upload(self.err.ptr, &[0u32])?;
             self.gen = 0;
             bail!(

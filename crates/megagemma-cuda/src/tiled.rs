@@ -4,10 +4,7 @@
 //! two's complement, which the kernel reads as the high nibble of an s8 byte — the low nibbles of
 //! a word for the first 32 columns, the high nibbles for the next 32), and each group's (scale,
 //! bias) pairs of a tile's rows gid and gid + 8 side by side. Rows are padded to 16 and columns to
-//! 64 with zero nibbles (q = 8, centred zero) and zero scales. With `bias8` (the `SB_BIAS8`
-//! experiment) the bias is stored as b + 8·s, the coefficient of Σx for the centred codes q − 8
-//! that the kernel otherwise computes per unit and chunk (`fmaf(8, s, b)`: the same float, so the
-//! same bits in every matvec; prefill's widening reads it as the bias of q − 8).
+//! 64 with zero nibbles (q = 8, centred zero) and zero scales.
 
 /// Rows per tile and columns per chunk.
 pub const TILE_ROWS: usize = 16;
@@ -47,7 +44,7 @@ fn code_at(packed: &[u32], cols: usize, r: usize, k: usize) -> u32 {
 }
 
 /// Tiles a row-major 4-bit matrix: `packed` holds `rows·cols/8` words, `scales`/`biases` one value
-/// per (row, group); `bias8`: store b + 8·s instead of b.
+/// per (row, group).
 pub fn tile_q4(
     rows: usize,
     cols: usize,
@@ -55,7 +52,6 @@ pub fn tile_q4(
     packed: &[u32],
     scales: &[f32],
     biases: &[f32],
-    bias8: bool,
 ) -> (Vec<u32>, Vec<f32>) {
     let (tiles, chunks, groups) = tiled_shape(rows, cols, gs);
     let (nw, ns) = tiled_sizes(rows, cols, gs);
@@ -75,10 +71,8 @@ pub fn tile_q4(
             for g in 0..row_groups {
                 // [tile][group][gid] float4 = (s, b) of row gid, then of row gid + 8.
                 let i = ((t * groups + g) * 8 + r16 % 8) * 4 + if r16 >= 8 { 2 } else { 0 };
-                let (s, b) = (scales[r * row_groups + g], biases[r * row_groups + g]);
-                sb[i] = s;
-                // 8·s is exact, so this is fmaf(8, s, b): one rounding, as the kernel's.
-                sb[i + 1] = if bias8 { 8.0 * s + b } else { b };
+                sb[i] = scales[r * row_groups + g];
+                sb[i + 1] = biases[r * row_groups + g];
             }
         }
     }
@@ -126,13 +120,7 @@ mod tests {
             let groups = rows * cols / gs;
             let scales: Vec<f32> = (0..groups).map(|i| 1.0 + i as f32).collect();
             let biases: Vec<f32> = (0..groups).map(|i| -(i as f32) - 0.5).collect();
-            let (codes, sb) = tile_q4(rows, cols, gs, &packed, &scales, &biases, false);
-            let (codes8, sb8) = tile_q4(rows, cols, gs, &packed, &scales, &biases, true);
-            assert_eq!(codes8, codes);
-            for (i, (&b8, &b)) in sb8.iter().zip(&sb).enumerate() {
-                let want = if i % 2 == 1 { 8.0f32.mul_add(sb[i - 1], b) } else { b };
-                assert_eq!(b8.to_bits(), want.to_bits(), "[{rows},{cols}] value {i}");
-            }
+            let (codes, sb) = tile_q4(rows, cols, gs, &packed, &scales, &biases);
             let (tiles, chunks, pgroups) = tiled_shape(rows, cols, gs);
             assert_eq!((codes.len(), sb.len()), tiled_sizes(rows, cols, gs));
             for t in 0..tiles {

@@ -93,9 +93,6 @@ pub struct Placer<'g> {
     /// 4-bit matvec matrices of at least this many weights take the tiled layout (and the
     /// tensor-core kernel); `None`: none do.
     mma_min: Option<usize>,
-    /// Tiled matrices store b + 8·s as their bias (`MEGAGEMMA_CUDA_DEFINES=SB_BIAS8`, an experiment:
-    /// `src/tiled.rs`).
-    bias8: bool,
 }
 
 /// Weights from which a 4-bit matrix takes the tensor-core kernel: every tileable one. On the H200
@@ -155,7 +152,7 @@ impl Placer<'_> {
         if matvec && self.tiles_shape(rows, cols, gs) {
             let (nw, ns) = tiled_sizes(rows, cols, gs);
             let (w, sb) = if self.writing() {
-                let (codes, sb) = tile_q4(rows, cols, gs, packed, s, b, self.bias8);
+                let (codes, sb) = tile_q4(rows, cols, gs, packed, s, b);
                 (self.put(&codes)?, self.put(&sb)?)
             } else {
                 (self.reserve(nw * 4), self.reserve(ns * 4))
@@ -251,9 +248,8 @@ impl Placer<'_> {
             let s0 = 1.0 / (7.0 * (cols as f32).sqrt());
             let seed = self.seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
             self.gpu.launch("fill_random_u32", 1056, 256, 0, &[Arg::Ptr(w), Arg::U64(words as u64), Arg::U64(seed)])?;
-            let fill = if tiled && self.bias8 { "fill_q4_scales_bias8" } else { "fill_q4_scales" };
             self.gpu.launch(
-                fill,
+                "fill_q4_scales",
                 1056,
                 256,
                 0,
@@ -267,11 +263,11 @@ impl Placer<'_> {
 
 /// Runs `place` twice — measuring, then writing into one arena of the measured size.
 pub fn place_all(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<DevWeights>) -> Result<Uploaded> {
-    let (mma_min, bias8) = (q4_mma_min(), crate::compile::has_define("SB_BIAS8"));
-    let mut measure = Placer { gpu, base: None, off: 0, seed: 0, mma_min, bias8 };
+    let mma_min = q4_mma_min();
+    let mut measure = Placer { gpu, base: None, off: 0, seed: 0, mma_min };
     place(&mut measure)?;
     let arena = gpu.alloc(measure.off.max(1))?;
-    let mut write = Placer { gpu, base: Some(arena.ptr), off: 0, seed: 0, mma_min, bias8 };
+    let mut write = Placer { gpu, base: Some(arena.ptr), off: 0, seed: 0, mma_min };
     let w = place(&mut write)?;
     gpu.sync()?;
     Ok(Uploaded { w, arena })

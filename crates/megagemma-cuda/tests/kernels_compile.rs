@@ -72,10 +72,6 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
         ("megakernel.cu", "MMA_SCALES_F4"),
-        ("matvec_mma.cu", "SB_BIAS8"),
-        ("megakernel.cu", "SB_BIAS8"),
-        ("megakernel.cu", "MK_COUNTER_LINES=8"),
-        ("prefill.cu", "SB_BIAS8"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
