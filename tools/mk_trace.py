@@ -11,6 +11,10 @@ satisfied (0: the block did not wait) and at its end. This prints where the toke
 stage kernel (the same attribution as `gpu_check megakernel`: from the previous stage's last block
 to finish to this stage's last block to finish) and, with --png, draws a timeline: one row per
 block, grey while waiting, coloured by stage kernel while working (needs matplotlib).
+
+With `MEGAGEMMA_CUDA_DEFINES=MK_MARK=1` (or `=2`) the "wait satisfied" time of a tensor-core matvec
+stage is instead when its folded residual statistics (or its first inputs) are done, so the
+"waits met" column of --stages shows how long after the stage's start each phase ends.
 """
 import argparse
 import json

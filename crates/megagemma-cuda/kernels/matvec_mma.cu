@@ -687,6 +687,9 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
       __syncthreads();  // its fragments are no longer read
       build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
+#if defined(MK_MARK) && defined(MEGAKERNEL)
+      mk_mark(2);  // the megakernel's trace experiment: the inputs are built
+#endif
       built = c0;
     }
     if (tile < tiles) {
@@ -838,6 +841,9 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2);
     kept = kept && m == 1;
     __syncthreads();
+#if defined(MK_MARK) && defined(MEGAKERNEL)
+    mk_mark(1);  // the megakernel's trace experiment: the folded residual step's statistics are in
+#endif
   }
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
   for (int vb = bid; vb < nblocks; vb += nbid) {

@@ -23,6 +23,11 @@
 #define __restrict__
 #define __ldg(p) (*(p))
 #include "common.cuh"
+#ifdef MK_MARK
+// A trace experiment: MK_MARK=1 records, as a stage's "wait satisfied" time, when a folded
+// residual step's statistics are done; MK_MARK=2 when a matvec's first inputs are built.
+__device__ __forceinline__ void mk_mark(int where);
+#endif
 #include "ops.cu"
 #include "matvec.cu"
 #include "matvec_mma.cu"
@@ -53,6 +58,11 @@ __device__ __forceinline__ unsigned long long mk_now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#ifdef MK_MARK
+__device__ __forceinline__ void mk_mark(int where) {
+  if (where == MK_MARK && threadIdx.x == 0 && !mk_waited) mk_waited = mk_now();
+}
+#endif
 
 __device__ void mk_wait() {
   if (threadIdx.x == 0 && mk_counter && !mk_failed) {
@@ -69,7 +79,9 @@ __device__ void mk_wait() {
         break;
       }
     }
+#ifndef MK_MARK
     if (!mk_waited) mk_waited = mk_now();
+#endif
   }
   __syncthreads();
 }

@@ -72,6 +72,8 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
         ("megakernel.cu", "MMA_SCALES_F4"),
+        ("megakernel.cu", "MK_MARK=2"),
+        ("matvec_mma.cu", "MK_MARK=2"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
