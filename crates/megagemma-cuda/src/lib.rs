@@ -32,7 +32,8 @@
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
-//! goes, with `tools/mk_trace.py`).
+//! goes, with `tools/mk_trace.py`; `MMA_BUILD_SKIP`: the input build skips, warp by warp, the
+//! unrolled rounds none of its lanes has an element in — same results).
 
 pub mod backend;
 mod capture;
