@@ -81,12 +81,7 @@ __global__ void __launch_bounds__(THREADS, 2)
       for (int c = threadIdx.x & 31; c < chunks / ks * 4; c += 32) prefetch_l2(cp + (u64)(c / 4) * ks * 512 + (c % 4) * 128);
     }
     if (mode >= 1) tile_start<1, 1>(wr, tile, ws, ks, 0, chunks, first);
-    long long t[PHASES + 1];
-    t[0] = clock64();
-    grid_wait((unsigned)(r + 1) * gridDim.x);
-    t[1] = clock64();
-    const int row = r % 16;
-    const Residual res{xs_rows + (u64)row * DIM, os_rows + (u64)row * DIM, w1, w2n, x_out, 1.f, 1e-6f};
+    // The second norm's weights into registers before the wait, as `mma_kernel` loads them.
     NormW2 nw = {};
     if constexpr (RES_KEEP) {
 #pragma unroll
@@ -95,6 +90,12 @@ __global__ void __launch_bounds__(THREADS, 2)
         nw.v[q] = f < DIM / 4 ? ld4(w2n, f) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
+    long long t[PHASES + 1];
+    t[0] = clock64();
+    grid_wait((unsigned)(r + 1) * gridDim.x);
+    t[1] = clock64();
+    const int row = r % 16;
+    const Residual res{xs_rows + (u64)row * DIM, os_rows + (u64)row * DIM, w1, w2n, x_out, 1.f, 1e-6f};
     float4 keep[RES_F4] = {};
     bool kept = false;
     residual_stats(res, 0, DIM, false, mma_rstat, keep, kept, nw);
