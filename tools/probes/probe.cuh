@@ -1,5 +1,5 @@
-// Shared pieces of the matvec probes (included by mma_layer_shapes.cu, imma_gemv.cu and
-// stream_floor.cu; each probe stays one `nvcc FILE.cu` program): the fp16 tensor-core 4-bit GEMV of
+// Shared pieces of the matvec probes (included by mma_layer_shapes.cu, imma_gemv.cu,
+// stream_floor.cu and prologue_under_load.cu; each probe stays one `nvcc FILE.cu` program): the fp16 tensor-core 4-bit GEMV of
 // shared/probes/q4_mma_gemv.cu in its register form (the baseline the others are read against; imma_gemv.cu
 // measured its fp16 column with its own copy, the same arithmetic),
 // hashed weights, the shapes of one E4B layer and the per-launch timing loop.

@@ -5,7 +5,7 @@
 // weight stream — each warp's first batch of weights is loaded before the wait, so 264 blocks' loads
 // are in flight when the statistics' L2 loads go out — or the code around it?
 //
-// Every block of a 264-block grid (2 per SM, 256 threads, the decode launches' shape) runs ROUNDS
+// Every block of a 264-block grid (2 per SM, 256 threads, the decode launches' shape) runs PROBE_ROUNDS
 // rounds of gate+up's first virtual block of E4B (4 tiles of 16 rows, 2 warps a tile, 2,560 columns),
 // with megagemma's own device functions (`#include` of kernels/matvec_mma.cu, the launched kernels'
 // form: x' kept in registers): a grid barrier (a release-add and an acquire spin, the megakernel's
@@ -29,13 +29,14 @@
 #endif
 #include "../../crates/megagemma-cuda/kernels/matvec_mma.cu"
 #undef __frcp_rn
+#include "probe.cuh"  // fill_hash
 
 #include <cstdio>
 #include <vector>
 
 #define GRID 264
 #define THREADS 256
-#define ROUNDS 64
+#define PROBE_ROUNDS 64
 #define DIM 2560
 #define ROWS_OUT 20480  // gate and up stacked: 1,280 tiles
 #define PHASES 4
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(THREADS, 2)
   float* xsm = (float*)(smem + chunks * 1024);
   const int warp = threadIdx.x >> 5, tile = blockIdx.x * tpb + warp / ks, ws = warp % ks;
   float total = 0.f;
-  for (int r = 0; r < ROUNDS; r++) {
+  for (int r = 0; r < PROBE_ROUNDS; r++) {
     Mat wr = w;
     wr.w += (u64)r * round_bytes;  // another region each round: the weights come from HBM
     wr.sb += (u64)r * round_bytes;
@@ -110,19 +111,10 @@ __global__ void __launch_bounds__(THREADS, 2)
     __syncthreads();
     t[4] = clock64();
     if (threadIdx.x == 0)
-      for (int p = 0; p < PHASES; p++) clocks[((u64)blockIdx.x * ROUNDS + r) * PHASES + p] = t[p + 1] - t[p];
+      for (int p = 0; p < PHASES; p++) clocks[((u64)blockIdx.x * PROBE_ROUNDS + r) * PHASES + p] = t[p + 1] - t[p];
     __syncthreads();  // the fragments are rebuilt next round
   }
   sink[blockIdx.x * blockDim.x + threadIdx.x] = total;
-}
-
-__global__ void fill(unsigned* p, u64 n, unsigned seed) {
-  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
-    unsigned h = (unsigned)i * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    p[i] = h ^ (h >> 13);
-  }
 }
 
 // Scales and biases: small finite floats (the random words above would be NaNs as floats).
@@ -137,7 +129,7 @@ int main() {
   const int chunks = DIM / 64, tiles = ROWS_OUT / 16, groups = chunks;
   const u64 code_bytes = (u64)tiles * chunks * 512, scale_bytes = (u64)tiles * groups * 128;
   const u64 round_bytes = code_bytes + scale_bytes;  // one region a round: codes, then scales
-  const u64 total = round_bytes * (ROUNDS + 1);
+  const u64 total = round_bytes * (PROBE_ROUNDS + 1);
   char* wbuf;
   float *xs, *os, *w1, *w2, *xo, *sink;
   long long* clocks;
@@ -151,9 +143,9 @@ int main() {
   cudaMalloc(&w2, DIM * 4);
   cudaMalloc(&xo, DIM * 4);
   cudaMalloc(&sink, GRID * THREADS * 4);
-  cudaMalloc(&clocks, (u64)GRID * ROUNDS * PHASES * 8);
-  fill<<<1024, 256>>>((unsigned*)wbuf, total / 4, 1u);
-  for (int r = 0; r <= ROUNDS; r++) fill_scales<<<256, 256>>>((float*)(wbuf + r * round_bytes + code_bytes), scale_bytes / 4);
+  cudaMalloc(&clocks, (u64)GRID * PROBE_ROUNDS * PHASES * 8);
+  fill_hash<<<1024, 256>>>((uint32_t*)wbuf, total / 4, 1u);
+  for (int r = 0; r <= PROBE_ROUNDS; r++) fill_scales<<<256, 256>>>((float*)(wbuf + r * round_bytes + code_bytes), scale_bytes / 4);
   fill_scales<<<64, 256>>>(xs, 16 * DIM);
   fill_scales<<<64, 256>>>(os, 16 * DIM);
   fill_scales<<<16, 256>>>(w1, DIM);
@@ -170,9 +162,9 @@ int main() {
     return 1;
   }
   printf("prologue_under_load: %d blocks of %d threads (%d per SM fit), %d rounds, %.0f MHz, RES_KEEP %d\n", GRID,
-         THREADS, per_sm, ROUNDS, clock_khz / 1e3, RES_KEEP);
+         THREADS, per_sm, PROBE_ROUNDS, clock_khz / 1e3, RES_KEEP);
   const char* names[PHASES] = {"barrier", "statistics", "input build", "chunk loop"};
-  std::vector<long long> h((u64)GRID * ROUNDS * PHASES);
+  std::vector<long long> h((u64)GRID * PROBE_ROUNDS * PHASES);
   unsigned arrived = 0;
   for (int mode = 0; mode < 3; mode++) {
     for (int rep = 0; rep < 2; rep++) {  // the first run warms up; the second is reported
@@ -196,8 +188,8 @@ int main() {
       double sum = 0, worst = 0;
       for (int b = 0; b < GRID; b++) {
         double blk = 0;
-        for (int r = 1; r < ROUNDS; r++) blk += h[((u64)b * ROUNDS + r) * PHASES + p];  // round 0 is cold
-        blk /= ROUNDS - 1;
+        for (int r = 1; r < PROBE_ROUNDS; r++) blk += h[((u64)b * PROBE_ROUNDS + r) * PHASES + p];  // round 0 is cold
+        blk /= PROBE_ROUNDS - 1;
         sum += blk;
         worst = blk > worst ? blk : worst;
       }
