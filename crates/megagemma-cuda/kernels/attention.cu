@@ -53,11 +53,12 @@ __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
 }
 
 // A query's splits combined in split order: m = max m_s, w_s = e^(m_s − m), l = Σ Σe_s·w_s, out =
-// Σ (Σe·v)_s·w_s / l. ml(s) gives split s's (m, Σe), part(s, d) its Σe·v at dim d (the callers say
-// where the partials live; a combine through a thread-block cluster's shared memory used this with
-// other loaders and measured ±0, fifteenth session). Every split's (m, Σe) is loaded at once into
-// shared memory and each thread's Σe·v terms eight at a time, so the combine waits for a few L2
-// round trips, not three per split.
+// Σ (Σe·v)_s·w_s / l. ml(s) gives split s's (m, Σe), part(s, d) its Σe·v at dim d. (The loaders are
+// parameters because a cluster combine, measured ±0 and removed in the fifteenth session, had its own;
+// with one caller left plain pointers would do, but that form compiles to different SASS — the
+// megakernel inlines this — so it waits for a session that can time it.) Every split's (m, Σe) is
+// loaded at once into shared memory and each thread's Σe·v terms eight at a time, so the combine
+// waits for a few L2 round trips, not three per split.
 template <class Ml, class Part>
 __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2* att_ml, float* att_w, Ml ml,
                                             Part part) {
