@@ -272,13 +272,12 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
-#ifdef MMA_BUILD_SKIP
-      // An experiment: a warp none of whose lanes has element r stops here (warp-uniform, so the
-      // shuffles below keep every lane). A 2,560-wide row is 640 float4s for R·256 = 1,024 slots:
-      // without it every warp runs r = 3, and warps 4–7 r = 2, on zeros (O's 2,048: r = 2 and 3).
-      // The guarded loads above are not skipped: skipping them too made the plain entries spill.
+      // A warp none of whose lanes has element r stops here (warp-uniform, so the shuffles below
+      // keep every lane): a 2,560-wide row is 640 float4s for R·256 = 1,024 slots, so warps 0–3
+      // stop after r = 2 and warps 4–7 after r = 1 (O's 2,048: after r = 1) instead of converting
+      // zeros. Same results; seventeenth session: megakernel E4B −2.6%, E2B −4.2%, graph E2B −1.5%,
+      // E4B ±0. The guarded loads above stay unskipped: skipping them too made the plain entries spill.
       if (base + r * (int)blockDim.x >= total) break;
-#endif
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
       const bool in = e < total;
       const int je = div_token(e), j = in ? je : 0, k4 = e - je * per_token;

@@ -123,8 +123,8 @@ pub const MMA_PART_CHUNKS: usize = 40;
 pub struct Q4Stream {
     pub blocks_per_sm: usize,
     pub ahead: usize,
-    /// The tensor-core matvec splits tiles over more warps until a launch has this many blocks
-    /// per SM slot (`MEGAGEMMA_CUDA_MMA_WAVES`).
+    /// The tensor-core matvec's split aims for at most this many virtual blocks per grid slot
+    /// (`MEGAGEMMA_CUDA_MMA_WAVES`; `CudaSeq::mma_split`).
     pub mma_waves: usize,
     /// Blocks per SM the tensor-core matvec's grid assumes (its `__launch_bounds__`;
     /// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`, for kernels read from `MEGAGEMMA_KERNELS`).

@@ -21,8 +21,9 @@
 //! results), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
 //! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
-//! `MEGAGEMMA_CUDA_MMA_WAVES` (virtual blocks per grid slot the tensor-core split aims for, default 1) and
-//! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part; both part of the arithmetic),
+//! `MEGAGEMMA_CUDA_MMA_WAVES` (most virtual blocks per grid slot the tensor-core split aims for, default 1),
+//! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part) and `MEGAGEMMA_CUDA_MMA_SPLITS=
+//! ROWSxCOLS=KS:PARTS;...` (the split of launches of that shape; all three part of the arithmetic),
 //! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
 //! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
 //! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
@@ -32,8 +33,7 @@
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
-//! goes, with `tools/mk_trace.py`; `MMA_BUILD_SKIP`: the input build skips, warp by warp, the
-//! unrolled rounds none of its lanes has an element in — same results).
+//! goes, with `tools/mk_trace.py`).
 
 pub mod backend;
 mod capture;

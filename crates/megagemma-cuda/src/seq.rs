@@ -961,22 +961,42 @@ impl CudaSeq {
     }
 
     /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
-    /// columns: (warps per tile `ks`, column parts). Parts of at most `mma_part_chunks` chunks;
-    /// then one warp per tile unless that leaves fewer than `mma_waves` (1) blocks per SM slot. Depends only on
-    /// the shapes, never on the number of tokens.
-    fn mma_split(&self, tiles: &[usize], cols: usize) -> (usize, usize) {
+    /// columns: (warps per tile `ks`, column parts). Depends only on the shapes, never on the number
+    /// of tokens. The launch should end in one round of virtual blocks (at most `mma_waves` (1) per
+    /// grid slot): a block that runs a second one doubles the launch's critical path while most of
+    /// the grid idles. So: parts of at most `mma_part_chunks` chunks; warps per tile doubled while
+    /// the launch still fits in the round; and a gated input (the GeGLU product, built per part by
+    /// every block) split into as many column parts as fill the round, one warp per tile, so each
+    /// block builds the least. Seventeenth session (E4B/E2B q4, graph): gate+up 2 warps per tile →
+    /// 1 (320 → 160 virtual blocks) and E4B's down projection 4 warps and 4 parts → 1 warp and 13
+    /// parts (320 → 260) were −11.5% (E4B) and −12% (E2B) together (docs/perf-notes.md).
+    fn mma_split(&self, tiles: &[usize], cols: usize, gated: bool) -> (usize, usize) {
         let chunks = cols.div_ceil(64);
-        let mut parts = chunks.div_ceil(self.gpu().q4_stream.mma_part_chunks);
         let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
-        if parts > 1 && (tiles.len() > 1 || groups(1) > MMA_COUNTERS || tiles[0] * 16 * 8 * parts > MMA_PARTIAL_FLOATS)
-        {
-            parts = 1; // split launches take one matrix (the caller launches each alone when it can)
+        let round = self.gpu().q4_stream.mma_waves * self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize;
+        // Split launches take one matrix (the caller launches each alone when it can).
+        let splits = |p: usize| {
+            p == 1 || (tiles.len() == 1 && groups(1) <= MMA_COUNTERS && tiles[0] * 16 * 8 * p <= MMA_PARTIAL_FLOATS)
+        };
+        if let Some((ks, p)) = split_override(tiles[0] * 16, cols) {
+            if ks.is_power_of_two() && ks <= 8 && (1..=chunks).contains(&p) && splits(p) {
+                return (ks, p);
+            }
         }
-        let slots = self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize;
+        let mut parts = chunks.div_ceil(self.gpu().q4_stream.mma_part_chunks);
+        if !splits(parts) {
+            parts = 1;
+        }
+        if gated && splits(2) && groups(8) * parts <= round {
+            let per_part = chunks.div_ceil((round / groups(8)).min(chunks));
+            let most = chunks.div_ceil(per_part);
+            if most > parts && splits(most) {
+                return (1, most);
+            }
+        }
         let per_part = chunks.div_ceil(parts);
         let mut ks = 1;
-        let waves = self.gpu().q4_stream.mma_waves;
-        while ks < 8 && 2 * ks <= per_part && groups(8 / ks) * parts < waves * slots {
+        while ks < 8 && 2 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
             ks *= 2;
         }
         (ks, parts)
@@ -997,7 +1017,7 @@ impl CudaSeq {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
-        let (ks, parts) = self.mma_split(&tiles, cols);
+        let (ks, parts) = self.mma_split(&tiles, cols, gate.is_some());
         let nb: Vec<usize> = tiles.iter().map(|t| t.div_ceil(8 / ks) * parts).collect();
         let nblocks: usize = nb.iter().sum();
         let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
@@ -1674,4 +1694,24 @@ mod mma_smem_tests {
             assert_eq!(super::mma_chunk_bytes(h, upc), bytes);
         }
     }
+}
+
+/// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS;...` sets the tensor-core matvec's
+/// split (warps per tile, column parts) of launches whose first matrix has those rows and columns
+/// (e.g. `2560x10240=4:3`: E4B's down projection), so splits can be timed without a rebuild.
+/// Splits that the kernel cannot run are ignored. The split depends on shapes only, as the default's.
+fn split_override(rows: usize, cols: usize) -> Option<(usize, usize)> {
+    type Split = ((usize, usize), (usize, usize)); // (rows, cols) → (warps per tile, parts)
+    static SPLITS: std::sync::OnceLock<Vec<Split>> = std::sync::OnceLock::new();
+    let splits = SPLITS.get_or_init(|| {
+        let Ok(v) = std::env::var("MEGAGEMMA_CUDA_MMA_SPLITS") else { return vec![] };
+        let parse = |e: &str| -> Option<Split> {
+            let (shape, split) = e.split_once('=')?;
+            let (r, c) = shape.split_once('x')?;
+            let (k, p) = split.split_once(':')?;
+            Some(((r.parse().ok()?, c.parse().ok()?), (k.parse().ok()?, p.parse().ok()?)))
+        };
+        v.split([',', ';']).filter_map(parse).collect()
+    });
+    splits.iter().find(|(shape, _)| *shape == (rows, cols)).map(|(_, split)| *split)
 }

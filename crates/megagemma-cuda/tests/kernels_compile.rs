@@ -73,8 +73,6 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
         ("megakernel.cu", "MMA_SCALES_F4"),
         ("megakernel.cu", "MK_MARK=2"),
-        ("megakernel.cu", "MMA_BUILD_SKIP"),
-        ("matvec_mma.cu", "MMA_BUILD_SKIP"),
         ("matvec_mma.cu", "MK_MARK=2"),
     ];
     for (file, define) in experiments {
