@@ -960,46 +960,17 @@ impl CudaSeq {
         nblocks.min(self.gpu().q4_stream.blocks_per_sm * self.gpu().sms as usize) as u32
     }
 
-    /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
-    /// columns: (warps per tile `ks`, column parts). Depends only on the shapes, never on the number
-    /// of tokens. The launch should end in one round of virtual blocks (at most `mma_waves` (1) per
-    /// grid slot): a block that runs a second one doubles the launch's critical path while most of
-    /// the grid idles. So: parts of at most `mma_part_chunks` chunks; warps per tile doubled while
-    /// the launch still fits in the round; and a gated input (the GeGLU product, built per part by
-    /// every block) split into as many column parts as fill the round, one warp per tile, so each
-    /// block builds the least. Seventeenth session (E4B/E2B q4, graph): gate+up 2 warps per tile →
-    /// 1 (320 → 160 virtual blocks) and E4B's down projection 4 warps and 4 parts → 1 warp and 13
-    /// parts (320 → 260) were −11.5% (E4B) and −12% (E2B) together (docs/perf-notes.md).
+    /// How the tensor-core kernel splits a launch (`mma_split`), or `MEGAGEMMA_CUDA_MMA_SPLITS`'s
+    /// split for the shape when it names one the kernel can run.
     fn mma_split(&self, tiles: &[usize], cols: usize, gated: bool) -> (usize, usize) {
-        let chunks = cols.div_ceil(64);
-        let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
-        let round = self.gpu().q4_stream.mma_waves * self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize;
-        // Split launches take one matrix (the caller launches each alone when it can).
-        let splits = |p: usize| {
-            p == 1 || (tiles.len() == 1 && groups(1) <= MMA_COUNTERS && tiles[0] * 16 * 8 * p <= MMA_PARTIAL_FLOATS)
-        };
+        let q = &self.gpu().q4_stream;
+        let round = q.mma_waves * q.mma_blocks_per_sm * self.gpu().sms as usize;
         if let Some((ks, p)) = split_override(tiles[0] * 16, cols) {
-            if ks.is_power_of_two() && ks <= 8 && (1..=chunks).contains(&p) && splits(p) {
+            if ks.is_power_of_two() && ks <= 8 && (1..=cols.div_ceil(64)).contains(&p) && splittable(tiles, p) {
                 return (ks, p);
             }
         }
-        let mut parts = chunks.div_ceil(self.gpu().q4_stream.mma_part_chunks);
-        if !splits(parts) {
-            parts = 1;
-        }
-        if gated && splits(2) && groups(8) * parts <= round {
-            let per_part = chunks.div_ceil((round / groups(8)).min(chunks));
-            let most = chunks.div_ceil(per_part);
-            if most > parts && splits(most) {
-                return (1, most);
-            }
-        }
-        let per_part = chunks.div_ceil(parts);
-        let mut ks = 1;
-        while ks < 8 && 2 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
-            ks *= 2;
-        }
-        (ks, parts)
+        mma_split(tiles, cols, gated, round, q.mma_part_chunks)
     }
 
     /// Tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`) of up to three tiled matrices of the
@@ -1681,19 +1652,43 @@ mod small_div_tests {
     }
 }
 
-#[cfg(test)]
-mod mma_smem_tests {
-    /// The host sizes each launch's shared memory as the kernel lays it out.
-    #[test]
-    fn chunk_bytes_match_the_kernel() {
-        let define = |name: &str| crate::compile::kernel_define("matvec_mma.cu", name);
-        assert_eq!(define("MMA_CHUNK_BYTES(H, UPC)"), "(1024 * (H) + 32 * (H) * ((UPC) + 1))");
-        assert_eq!(define("MMA_SLICE_BYTES"), "(48 * 1024)");
-        assert_eq!(super::MMA_SLICE_BYTES, 48 * 1024);
-        for (h, upc, bytes) in [(1, 1, 1088), (1, 2, 1120), (2, 1, 2176), (2, 2, 2240)] {
-            assert_eq!(super::mma_chunk_bytes(h, upc), bytes);
+/// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
+/// columns: (warps per tile `ks`, column parts). Depends only on the shapes, never on the number of
+/// tokens. The launch should end in one `round` of virtual blocks (the grid's slots times
+/// `mma_waves`): a block that runs a second one doubles the launch's critical path while most of the
+/// grid idles. So: parts of at most `part_chunks` chunks; warps per tile doubled while the launch
+/// still fits in the round; and a gated input (the GeGLU product, built per part by every block) cut
+/// into as many column parts as fill the round, one warp per tile, so each block builds the least.
+/// Seventeenth session (H200, q4, graph): gate+up 2 warps per tile → 1 (320 → 160 virtual blocks),
+/// E4B's down projection 4 warps and 4 parts → 1 warp and 13 parts (320 → 260): E4B −12.5%, E2B −11%
+/// (docs/perf-notes.md).
+fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunks: usize) -> (usize, usize) {
+    let chunks = cols.div_ceil(64);
+    let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
+    let mut parts = chunks.div_ceil(part_chunks);
+    if !splittable(tiles, parts) {
+        parts = 1;
+    }
+    if gated && splittable(tiles, 2) && groups(8) * parts <= round {
+        let most = chunks.div_ceil(chunks.div_ceil((round / groups(8)).min(chunks)));
+        if most > parts && splittable(tiles, most) {
+            return (1, most);
         }
     }
+    let per_part = chunks.div_ceil(parts);
+    let mut ks = 1;
+    while ks < 8 && 2 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
+        ks *= 2;
+    }
+    (ks, parts)
+}
+
+/// Whether a launch of matrices with `tiles` tiles can be split into `parts` column parts: split
+/// launches take one matrix (the caller launches each alone when it can), within the partial sums'
+/// and the counters' space.
+fn splittable(tiles: &[usize], parts: usize) -> bool {
+    let groups: usize = tiles.iter().sum();
+    parts == 1 || (tiles.len() == 1 && groups <= MMA_COUNTERS && tiles[0] * 16 * 8 * parts <= MMA_PARTIAL_FLOATS)
 }
 
 /// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS;...` sets the tensor-core matvec's
@@ -1714,4 +1709,62 @@ fn split_override(rows: usize, cols: usize) -> Option<(usize, usize)> {
         v.split([',', ';']).filter_map(parse).collect()
     });
     splits.iter().find(|(shape, _)| *shape == (rows, cols)).map(|(_, split)| *split)
+}
+
+#[cfg(test)]
+mod mma_smem_tests {
+    /// The host sizes each launch's shared memory as the kernel lays it out.
+    #[test]
+    fn chunk_bytes_match_the_kernel() {
+        let define = |name: &str| crate::compile::kernel_define("matvec_mma.cu", name);
+        assert_eq!(define("MMA_CHUNK_BYTES(H, UPC)"), "(1024 * (H) + 32 * (H) * ((UPC) + 1))");
+        assert_eq!(define("MMA_SLICE_BYTES"), "(48 * 1024)");
+        assert_eq!(super::MMA_SLICE_BYTES, 48 * 1024);
+        for (h, upc, bytes) in [(1, 1, 1088), (1, 2, 1120), (2, 1, 2176), (2, 2, 2240)] {
+            assert_eq!(super::mma_chunk_bytes(h, upc), bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod mma_split_tests {
+    use super::mma_split;
+    use crate::device::MMA_PART_CHUNKS;
+
+    const ROUND: usize = 264; // the H200's 132 SMs × 2 blocks
+
+    fn split(rows: &[usize], cols: usize, gated: bool) -> ((usize, usize), usize) {
+        let tiles: Vec<usize> = rows.iter().map(|r| r.div_ceil(16)).collect();
+        let (ks, parts) = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS);
+        ((ks, parts), tiles.iter().map(|t| t.div_ceil(8 / ks)).sum::<usize>() * parts)
+    }
+
+    /// Every matvec launch of E4B and E2B but the LM head ends in one round of virtual blocks.
+    #[test]
+    fn decode_launches_fit_one_round() {
+        #[rustfmt::skip]
+        let launches: [(&[usize], usize, bool); 19] = [
+            (&[2048, 512, 512], 2560, false), (&[4096, 1024, 1024], 2560, false), (&[2048], 2560, false),
+            (&[2560], 2048, false), (&[2560], 4096, false), (&[10240, 10240], 2560, false), (&[2560], 10240, true),
+            (&[256], 2560, false), (&[2560], 256, true),
+            (&[2048, 256, 256], 1536, false), (&[4096, 512, 512], 1536, false), (&[1536], 2048, false),
+            (&[1536], 4096, false), (&[6144, 6144], 1536, false), (&[12288, 12288], 1536, false),
+            (&[1536], 6144, true), (&[1536], 12288, true), (&[256], 1536, false), (&[1536], 256, true),
+        ];
+        for (rows, cols, gated) in launches {
+            let (s, vbs) = split(rows, cols, gated);
+            assert!(vbs <= ROUND, "{rows:?} x {cols}: split {s:?} runs {vbs} virtual blocks on {ROUND} slots");
+        }
+        let (_, vbs) = split(&[262144], 2560, false); // the LM head: many rounds whatever the split
+        assert!(vbs > ROUND);
+    }
+
+    /// The splits measured fastest on the H200 (docs/perf-notes.md, seventeenth session).
+    #[test]
+    fn measured_splits() {
+        assert_eq!(split(&[10240, 10240], 2560, false).0, (1, 1)); // E4B gate+up: 160 virtual blocks
+        assert_eq!(split(&[2560], 10240, true).0, (1, 13)); // E4B down: 260
+        assert_eq!(split(&[2048, 512, 512], 2560, false).0, (8, 1)); // E4B Q/K/V: 192
+        assert_eq!(split(&[262144], 2560, false).0, (1, 1)); // LM head
+    }
 }
