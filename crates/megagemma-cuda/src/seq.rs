@@ -1657,11 +1657,12 @@ mod small_div_tests {
 /// tokens. The launch should end in one `round` of virtual blocks (the grid's slots times
 /// `mma_waves`): a block that runs a second one doubles the launch's critical path while most of the
 /// grid idles. So: parts of at most `part_chunks` chunks; warps per tile doubled while the launch
-/// still fits in the round; and a gated input (the GeGLU product, built per part by every block) cut
-/// into as many column parts as fill the round, one warp per tile, so each block builds the least.
-/// Seventeenth session (H200, q4, graph): gate+up 2 warps per tile → 1 (320 → 160 virtual blocks),
-/// E4B's down projection 4 warps and 4 parts → 1 warp and 13 parts (320 → 260): E4B −12.5%, E2B −11%
-/// (docs/perf-notes.md).
+/// still fits in the round and each warp keeps two chunks or more; and a gated input (the GeGLU product, built per part by every block)
+/// wide enough to be cut into parts is cut into as many as fill the round, one warp per tile, so each
+/// block builds the least. Seventeenth session (H200, q4, graph): gate+up 2 warps per tile → 1 (320 →
+/// 160 virtual blocks), E4B's down projection 4 warps and 4 parts → 1 warp and 13 parts (320 → 260):
+/// E4B −12.5%, E2B −11%; the PLE projection (4 chunks) as 2 warps a tile (2 chunks a warp) was 0.7–1.5%
+/// faster than as 4 parts of one chunk (docs/perf-notes.md).
 fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunks: usize) -> (usize, usize) {
     let chunks = cols.div_ceil(64);
     let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
@@ -1669,7 +1670,7 @@ fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunk
     if !splittable(tiles, parts) {
         parts = 1;
     }
-    if gated && splittable(tiles, 2) && groups(8) * parts <= round {
+    if gated && parts > 1 && groups(8) * parts <= round {
         let most = chunks.div_ceil(chunks.div_ceil((round / groups(8)).min(chunks)));
         if most > parts && splittable(tiles, most) {
             return (1, most);
@@ -1677,7 +1678,7 @@ fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunk
     }
     let per_part = chunks.div_ceil(parts);
     let mut ks = 1;
-    while ks < 8 && 2 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
+    while ks < 8 && 4 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
         ks *= 2;
     }
     (ks, parts)
@@ -1694,7 +1695,9 @@ fn splittable(tiles: &[usize], parts: usize) -> bool {
 /// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS;...` sets the tensor-core matvec's
 /// split (warps per tile, column parts) of launches whose first matrix has those rows and columns
 /// (e.g. `2560x10240=4:3`: E4B's down projection), so splits can be timed without a rebuild.
-/// Splits that the kernel cannot run are ignored. The split depends on shapes only, as the default's.
+/// Splits that the kernel cannot run are ignored — column parts only for launches of one matrix, so
+/// Q's shape with parts > 1 changes Q alone (KV-shared layers), not the Q/K/V launch; malformed
+/// entries are ignored with a warning.
 fn split_override(rows: usize, cols: usize) -> Option<(usize, usize)> {
     type Split = ((usize, usize), (usize, usize)); // (rows, cols) → (warps per tile, parts)
     static SPLITS: std::sync::OnceLock<Vec<Split>> = std::sync::OnceLock::new();
@@ -1706,7 +1709,16 @@ fn split_override(rows: usize, cols: usize) -> Option<(usize, usize)> {
             let (k, p) = split.split_once(':')?;
             Some(((r.parse().ok()?, c.parse().ok()?), (k.parse().ok()?, p.parse().ok()?)))
         };
-        v.split([',', ';']).filter_map(parse).collect()
+        let entries = v.split([',', ';']).filter(|e| !e.trim().is_empty());
+        entries
+            .filter_map(|e| {
+                let split = parse(e.trim());
+                if split.is_none() {
+                    eprintln!("warning: MEGAGEMMA_CUDA_MMA_SPLITS: ignoring '{e}' (expected ROWSxCOLS=KS:PARTS)");
+                }
+                split
+            })
+            .collect()
     });
     splits.iter().find(|(shape, _)| *shape == (rows, cols)).map(|(_, split)| *split)
 }
@@ -1766,5 +1778,6 @@ mod mma_split_tests {
         assert_eq!(split(&[2560], 10240, true).0, (1, 13)); // E4B down: 260
         assert_eq!(split(&[2048, 512, 512], 2560, false).0, (8, 1)); // E4B Q/K/V: 192
         assert_eq!(split(&[262144], 2560, false).0, (1, 1)); // LM head
+        assert_eq!(split(&[2560], 256, true).0, (2, 1)); // E4B PLE projection: 40, not 4 parts of a chunk
     }
 }
