@@ -4,7 +4,7 @@
 
 use megagemma_model::{bail, Error, Result};
 use std::ffi::{CStr, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `(file name, embedded source)` of every kernel file.
 pub const KERNEL_FILES: [(&str, &str); 7] = [
@@ -200,13 +200,35 @@ fn cache_dir() -> Option<PathBuf> {
     std::env::var("HOME").ok().map(|h| PathBuf::from(h).join(".cache/megagemma/kernels"))
 }
 
-/// The CUBIN of `file` for this device, from the disk cache when the key (source, options, NVRTC
-/// version, GPU name and driver) matches, else compiled and stored. A cache that cannot be
-/// written is not an error.
+/// Where a prebuilt CUBIN of `file` lies in `dir` (`MEGAGEMMA_CUDA_CUBINS`): keyed by the source, the
+/// options (architecture and defines) and the NVRTC version, not by the GPU or the driver — an
+/// `sm_90a` CUBIN is the same program on any `sm_90a` device. Written by the `prebuild_cubins`
+/// example on a machine without a GPU, so the GPU machine skips a cold compile (about a minute and a
+/// half, most of it the megakernel) each time it starts.
+pub fn prebuilt_path(dir: &Path, file: &str, src: &str, opts: &[String], nvrtc: &str) -> PathBuf {
+    let key = fnv1a(&[src.as_bytes(), opts.join(" ").as_bytes(), nvrtc.as_bytes()]);
+    dir.join(format!("{}-{key:016x}.cubin", file.trim_end_matches(".cu")))
+}
+
+/// The CUBIN of `file` for this device: a prebuilt one from `$MEGAGEMMA_CUDA_CUBINS` when there is
+/// one for this source, these options and this NVRTC version ([`prebuilt_path`]), else from the
+/// disk cache when the key (source, options, NVRTC version, GPU name and driver) matches, else
+/// compiled and stored. A cache that cannot be written is not an error.
 pub fn cubin_for(file: &str, arch: &str, device_key: &str) -> Result<Vec<u8>> {
+    let prebuilt = std::env::var_os("MEGAGEMMA_CUDA_CUBINS").map(PathBuf::from);
+    cubin_from(file, arch, device_key, prebuilt.as_deref())
+}
+
+/// [`cubin_for`] with the prebuilt folder given.
+pub fn cubin_from(file: &str, arch: &str, device_key: &str, prebuilt: Option<&Path>) -> Result<Vec<u8>> {
     let src = kernel_source(file)?;
     let opts = options(arch)?;
     let ver = nvrtc_version()?;
+    if let Some(dir) = prebuilt {
+        if let Ok(bytes) = std::fs::read(prebuilt_path(dir, file, &src, &opts, &ver)) {
+            return Ok(bytes);
+        }
+    }
     let key = fnv1a(&[src.as_bytes(), opts.join(" ").as_bytes(), ver.as_bytes(), device_key.as_bytes()]);
     let path = cache_dir().map(|d| d.join(format!("{}-{key:016x}.cubin", file.trim_end_matches(".cu"))));
     if let Some(p) = &path {

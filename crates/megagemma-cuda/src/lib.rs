@@ -10,7 +10,8 @@
 //! columns against decode steps bit for bit and benchmarks synthetic E4B/E2B; the tests in
 //! `tests/gpu_forward.rs` run with `--include-ignored`. Environment: `MEGAGEMMA_CUDA_LIB_DIR`
 //! (where libnvrtc is), `MEGAGEMMA_KERNELS` (read `.cu` files from a folder), `MEGAGEMMA_CACHE`
-//! (CUBIN cache), `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
+//! (CUBIN cache), `MEGAGEMMA_CUDA_CUBINS` (CUBINs prebuilt without a GPU by the `prebuild_cubins` example),
+//! `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
 //! (4-bit matvec grid and L2 look-ahead of passes of several tokens; no result depends on them), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`

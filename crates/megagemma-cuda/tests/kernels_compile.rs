@@ -5,7 +5,8 @@
 //! fills from PyPI (the wheel nvidia-cuda-nvrtc 13.0.88) on first use. No NVRTC is a failure.
 
 use megagemma_cuda::compile::{
-    compile_cubin, defines, kernel_source, options, parse_ptxas, KernelReport, KERNEL_FILES,
+    compile_cubin, cubin_from, defines, kernel_source, nvrtc_version, options, parse_ptxas, prebuilt_path,
+    KernelReport, KERNEL_FILES,
 };
 use megagemma_cuda::libs::nvrtc_present;
 use std::path::PathBuf;
@@ -82,4 +83,25 @@ fn kernel_experiments_compile() {
             panic!("{e}");
         }
     }
+}
+
+/// A prebuilt CUBIN (`MEGAGEMMA_CUDA_CUBINS`) is used when its key — source, options, NVRTC
+/// version — matches, whatever the device; other options or another source name another file.
+#[test]
+fn prebuilt_cubins_are_found_by_source_options_and_nvrtc() {
+    ensure_nvrtc();
+    assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
+    let dir = std::env::temp_dir().join(format!("megagemma-prebuilt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, opts, ver) = (kernel_source("ops.cu").unwrap(), options("90a").unwrap(), nvrtc_version().unwrap());
+    let path = prebuilt_path(&dir, "ops.cu", &src, &opts, &ver);
+    std::fs::write(&path, b"prebuilt").unwrap();
+    let got = cubin_from("ops.cu", "90a", "any device", Some(&dir)).expect("the prebuilt CUBIN");
+    assert_eq!(got, b"prebuilt");
+    let mut other = opts.clone();
+    other.push("-DMMA_U1=2".into());
+    assert_ne!(prebuilt_path(&dir, "ops.cu", &src, &other, &ver), path);
+    assert_ne!(prebuilt_path(&dir, "ops.cu", &format!("{src}\n"), &opts, &ver), path);
+    assert_ne!(prebuilt_path(&dir, "ops.cu", &src, &opts, "12.9"), path);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
