@@ -3,19 +3,23 @@
 //! then skips the cold NVRTC compile (about a minute and a half, most of it the megakernel) on every
 //! start. `MEGAGEMMA_CUDA_DEFINES` and `MEGAGEMMA_KERNELS` apply as they do on the GPU, so a variant
 //! is prebuilt by running this under its defines; files already in DIR are kept.
-//! `prebuild_cubins DIR [ARCH, default 90a]` (NVRTC from `$MEGAGEMMA_CUDA_LIB_DIR`, e.g. `.cache/nvrtc`).
-//! The CUBINs are those of this NVRTC: use them on a GPU machine whose NVRTC has the same version
-//! (the key holds only major.minor; compare one module's SASS with the GPU machine's own compile
-//! before timing with them).
+//! `prebuild_cubins [--verify] DIR [ARCH, default 90a]` (NVRTC from `$MEGAGEMMA_CUDA_LIB_DIR`, e.g.
+//! `.cache/nvrtc`). The CUBINs are those of this NVRTC, and the key holds only its major.minor: on the
+//! GPU machine, `prebuild_cubins --verify DIR` compiles every file with that machine's NVRTC and says
+//! whether each prebuilt CUBIN is byte-identical to it (exit status 1 if one differs or is missing).
 
 use megagemma_cuda::compile::{compile_cubin, kernel_source, nvrtc_version, options, prebuilt_path, KERNEL_FILES};
 use megagemma_cuda::libs::nvrtc_present;
 use std::path::PathBuf;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let verify = args.first().is_some_and(|a| a == "--verify");
+    if verify {
+        args.remove(0);
+    }
     let Some(dir) = args.first().map(PathBuf::from) else {
-        eprintln!("usage: prebuild_cubins DIR [ARCH, default 90a]");
+        eprintln!("usage: prebuild_cubins [--verify] DIR [ARCH, default 90a]");
         std::process::exit(2);
     };
     let arch = args.get(1).map_or("90a", String::as_str);
@@ -35,6 +39,21 @@ fn main() {
                     s.spawn(move || -> megagemma_model::Result<String> {
                         let src = kernel_source(file)?;
                         let path = prebuilt_path(dir, file, &src, opts, ver);
+                        if verify {
+                            let own = compile_cubin(file, &src, opts)?.cubin;
+                            return match std::fs::read(&path) {
+                                Ok(b) if b == own => Ok(format!("{file}: {} identical", path.display())),
+                                Ok(b) => Err(megagemma_model::Error::msg(format!(
+                                    "{file}: {} differs ({} bytes prebuilt, {} compiled here)",
+                                    path.display(),
+                                    b.len(),
+                                    own.len()
+                                ))),
+                                Err(_) => {
+                                    Err(megagemma_model::Error::msg(format!("{file}: {} missing", path.display())))
+                                }
+                            };
+                        }
                         if path.is_file() {
                             return Ok(format!("{file}: {} (kept)", path.display()));
                         }
@@ -49,8 +68,18 @@ fn main() {
                 .collect();
             jobs.into_iter().map(|j| j.join().expect("a compile thread panicked")).collect::<Vec<_>>()
         });
+        let mut failed = 0;
         for r in results {
-            println!("{}", r?);
+            match r {
+                Ok(line) => println!("{line}"),
+                Err(e) => {
+                    println!("{e}");
+                    failed += 1;
+                }
+            }
+        }
+        if failed > 0 {
+            megagemma_model::bail!("{failed} of {} files failed", KERNEL_FILES.len());
         }
         Ok(())
     };
