@@ -1771,6 +1771,28 @@ mod mma_split_tests {
         assert!(vbs > ROUND);
     }
 
+    /// Any shape gets a split the kernel runs: warps per tile a power of two up to 8 with at least one
+    /// chunk each, column parts only for one matrix, within the chunks and the partial sums' space.
+    #[test]
+    fn every_split_is_runnable() {
+        for rows in [16, 48, 256, 1536, 2560, 4096, 10240, 21504, 262144] {
+            for cols in [64, 256, 640, 1536, 2048, 2560, 5376, 10240, 12288, 21504] {
+                for mats in 1..=3 {
+                    for gated in [false, true] {
+                        let tiles = vec![rows / 16; mats];
+                        let (ks, parts) = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS);
+                        let chunks = cols.div_ceil(64);
+                        let shape = format!("{mats} x {rows} x {cols}, gated {gated}: ({ks}, {parts})");
+                        assert!(ks.is_power_of_two() && ks <= 8, "{shape}");
+                        assert!((1..=chunks).contains(&parts) && (parts == 1 || mats == 1), "{shape}");
+                        assert!(ks <= chunks.div_ceil(parts), "{shape}: a warp without chunks");
+                        assert!(rows / 16 * 16 * 8 * parts <= super::MMA_PARTIAL_FLOATS, "{shape}");
+                    }
+                }
+            }
+        }
+    }
+
     /// The splits measured fastest on the H200 (docs/perf-notes.md, seventeenth session).
     #[test]
     fn measured_splits() {
