@@ -34,7 +34,8 @@
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
-//! goes, with `tools/mk_trace.py`).
+//! goes, with `tools/mk_trace.py`; `MMA_W1_EARLY`: a one-token folded residual step loads its first
+//! norm weight before the wait, as it does the second — same results).
 
 pub mod backend;
 mod capture;
