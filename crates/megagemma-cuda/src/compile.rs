@@ -78,6 +78,16 @@ pub fn options(arch: &str) -> Result<Vec<String>> {
     Ok(opts)
 }
 
+/// The value `NAME=VALUE` gives `name` in a `MEGAGEMMA_CUDA_DEFINES` list (`None` when absent or
+/// given without a value): host settings that must follow a define read it here.
+pub fn define_in<'a>(list: &'a str, name: &str) -> Option<&'a str> {
+    list.split([',', ';'])
+        .map(str::trim)
+        .filter_map(|item| item.split_once('='))
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+}
+
 /// `-D` options from a list of `NAME` or `NAME=VALUE` separated by `,` or `;` (C identifiers;
 /// values of letters, digits, `_`, `.`, `+`, `-`): opt-in kernel variants, compiled only when asked
 /// for and cached under their own key (the options are part of it). `;` lets one
@@ -264,6 +274,14 @@ pub(crate) fn kernel_define(file: &str, name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_define_value_is_found_by_name() {
+        assert_eq!(define_in("MMA_U1=2;MMA_BLOCKS_PER_SM=3", "MMA_BLOCKS_PER_SM"), Some("3"));
+        assert_eq!(define_in("MMA_BLOCKS_PER_SM_X=3, MMA_BLOCKS_PER_SM = 4", "MMA_BLOCKS_PER_SM"), None);
+        assert_eq!(define_in("MMA_BLOCKS_PER_SM", "MMA_BLOCKS_PER_SM"), None);
+        assert_eq!(define_in("", "MMA_BLOCKS_PER_SM"), None);
+    }
 
     #[test]
     fn defines_become_d_options_and_bad_ones_are_refused() {

@@ -126,8 +126,9 @@ pub struct Q4Stream {
     /// The tensor-core matvec's split aims for at most this many virtual blocks per grid slot
     /// (`MEGAGEMMA_CUDA_MMA_WAVES`; `CudaSeq::mma_split`).
     pub mma_waves: usize,
-    /// Blocks per SM the tensor-core matvec's grid assumes (its `__launch_bounds__`;
-    /// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`, for kernels read from `MEGAGEMMA_KERNELS`).
+    /// Blocks per SM the tensor-core matvec's grid assumes (its `__launch_bounds__`): the
+    /// `MMA_BLOCKS_PER_SM` of `MEGAGEMMA_CUDA_DEFINES` when set, else 2;
+    /// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM` overrides it (for kernels read from `MEGAGEMMA_KERNELS`).
     pub mma_blocks_per_sm: usize,
     /// Most 64-column chunks in one column part of a split matvec (`MEGAGEMMA_CUDA_MMA_PART_CHUNKS`,
     /// default 40; part of the arithmetic, like `mma_waves`).
@@ -142,6 +143,12 @@ pub(crate) fn env_count(name: &str, range: std::ops::RangeInclusive<usize>, defa
     std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|v| range.contains(v)).unwrap_or(default)
 }
 
+/// `MMA_BLOCKS_PER_SM=N` in `MEGAGEMMA_CUDA_DEFINES`.
+fn defined_mma_blocks_per_sm() -> Option<usize> {
+    let list = std::env::var("MEGAGEMMA_CUDA_DEFINES").ok()?;
+    crate::compile::define_in(&list, "MMA_BLOCKS_PER_SM")?.parse().ok().filter(|n| (1..=64).contains(n))
+}
+
 impl Q4Stream {
     fn from_env() -> Q4Stream {
         let var = |name: &str, default: usize| env_count(name, 0..=64, default);
@@ -153,7 +160,9 @@ impl Q4Stream {
             // One wave: measured with 16-key attention splits, above ATT_SPLIT_KEYS (2 waves:
             // the seventh session's baseline; 3: slower in both paths).
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),
-            mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", 2).max(1),
+            // The kernels' `MMA_BLOCKS_PER_SM` (their register budget) when a define sets it, so
+            // the grid and the split's round follow it without a second knob.
+            mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", defined_mma_blocks_per_sm().unwrap_or(2)).max(1),
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
         }

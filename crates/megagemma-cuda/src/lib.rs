@@ -31,7 +31,8 @@
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
-//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` with `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM=3`;
+//! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` (the host's grid and
+//! splits follow it);
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
 //! goes, with `tools/mk_trace.py`; `MMA_W1_EARLY`: a one-token folded residual step loads its first
