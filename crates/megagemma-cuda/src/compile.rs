@@ -78,14 +78,19 @@ pub fn options(arch: &str) -> Result<Vec<String>> {
     Ok(opts)
 }
 
+/// The items of a `MEGAGEMMA_CUDA_DEFINES` list: each as written, with its name and value ("" when
+/// none), as NVRTC gets them.
+fn define_items(list: &str) -> impl Iterator<Item = (&str, &str, &str)> {
+    list.split([',', ';']).map(str::trim).filter(|s| !s.is_empty()).map(|item| {
+        let (name, val) = item.split_once('=').unwrap_or((item, ""));
+        (item, name, val)
+    })
+}
+
 /// The value `NAME=VALUE` gives `name` in a `MEGAGEMMA_CUDA_DEFINES` list (`None` when absent or
 /// given without a value): host settings that must follow a define read it here.
 pub fn define_in<'a>(list: &'a str, name: &str) -> Option<&'a str> {
-    list.split([',', ';'])
-        .map(str::trim)
-        .filter_map(|item| item.split_once('='))
-        .find(|(n, _)| *n == name)
-        .map(|(_, v)| v)
+    define_items(list).find(|(_, n, v)| *n == name && !v.is_empty()).map(|(_, _, v)| v)
 }
 
 /// `-D` options from a list of `NAME` or `NAME=VALUE` separated by `,` or `;` (C identifiers;
@@ -99,8 +104,7 @@ pub fn defines(list: &str) -> Result<Vec<String>> {
     };
     let value = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || "_.+-".contains(c));
     let mut out = Vec::new();
-    for item in list.split([',', ';']).map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, val) = item.split_once('=').unwrap_or((item, ""));
+    for (item, name, val) in define_items(list) {
         if !ident(name) || !value(val) {
             bail!("MEGAGEMMA_CUDA_DEFINES: '{item}' is not NAME or NAME=VALUE (a C identifier; a value of letters, digits, _ . + -)");
         }
