@@ -34,7 +34,10 @@
 #include <cstdio>
 #include <vector>
 
+// GRID=132 (-DGRID=132): one block per SM, the fixed path issued once per SM instead of twice.
+#ifndef GRID
 #define GRID 264
+#endif
 #define THREADS 256
 #define PROBE_ROUNDS 64
 #define DIM 2560

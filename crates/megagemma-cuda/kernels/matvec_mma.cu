@@ -31,14 +31,15 @@
 #include "common.cuh"
 
 #define MMA_WARPS 8
-// Chunks per batch of a one-token-group warp (`tile_slice`). This and the next two defines can be
-// set for an experiment (`MEGAGEMMA_CUDA_DEFINES`; MMA_BLOCKS_PER_SM with the host's
-// `MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM`).
+// Chunks per batch of a one-token-group warp (`tile_slice`). This and MMA_BLOCKS_PER_SM can be set
+// for an experiment (`MEGAGEMMA_CUDA_DEFINES`; the host's grid and splits follow MMA_BLOCKS_PER_SM:
+// `mma_blocks_per_sm` in src/device.rs).
 #ifndef MMA_U1
 #define MMA_U1 3
 #endif
-// Blocks per SM the register budget is set for (src/seq.rs `MMA_BLOCKS_PER_SM`): 2 leaves 128
-// registers a thread, room for two batches of chunks in flight per warp.
+// Blocks per SM the register budget is set for: 2 leaves 128 registers a thread, room for two
+// batches of chunks in flight per warp (eighteenth session: 1 block with 255 registers and deeper
+// batches is 13–18% slower, 3 blocks 25–33%).
 #ifndef MMA_BLOCKS_PER_SM
 #define MMA_BLOCKS_PER_SM 2
 #endif
@@ -143,12 +144,6 @@ struct Residual {
 // w2 after the statistics (the same products: same bits; fourteenth session: E4B −1.2%, E2B −0.6%).
 struct NormW2 {
   float4 v[RES_KEEP ? RES_F4 : 1];
-#ifdef MMA_W1_EARLY
-  // An experiment: the first norm weight w1 too, loaded before the wait (as w2 is), so the loads
-  // after the wait are x and o alone (264 blocks each read w1's 10 KB there otherwise). Same values.
-  float4 w1[RES_KEEP ? RES_F4 : 1];
-  bool has_w1;  // loaded (one-token passes)
-#endif
 };
 
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j] (the second only with w2);
@@ -176,11 +171,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
       const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
       ov[q] = f < n4 ? ld4(orow, f) : z;
       keep[q] = f < n4 ? ld4(xr, f) : z;
-#ifdef MMA_W1_EARLY
-      if (RES_KEEP) wv[q] = w2.has_w1 ? w2.w1[q] : f < n4 ? ld4(res.w1, f) : z;
-#else
       if (RES_KEEP) wv[q] = f < n4 ? ld4(res.w1, f) : z;
-#endif
     }
 #pragma unroll
     for (int q = 0; q < RES_F4; q++)
@@ -850,19 +841,6 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       }
     }
   }
-#ifdef MMA_W1_EARLY
-  if constexpr (RES_KEEP && !GATED) {
-    w2.has_w1 = res.o && m == 1;
-    if (w2.has_w1) {
-      const int n4 = mats.get(0).cols / 4;
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) {
-        const int f = threadIdx.x + q * blockDim.x;
-        w2.w1[q] = f < n4 ? ld4(res.w1, f) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-  }
-#endif
   pdl_start();
   float4 keep[RES_F4] = {};  // x' of this thread's float4s of a one-token folded step
   bool kept = false;

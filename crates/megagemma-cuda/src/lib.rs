@@ -35,8 +35,7 @@
 //! splits follow it);
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
-//! goes, with `tools/mk_trace.py`; `MMA_W1_EARLY`: a one-token folded residual step loads its first
-//! norm weight before the wait, as it does the second — same results).
+//! goes, with `tools/mk_trace.py`).
 
 pub mod backend;
 mod capture;

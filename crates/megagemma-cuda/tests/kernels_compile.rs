@@ -75,7 +75,6 @@ fn kernel_experiments_compile() {
         ("megakernel.cu", "MMA_SCALES_F4"),
         ("megakernel.cu", "MK_MARK=2"),
         ("matvec_mma.cu", "MK_MARK=2"),
-        ("matvec_mma.cu", "MMA_W1_EARLY"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
