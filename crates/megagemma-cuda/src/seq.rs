@@ -966,7 +966,7 @@ impl CudaSeq {
         let q = &self.gpu().q4_stream;
         let round = q.mma_waves * q.mma_blocks_per_sm * self.gpu().sms as usize;
         if let Some((ks, p)) = split_override(tiles[0] * 16, cols) {
-            if ks.is_power_of_two() && ks <= 8 && (1..=cols.div_ceil(64)).contains(&p) && splittable(tiles, p) {
+            if split_runs(tiles, cols, ks, p) {
                 return (ks, p);
             }
         }
@@ -1684,6 +1684,12 @@ fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunk
     (ks, parts)
 }
 
+/// Whether the kernel runs a launch of matrices with `tiles` tiles and `cols` columns split as `ks`
+/// warps per tile (a power of two up to the block's 8) and `parts` column parts (at most one a chunk).
+fn split_runs(tiles: &[usize], cols: usize, ks: usize, parts: usize) -> bool {
+    ks.is_power_of_two() && ks <= 8 && (1..=cols.div_ceil(64)).contains(&parts) && splittable(tiles, parts)
+}
+
 /// Whether a launch of matrices with `tiles` tiles can be split into `parts` column parts: split
 /// launches take one matrix (the caller launches each alone when it can), within the partial sums'
 /// and the counters' space.
@@ -1771,8 +1777,8 @@ mod mma_split_tests {
         assert!(vbs > ROUND);
     }
 
-    /// Any shape gets a split the kernel runs: warps per tile a power of two up to 8 with at least one
-    /// chunk each, column parts only for one matrix, within the chunks and the partial sums' space.
+    /// Any shape gets a split the kernel runs (`split_runs`: what an override must also pass), with at
+    /// least one chunk for every warp.
     #[test]
     fn every_split_is_runnable() {
         for rows in [16, 48, 256, 1536, 2560, 4096, 10240, 21504, 262144] {
@@ -1783,10 +1789,8 @@ mod mma_split_tests {
                         let (ks, parts) = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS);
                         let chunks = cols.div_ceil(64);
                         let shape = format!("{mats} x {rows} x {cols}, gated {gated}: ({ks}, {parts})");
-                        assert!(ks.is_power_of_two() && ks <= 8, "{shape}");
-                        assert!((1..=chunks).contains(&parts) && (parts == 1 || mats == 1), "{shape}");
+                        assert!(super::split_runs(&tiles, cols, ks, parts), "{shape}");
                         assert!(ks <= chunks.div_ceil(parts), "{shape}: a warp without chunks");
-                        assert!(rows / 16 * 16 * 8 * parts <= super::MMA_PARTIAL_FLOATS, "{shape}");
                     }
                 }
             }
