@@ -322,15 +322,29 @@ __device__ __forceinline__ int2 part_range(int chunks, int parts, int p) {
   return make_int2(min(chunks, p * per), min(chunks, (p + 1) * per));
 }
 
-// What this warp does in virtual block vb of a matrix of `chunks` columns split `ks` warps per tile
-// and `parts` column parts: its tile, its place among the tile's warps, its column range.
+// A launch's split as its `split` argument carries it: ks warps per tile (a power of two up to
+// MMA_WARPS) in bits 0-3, tpb tiles per virtual block (1 to MMA_WARPS / ks) from bit 4. A virtual
+// block of fewer tiles than its warps could take leaves the rest idle: it spreads a launch's tiles
+// over more of the grid's slots (src/seq.rs, `mma_split`).
+struct Split {
+  int ks, tpb;
+};
+__device__ __forceinline__ Split decode_split(int split) { return Split{split & 15, split >> 4}; }
+
+// A tile index past every matrix's tiles: an idle warp's (16 times it still fits an int).
+#define MMA_IDLE_TILE (1 << 26)
+
+// What this warp does in virtual block vb of a matrix of `chunks` columns split `ks` warps per tile,
+// `tpb` tiles per virtual block and `parts` column parts: its tile (MMA_IDLE_TILE if none), its
+// place among the tile's warps, its column range.
 struct VbWarp {
   int tile, ws;
   int2 range;
 };
-__device__ __forceinline__ VbWarp vb_warp(int vb, int ks, int parts, int chunks) {
-  const int ksh = log2_pow2(ks), warp = threadIdx.x >> 5, tl = warp >> ksh, g = div_parts(vb, parts);
-  return VbWarp{g * (MMA_WARPS >> ksh) + tl, warp & (ks - 1), part_range(chunks, parts, vb - g * parts)};
+__device__ __forceinline__ VbWarp vb_warp(int vb, Split sp, int parts, int chunks) {
+  const int ksh = log2_pow2(sp.ks), warp = threadIdx.x >> 5, tl = warp >> ksh, g = div_parts(vb, parts);
+  return VbWarp{tl < sp.tpb ? g * sp.tpb + tl : MMA_IDLE_TILE, warp & (sp.ks - 1),
+                part_range(chunks, parts, vb - g * parts)};
 }
 
 // Asks L2 for the codes and scales of one virtual block (tile group g, part p; the block's
@@ -665,12 +679,12 @@ __shared__ int mma_last;
 __shared__ float mma_rstat[2][8];
 
 // The work of one virtual block of one matrix: tile group g = vb / parts (tiles [g·tpb, (g+1)·tpb),
-// ks = 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
+// ks ≤ 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
 // `partial` and the last of the group's blocks to finish adds them in part order (a counter per
 // group, reset by that block), so no result depends on timing.
 template <int H, int UPC, bool GATED, bool RING>
-__device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, int ks, int parts,
+__device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, Split sp, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
@@ -679,10 +693,10 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-  const int ksh = log2_pow2(ks), tpb = MMA_WARPS >> ksh, tl = warp >> ksh;
+  const int ks = sp.ks, tpb = sp.tpb, tl = warp >> log2_pow2(ks);
   const int g = div_parts(vb, parts), p = vb - g * parts;
   const int chunks = (W.cols + 63) / 64, tiles = (W.rows + 15) / 16;
-  const VbWarp vw = vb_warp(vb, ks, parts, chunks);
+  const VbWarp vw = vb_warp(vb, sp, parts, chunks);
   const int tile = vw.tile, ws = vw.ws;
   const int2 range = vw.range;
   float yp[2 * H][2];  // pair accumulators (`compute_batch`)
@@ -770,10 +784,11 @@ struct MatParams {
 // before `pdl_start()`.
 template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
-                      float* y2, int nb0, int nb1, int m, int ks, int parts, int nblocks, int ahead, float* partial,
+                      float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
-  const int tpb = MMA_WARPS >> log2_pow2(ks);
+  const Split sp = decode_split(split);
+  const int ks = sp.ks, tpb = sp.tpb;
   const int chunks = (mats.get(0).cols + 63) / 64;
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / MMA_CHUNK_BYTES(H, UPC));
   uint4* xf = (uint4*)mma_smem;
@@ -819,7 +834,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   bool started = false;
   TileBatch<H, UPC> first_batch;
   if (bid < nblocks) {
-    const VbWarp vw = vb_warp(pick(bid, W, y), ks, parts, chunks);
+    const VbWarp vw = vb_warp(pick(bid, W, y), sp, parts, chunks);
     if (vw.tile < (W.rows + 15) / 16) {
       if constexpr (RING)
         ring_start<UPC>(W, vw.tile, vw.ws, ks, vw.range.x, min(slice_chunks, vw.range.y - vw.range.x),
@@ -860,7 +875,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       prefetch_block(W, tpb, parts, local);
     }
     const int local = pick(vb, W, y);
-    mma_block<H, UPC, GATED, RING>(W, y, local, ks, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
+    mma_block<H, UPC, GATED, RING>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                    partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
@@ -872,17 +887,17 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
 #define MMA_ENTRY(NAME, H, UPC, RING)                                                                         \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
-           int ks, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,     \
+           int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
            const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
     mma_kernel<H, UPC, false, RING>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m,  \
-                                    ks, parts, nblocks, ahead, partial, counters, nullptr, 0,                 \
+                                    split, parts, nblocks, ahead, partial, counters, nullptr, 0,              \
                                     Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                        \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME##_gated(Mat W, const float* x, float* y, int m, int ks, int parts, int nblocks, int ahead,           \
+      NAME##_gated(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead,        \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<H, UPC, true, RING>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, ks,   \
-                                   parts, nblocks, ahead, partial, counters, gate, gstride, Residual{});      \
+    mma_kernel<H, UPC, true, RING>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m,       \
+                                   split, parts, nblocks, ahead, partial, counters, gate, gstride, Residual{}); \
   }
 
 MMA_ENTRY(matvec_q4t_4, 1, 1, false)

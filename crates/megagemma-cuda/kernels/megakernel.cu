@@ -205,9 +205,9 @@ __device__ __noinline__ void mk_prefetch_mma(const MkStage& st) {
   const int g = st.grid;
   const bool gated = st.kernel == 19 || st.kernel == 21;
   const int nb0 = gated ? I(9) : I(16), nb1 = gated ? 0 : I(17);
-  const int ks = gated ? I(7) : I(19), parts = gated ? I(8) : I(20), nblocks = gated ? I(9) : I(21);
+  const int split = gated ? I(7) : I(19), parts = gated ? I(8) : I(20), nblocks = gated ? I(9) : I(21);
   const MatSlots mats{st.a, gated ? 0 : 4};
-  const int tpb = MMA_WARPS >> log2_pow2(ks);
+  const int tpb = decode_split(split).tpb;
   for (int vb = blockIdx.x; vb < nblocks; vb += g) {
     const int which = vb < nb0 ? 0 : vb < nb0 + nb1 ? 1 : 2;
     const int local = vb - (which > 0 ? nb0 : 0) - (which > 1 ? nb1 : 0);

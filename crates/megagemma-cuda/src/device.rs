@@ -136,6 +136,25 @@ pub struct Q4Stream {
     /// Launched passes of up to four tokens stream the tensor-core matvec's weights through the
     /// megakernel's cp.async ring (`MEGAGEMMA_CUDA_MMA_RING=1`; same bits). Off by default.
     pub mma_ring: bool,
+    /// Which launches of fewer virtual blocks than a round take fewer tiles per virtual block
+    /// (`MEGAGEMMA_CUDA_MMA_FILL=0|1|2`, default 1; `MmaFill`). No result depends on it.
+    pub mma_fill: MmaFill,
+}
+
+/// Which tensor-core matvec launches that fit in less than a round of virtual blocks are spread
+/// over more of it: fewer tiles per virtual block (idle warps in each), as few as keep the launch
+/// in one round. Each tile's sums stay in the same order, so no result depends on it.
+/// Nineteenth session (H200, q4, three rounds): E4B's gate+up at 5 tiles a virtual block instead of
+/// 8 (256 virtual blocks instead of 160): graph -1.2%, megakernel -2.2%; every launch (also the
+/// PLE projection and E2B's two-warp gate+up): E4B -0.4% / -1.3%, E2B +0.3% / +0.8%.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmaFill {
+    /// Eight tiles per virtual block over one warp each, or 8 / ks over ks warps each.
+    Off,
+    /// Launches of one warp per tile (`1`, the default).
+    OneWarpTiles,
+    /// Every launch (`2`).
+    All,
 }
 
 /// A tuning knob from the environment: `name` parsed as a count within `range`, else `default`.
@@ -165,6 +184,11 @@ impl Q4Stream {
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", defined_mma_blocks_per_sm().unwrap_or(2)).max(1),
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
+            mma_fill: match env_count("MEGAGEMMA_CUDA_MMA_FILL", 0..=2, 1) {
+                0 => MmaFill::Off,
+                1 => MmaFill::OneWarpTiles,
+                _ => MmaFill::All,
+            },
         }
     }
 }

@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, mma_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, FMT_Q4, FMT_Q4T};
+use crate::device::{cuda_err, mma_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T};
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
@@ -962,15 +962,15 @@ impl CudaSeq {
 
     /// How the tensor-core kernel splits a launch (`mma_split`), or `MEGAGEMMA_CUDA_MMA_SPLITS`'s
     /// split for the shape when it names one the kernel can run.
-    fn mma_split(&self, tiles: &[usize], cols: usize, gated: bool) -> (usize, usize) {
+    fn mma_split(&self, tiles: &[usize], cols: usize, gated: bool) -> MmaSplit {
         let q = &self.gpu().q4_stream;
         let round = q.mma_waves * q.mma_blocks_per_sm * self.gpu().sms as usize;
-        if let Some((ks, p)) = split_override(tiles[0] * 16, cols) {
-            if split_runs(tiles, cols, ks, p) {
-                return (ks, p);
+        if let Some(split) = split_override(tiles[0] * 16, cols) {
+            if split_runs(tiles, cols, split) {
+                return split;
             }
         }
-        mma_split(tiles, cols, gated, round, q.mma_part_chunks)
+        mma_split(tiles, cols, gated, round, q.mma_part_chunks, q.mma_fill)
     }
 
     /// Tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`) of up to three tiled matrices of the
@@ -988,8 +988,8 @@ impl CudaSeq {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
-        let (ks, parts) = self.mma_split(&tiles, cols, gate.is_some());
-        let nb: Vec<usize> = tiles.iter().map(|t| t.div_ceil(8 / ks) * parts).collect();
+        let split = self.mma_split(&tiles, cols, gate.is_some());
+        let nb: Vec<usize> = tiles.iter().map(|&t| split.blocks(&[t])).collect();
         let nblocks: usize = nb.iter().sum();
         let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
         // L2 requests for the next virtual block (`MEGAGEMMA_CUDA_Q4_AHEAD`) only in passes of
@@ -1022,8 +1022,8 @@ impl CudaSeq {
             // takes the gate.
             let split = [
                 Arg::I32(m as i32),
-                Arg::I32(ks as i32),
-                Arg::I32(parts as i32),
+                Arg::I32(split.arg()),
+                Arg::I32(split.parts as i32),
                 Arg::I32(nblocks as i32),
                 Arg::I32(ahead),
                 partial,
@@ -1652,18 +1652,63 @@ mod small_div_tests {
     }
 }
 
+/// How the tensor-core matvec splits a launch (`Split` in kernels/matvec_mma.cu): `ks` warps per
+/// tile, `tpb` tiles per virtual block (at most 8 / ks; fewer leave warps idle), `parts` column parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MmaSplit {
+    ks: usize,
+    tpb: usize,
+    parts: usize,
+}
+
+impl MmaSplit {
+    /// Every virtual block of a block's eight warps busy.
+    fn full(ks: usize, parts: usize) -> MmaSplit {
+        MmaSplit { ks, tpb: 8 / ks, parts }
+    }
+
+    /// Virtual blocks of a launch of matrices with `tiles` tiles.
+    fn blocks(&self, tiles: &[usize]) -> usize {
+        tiles.iter().map(|t| t.div_ceil(self.tpb)).sum::<usize>() * self.parts
+    }
+
+    /// The kernels' `split` argument.
+    fn arg(&self) -> i32 {
+        (self.ks | self.tpb << 4) as i32
+    }
+}
+
 /// How the tensor-core kernel splits a launch of matrices with `tiles` 16-row tiles and `cols`
-/// columns: (warps per tile `ks`, column parts). Depends only on the shapes, never on the number of
-/// tokens. The launch should end in one `round` of virtual blocks (the grid's slots times
-/// `mma_waves`): a block that runs a second one doubles the launch's critical path while most of the
-/// grid idles. So: parts of at most `part_chunks` chunks; warps per tile doubled while the launch
-/// still fits in the round and each warp keeps two chunks or more; and a gated input (the GeGLU product, built per part by every block)
-/// wide enough to be cut into parts is cut into as many as fill the round, one warp per tile, so each
-/// block builds the least. Seventeenth session (H200, q4, graph): gate+up 2 warps per tile → 1 (320 →
-/// 160 virtual blocks), E4B's down projection 4 warps and 4 parts → 1 warp and 13 parts (320 → 260):
-/// E4B −12.5%, E2B −11%; the PLE projection (4 chunks) as 2 warps a tile (2 chunks a warp) was 0.7–1.5%
-/// faster than as 4 parts of one chunk (docs/perf-notes.md).
-fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunks: usize) -> (usize, usize) {
+/// columns: warps per tile and column parts (`warps_and_parts`), then, for the launches `fill`
+/// names, as few tiles per virtual block as keep the launch in one `round` — the slots of blocks
+/// that would stream two or more virtual blocks' tiles go to idle ones. Depends only on the shapes,
+/// never on the number of tokens.
+fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunks: usize, fill: MmaFill) -> MmaSplit {
+    let (ks, parts) = warps_and_parts(tiles, cols, gated, round, part_chunks);
+    let full = MmaSplit::full(ks, parts);
+    let spread = match fill {
+        MmaFill::Off => false,
+        MmaFill::OneWarpTiles => ks == 1,
+        MmaFill::All => true,
+    };
+    if !spread || full.blocks(tiles) > round {
+        return full;
+    }
+    // The fewest tiles per virtual block that keep the launch in one round.
+    (1..=full.tpb).map(|tpb| MmaSplit { tpb, ..full }).find(|s| s.blocks(tiles) <= round).unwrap_or(full)
+}
+
+/// `mma_split`'s warps per tile and column parts. The launch should end in one `round` of virtual
+/// blocks (the grid's slots times `mma_waves`): a block that runs a second one doubles the launch's
+/// critical path while most of the grid idles. So: parts of at most `part_chunks` chunks; warps per
+/// tile doubled while the launch still fits in the round and each warp keeps two chunks or more; and
+/// a gated input (the GeGLU product, built per part by every block) wide enough to be cut into parts
+/// is cut into as many as fill the round, one warp per tile, so each block builds the least.
+/// Seventeenth session (H200, q4, graph): gate+up 2 warps per tile → 1 (320 → 160 virtual blocks),
+/// E4B's down projection 4 warps and 4 parts → 1 warp and 13 parts (320 → 260): E4B −12.5%, E2B
+/// −11%; the PLE projection (4 chunks) as 2 warps a tile (2 chunks a warp) was 0.7–1.5% faster than
+/// as 4 parts of one chunk (docs/perf-notes.md).
+fn warps_and_parts(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunks: usize) -> (usize, usize) {
     let chunks = cols.div_ceil(64);
     let groups = |tpb: usize| tiles.iter().map(|t| t.div_ceil(tpb)).sum::<usize>();
     let mut parts = chunks.div_ceil(part_chunks);
@@ -1685,9 +1730,14 @@ fn mma_split(tiles: &[usize], cols: usize, gated: bool, round: usize, part_chunk
 }
 
 /// Whether the kernel runs a launch of matrices with `tiles` tiles and `cols` columns split as `ks`
-/// warps per tile (a power of two up to the block's 8) and `parts` column parts (at most one a chunk).
-fn split_runs(tiles: &[usize], cols: usize, ks: usize, parts: usize) -> bool {
-    ks.is_power_of_two() && ks <= 8 && (1..=cols.div_ceil(64)).contains(&parts) && splittable(tiles, parts)
+/// warps per tile (a power of two up to the block's 8), `tpb` tiles per virtual block (1 to 8 / ks)
+/// and `parts` column parts (at most one a chunk).
+fn split_runs(tiles: &[usize], cols: usize, s: MmaSplit) -> bool {
+    s.ks.is_power_of_two()
+        && s.ks <= 8
+        && (1..=8 / s.ks).contains(&s.tpb)
+        && (1..=cols.div_ceil(64)).contains(&s.parts)
+        && splittable(tiles, s.parts)
 }
 
 /// Whether a launch of matrices with `tiles` tiles can be split into `parts` column parts: split
@@ -1698,29 +1748,34 @@ fn splittable(tiles: &[usize], parts: usize) -> bool {
     parts == 1 || (tiles.len() == 1 && groups <= MMA_COUNTERS && tiles[0] * 16 * 8 * parts <= MMA_PARTIAL_FLOATS)
 }
 
-/// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS;...` sets the tensor-core matvec's
-/// split (warps per tile, column parts) of launches whose first matrix has those rows and columns
-/// (e.g. `2560x10240=4:3`: E4B's down projection), so splits can be timed without a rebuild.
+/// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS[:TPB];...` sets the tensor-core
+/// matvec's split (warps per tile, column parts, tiles per virtual block: 8 / KS when left out) of
+/// launches whose first matrix has those rows and columns (e.g. `2560x10240=4:3`: E4B's down
+/// projection), so splits can be timed without a rebuild.
 /// Splits that the kernel cannot run are ignored — column parts only for launches of one matrix, so
 /// Q's shape with parts > 1 changes Q alone (KV-shared layers), not the Q/K/V launch; malformed
 /// entries are ignored with a warning.
-fn split_override(rows: usize, cols: usize) -> Option<(usize, usize)> {
-    type Split = ((usize, usize), (usize, usize)); // (rows, cols) → (warps per tile, parts)
-    static SPLITS: std::sync::OnceLock<Vec<Split>> = std::sync::OnceLock::new();
+fn split_override(rows: usize, cols: usize) -> Option<MmaSplit> {
+    type Entry = ((usize, usize), MmaSplit); // (rows, cols) → split
+    static SPLITS: std::sync::OnceLock<Vec<Entry>> = std::sync::OnceLock::new();
     let splits = SPLITS.get_or_init(|| {
         let Ok(v) = std::env::var("MEGAGEMMA_CUDA_MMA_SPLITS") else { return vec![] };
-        let parse = |e: &str| -> Option<Split> {
+        let parse = |e: &str| -> Option<Entry> {
             let (shape, split) = e.split_once('=')?;
             let (r, c) = shape.split_once('x')?;
-            let (k, p) = split.split_once(':')?;
-            Some(((r.parse().ok()?, c.parse().ok()?), (k.parse().ok()?, p.parse().ok()?)))
+            let mut n = split.split(':').map(|n| n.parse::<usize>().ok());
+            let (ks, parts) = (n.next()??, n.next()??);
+            let tpb = n.next().unwrap_or(Some(8 / ks.clamp(1, 8)))?;
+            n.next().is_none().then_some(((r.parse().ok()?, c.parse().ok()?), MmaSplit { ks, tpb, parts }))
         };
         let entries = v.split([',', ';']).filter(|e| !e.trim().is_empty());
         entries
             .filter_map(|e| {
                 let split = parse(e.trim());
                 if split.is_none() {
-                    eprintln!("warning: MEGAGEMMA_CUDA_MMA_SPLITS: ignoring '{e}' (expected ROWSxCOLS=KS:PARTS)");
+                    eprintln!(
+                        "warning: MEGAGEMMA_CUDA_MMA_SPLITS: ignoring '{e}' (expected ROWSxCOLS=KS:PARTS or KS:PARTS:TPB)"
+                    );
                 }
                 split
             })
@@ -1747,14 +1802,14 @@ mod mma_smem_tests {
 #[cfg(test)]
 mod mma_split_tests {
     use super::mma_split;
-    use crate::device::MMA_PART_CHUNKS;
+    use crate::device::{MmaFill, MMA_PART_CHUNKS};
 
     const ROUND: usize = 264; // the H200's 132 SMs × 2 blocks
 
     fn split(rows: &[usize], cols: usize, gated: bool) -> ((usize, usize), usize) {
         let tiles: Vec<usize> = rows.iter().map(|r| r.div_ceil(16)).collect();
-        let (ks, parts) = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS);
-        ((ks, parts), tiles.iter().map(|t| t.div_ceil(8 / ks)).sum::<usize>() * parts)
+        let s = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS, MmaFill::Off);
+        ((s.ks, s.parts), s.blocks(&tiles))
     }
 
     /// Every matvec launch of E4B and E2B but the LM head ends in one round of virtual blocks.
@@ -1786,11 +1841,16 @@ mod mma_split_tests {
                 for mats in 1..=3 {
                     for gated in [false, true] {
                         let tiles = vec![rows / 16; mats];
-                        let (ks, parts) = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS);
-                        let chunks = cols.div_ceil(64);
-                        let shape = format!("{mats} x {rows} x {cols}, gated {gated}: ({ks}, {parts})");
-                        assert!(super::split_runs(&tiles, cols, ks, parts), "{shape}");
-                        assert!(ks <= chunks.div_ceil(parts), "{shape}: a warp without chunks");
+                        for fill in [MmaFill::Off, MmaFill::OneWarpTiles, MmaFill::All] {
+                            let s = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS, fill);
+                            let chunks = cols.div_ceil(64);
+                            let shape = format!("{mats} x {rows} x {cols}, gated {gated}: {s:?}");
+                            assert!(super::split_runs(&tiles, cols, s), "{shape}");
+                            assert!(s.ks <= chunks.div_ceil(s.parts), "{shape}: a warp without chunks");
+                            let full = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS, MmaFill::Off);
+                            let fits = s.blocks(&tiles) <= ROUND || s == full;
+                            assert!(fits && s.blocks(&tiles) >= full.blocks(&tiles), "{shape}: filled past the round");
+                        }
                     }
                 }
             }
@@ -1805,5 +1865,15 @@ mod mma_split_tests {
         assert_eq!(split(&[2048, 512, 512], 2560, false).0, (8, 1)); // E4B Q/K/V: 192
         assert_eq!(split(&[262144], 2560, false).0, (1, 1)); // LM head
         assert_eq!(split(&[2560], 256, true).0, (2, 1)); // E4B PLE projection: 40, not 4 parts of a chunk
+                                                         // The default fill (nineteenth session) spreads E4B's gate+up alone: 5 tiles a virtual block.
+        let filled = |rows: &[usize], cols, gated| {
+            let tiles: Vec<usize> = rows.iter().map(|r| r.div_ceil(16)).collect();
+            let s = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS, MmaFill::OneWarpTiles);
+            (s.tpb, s.blocks(&tiles))
+        };
+        assert_eq!(filled(&[10240, 10240], 2560, false), (5, 256));
+        assert_eq!(filled(&[2560], 10240, true), (8, 260)); // E4B down: already a full round
+        assert_eq!(filled(&[2560], 256, true), (4, 40)); // two warps a tile: not spread
+        assert_eq!(filled(&[262144], 2560, false), (8, 2048)); // the LM head: many rounds
     }
 }
