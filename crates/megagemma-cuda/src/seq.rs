@@ -1797,6 +1797,19 @@ mod mma_smem_tests {
             assert_eq!(super::mma_chunk_bytes(h, upc), bytes);
         }
     }
+
+    /// The host's split argument is what the kernel decodes: eight warps a block (the host's literal
+    /// 8 in `MmaSplit`), warps per tile in bits 0–3 and tiles per virtual block above them.
+    #[test]
+    fn split_argument_matches_the_kernel() {
+        assert_eq!(crate::compile::kernel_define("matvec_mma.cu", "MMA_WARPS"), "8");
+        let src = crate::compile::KERNEL_FILES.iter().find(|(f, _)| *f == "matvec_mma.cu").unwrap().1;
+        assert!(src.contains("Split decode_split(int split) { return Split{split & 15, split >> 4}; }"));
+        for (ks, tpb) in [(1, 8), (1, 5), (2, 3), (8, 1)] {
+            let arg = super::MmaSplit { ks, tpb, parts: 1 }.arg();
+            assert_eq!(((arg & 15) as usize, (arg >> 4) as usize), (ks, tpb));
+        }
+    }
 }
 
 #[cfg(test)]
