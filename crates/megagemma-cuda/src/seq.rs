@@ -1701,8 +1701,11 @@ mod small_div_tests {
     }
 }
 
+/// Warps of a tensor-core matvec block (`MMA_WARPS` in kernels/matvec_mma.cu).
+const MMA_WARPS: usize = 8;
+
 /// How the tensor-core matvec splits a launch (`Split` in kernels/matvec_mma.cu): `ks` warps per
-/// tile, `tpb` tiles per virtual block (at most 8 / ks; fewer leave warps idle), `parts` column parts.
+/// tile, `tpb` tiles per virtual block (at most MMA_WARPS / ks; fewer leave warps idle), `parts` column parts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct MmaSplit {
     ks: usize,
@@ -1711,9 +1714,9 @@ struct MmaSplit {
 }
 
 impl MmaSplit {
-    /// Every virtual block of a block's eight warps busy.
+    /// Every warp of a virtual block busy.
     fn full(ks: usize, parts: usize) -> MmaSplit {
-        MmaSplit { ks, tpb: 8 / ks, parts }
+        MmaSplit { ks, tpb: MMA_WARPS / ks, parts }
     }
 
     /// Virtual blocks of a launch of matrices with `tiles` tiles.
@@ -1764,27 +1767,27 @@ fn warps_and_parts(tiles: &[usize], cols: usize, gated: bool, round: usize, part
     if !splittable(tiles, parts) {
         parts = 1;
     }
-    if gated && parts > 1 && groups(8) * parts <= round {
-        let most = chunks.div_ceil(chunks.div_ceil((round / groups(8)).min(chunks)));
+    if gated && parts > 1 && groups(MMA_WARPS) * parts <= round {
+        let most = chunks.div_ceil(chunks.div_ceil((round / groups(MMA_WARPS)).min(chunks)));
         if most > parts && splittable(tiles, most) {
             return (1, most);
         }
     }
     let per_part = chunks.div_ceil(parts);
     let mut ks = 1;
-    while ks < 8 && 4 * ks <= per_part && groups(8 / (2 * ks)) * parts <= round {
+    while ks < MMA_WARPS && 4 * ks <= per_part && groups(MMA_WARPS / (2 * ks)) * parts <= round {
         ks *= 2;
     }
     (ks, parts)
 }
 
 /// Whether the kernel runs a launch of matrices with `tiles` tiles and `cols` columns split as `ks`
-/// warps per tile (a power of two up to the block's 8), `tpb` tiles per virtual block (1 to 8 / ks)
+/// warps per tile (a power of two up to the block's MMA_WARPS), `tpb` tiles per virtual block (1 to MMA_WARPS / ks)
 /// and `parts` column parts (at most one a chunk).
 fn split_runs(tiles: &[usize], cols: usize, s: MmaSplit) -> bool {
     s.ks.is_power_of_two()
-        && s.ks <= 8
-        && (1..=8 / s.ks).contains(&s.tpb)
+        && s.ks <= MMA_WARPS
+        && (1..=MMA_WARPS / s.ks).contains(&s.tpb)
         && (1..=cols.div_ceil(64)).contains(&s.parts)
         && splittable(tiles, s.parts)
 }
@@ -1847,11 +1850,11 @@ mod mma_smem_tests {
         }
     }
 
-    /// The host's split argument is what the kernel decodes: eight warps a block (the host's literal
-    /// 8 in `MmaSplit`), warps per tile in bits 0–3 and tiles per virtual block above them.
+    /// The host's split argument is what the kernel decodes: the kernel's warps a block, warps per
+    /// tile in bits 0–3 and tiles per virtual block above them.
     #[test]
     fn split_argument_matches_the_kernel() {
-        assert_eq!(crate::compile::kernel_define("matvec_mma.cu", "MMA_WARPS"), "8");
+        assert_eq!(crate::compile::kernel_define("matvec_mma.cu", "MMA_WARPS"), super::MMA_WARPS.to_string());
         let src = crate::compile::KERNEL_FILES.iter().find(|(f, _)| *f == "matvec_mma.cu").unwrap().1;
         assert!(src.contains("Split decode_split(int split) { return Split{split & 15, split >> 4}; }"));
         for (ks, tpb) in [(1, 8), (1, 5), (2, 3), (8, 1)] {
