@@ -72,16 +72,15 @@ ABLATIONS = {
         "attention's split combine (arrival counter, last block's sum)",
         [(
             "attention.cu",
-            "  if (!last_to_arrive(&counters[query0], nsplit, last)) return;\n",
+            "  if (!last_to_arrive(&counters[query], nsplit, last)) return;\n",
             "  return;\n",
         )],
     ),
     "attnokv": (
         "attention's K and V loads (the query row in shared memory stands in for both)",
         [
-            ("attention.cu", "kd[i] = lane + 32 * i < hd ? k[lane + 32 * i] : 0.f;", "kd[i] = qs[(lane + 32 * i) % hd];"),
-            ("attention.cu", "const float4 v = *(const float4*)(kv_row(vpre, vc, vn, vs, jj) + d);",
-             "const float4 v = *(const float4*)(qs + d);"),
+            ("attention.cu", "s = fmaf(qs[d], k[d], s);", "s = fmaf(qs[d], qs[d], s);"),
+            ("attention.cu", "acc[i] = fmaf(e, v[d], acc[i]);", "acc[i] = fmaf(e, qs[d], acc[i]);"),
         ],
     ),
     "nostats": (

@@ -169,7 +169,7 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
                      P(float*, 5), I(6), I(7), I(8), P(const int*, 9), I(10), I(11), F(12), I(13), I(14),
                      P(float*, 15), P(float2*, 16), P(unsigned*, 17), I(18), I(19), P(const float*, 20),
                      P(const float*, 21), P(const float*, 22), F(23), P(const float*, 24), P(const float*, 25),
-                     P(const AttColumn*, 26), I(27));
+                     P(const AttColumn*, 26));
       break;
     case 23:  // kv_commit_step
       kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1));

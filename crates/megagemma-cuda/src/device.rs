@@ -110,8 +110,6 @@ pub(crate) const PDL_KERNELS: [&str; 18] = [
 /// (`Q4Stream::mma_waves`) 3.555–3.574 against 3.655–3.668, megakernel 4.98 against 5.23–5.24
 /// (seventh session, same runs).
 pub const ATT_SPLIT_KEYS: usize = 16;
-/// Default for [`Gpu::att_heads`].
-pub const ATT_HEADS: usize = 4;
 
 /// Default most columns (64-wide chunks) one part of a split tensor-core matvec covers
 /// (`Q4Stream::mma_part_chunks`): wider matrices are split along their columns into parts summed
@@ -298,10 +296,6 @@ pub struct Gpu {
     /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
     /// decode and verify.
     pub att_split_keys: usize,
-    /// Most query heads of one KV group an attention block takes (`MEGAGEMMA_CUDA_ATT_HEADS`,
-    /// 1 to 8, default [`ATT_HEADS`]); each K/V row a block reads serves them all. The same bits
-    /// for any value.
-    pub att_heads: usize,
     /// Whether passes of up to eight tokens norm and rotate Q/K/V inside the attention kernel
     /// instead of a `qkv_norm_rope` stage (the same bits either way). By default (`None`) only in
     /// the megakernel's stage table, where a stage costs a grid-wide wait (E4B −2%); in the graph
@@ -410,7 +404,6 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
-            att_heads: env_count("MEGAGEMMA_CUDA_ATT_HEADS", 1..=8, ATT_HEADS),
             fuse_norms: std::env::var("MEGAGEMMA_CUDA_FUSE_NORMS").ok().and_then(|v| match v.as_str() {
                 "0" => Some(false),
                 "1" => Some(true),

@@ -28,13 +28,8 @@ const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
 const ATTENTION_WARPS: usize = 8;
 /// Floats of an attention block's shared memory for committed K/V rows copied before the wait
-/// (`ATT_PRE_FLOATS` in `kernels/attention.cu`), the last of its shared memory; the megakernel's
-/// attention copies none.
-pub(crate) const ATTENTION_PRE_FLOATS: usize = 8192;
-/// Most query heads one attention block takes (`ATT_MAX_HPB`) and dims of Σe·v it sums per round
-/// (`ATT_VDIMS`).
-const ATTENTION_MAX_HPB: usize = 8;
-const ATTENTION_VDIMS: usize = 128;
+/// (`ATT_PRE_FLOATS` in `kernels/attention.cu`).
+const ATTENTION_PRE_FLOATS: usize = 8192;
 
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
@@ -254,24 +249,6 @@ struct AttentionNorms {
 /// The most keys a query of layer `lp` can see in a sequence of `max_len` positions.
 fn attention_keys(lp: &LayerPlan, max_len: usize) -> usize {
     lp.window.map_or(max_len, |w| w.min(max_len))
-}
-
-/// Shared memory of an attention block taking `hpb` query heads over at most `keys` keys, with
-/// `staged` normed K/V rows, before the rows it copies ahead (`kernels/attention.cu`: queries,
-/// per-warp Σe·v, staged rows, scores, rounded up to 16 bytes).
-fn attention_smem(lp: &LayerPlan, hpb: usize, keys: usize, staged: usize) -> usize {
-    let hd = lp.head_dim;
-    f32s(hpb * hd + ATTENTION_WARPS * hpb * ATTENTION_VDIMS + 2 * staged * hd + hpb * keys).next_multiple_of(16)
-}
-
-/// Query heads one attention block takes: the most that divide the layer's KV group, are at most
-/// `cap` and keep its shared memory (without the rows copied ahead) within the megakernel's.
-fn attention_heads_per_block(lp: &LayerPlan, cap: usize, keys: usize, staged: usize) -> usize {
-    let group = lp.num_heads / lp.num_kv_heads.max(1);
-    (1..=cap.min(ATTENTION_MAX_HPB))
-        .rev()
-        .find(|&h| group % h == 0 && attention_smem(lp, h, keys, staged) <= crate::megakernel::MK_SMEM_MAX as usize)
-        .unwrap_or(1)
 }
 
 /// How the attention kernel splits a query's keys over blocks (`kernels/attention.cu`: splits of at
@@ -1477,15 +1454,17 @@ impl CudaSeq {
     /// column's cache from that table.
     fn attention_launch(&self, lp: &LayerPlan, c: KvView, t: usize, norms: &AttentionNorms, cols: u64) -> Result<()> {
         let s = &self.s;
-        if lp.head_dim > 512 || lp.head_dim % 4 != 0 {
-            bail!("head dim {} is not one the attention kernel takes (a multiple of 4, at most 512)", lp.head_dim);
+        if lp.head_dim > 512 {
+            bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
         }
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
+        // Committed K/V rows copied before the wait, queries, scores, per-warp sums and, with fused
+        // K/V norms, the range's normed K/V rows.
         let staged_rows = if norms.fused & ATT_FUSED_KV != 0 { t.min(split.keys_per_block) } else { 0 };
-        let hpb = attention_heads_per_block(lp, self.gpu().att_heads, split.keys_per_block, staged_rows);
-        let smem = attention_smem(lp, hpb, split.keys_per_block, staged_rows) + f32s(ATTENTION_PRE_FLOATS);
+        let smem =
+            f32s(ATTENTION_PRE_FLOATS + lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
@@ -1517,9 +1496,8 @@ impl CudaSeq {
             Arg::Ptr(norms.kr),
             Arg::Ptr(norms.vr),
             Arg::Ptr(cols),
-            Arg::I32(hpb as i32),
         ];
-        let grid = (t * lp.num_heads / hpb * split.grid_splits) as u32;
+        let grid = (t * lp.num_heads * split.grid_splits) as u32;
         self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
@@ -1622,33 +1600,6 @@ mod attention_split_tests {
                 }
             }
         }
-    }
-
-    /// A block's query heads: a divisor of the KV group within the cap, its shared memory within
-    /// the megakernel's at every context; E4B's full layers take their whole group of four.
-    #[test]
-    fn heads_per_block_fit() {
-        use crate::synthetic::synthetic_config;
-        use megagemma_model::plan::ModelPlan;
-        assert_eq!(super::ATTENTION_MAX_HPB, kernel_define("ATT_MAX_HPB"));
-        assert_eq!(super::ATTENTION_VDIMS, kernel_define("ATT_VDIMS"));
-        for name in ["e2b", "e4b", "26b-a4b", "31b"] {
-            let plan = ModelPlan::new(&synthetic_config(name).unwrap()).unwrap();
-            for lp in &plan.layers {
-                let group = lp.num_heads / lp.num_kv_heads;
-                for (max_len, t, cap) in [(64, 1, 4), (8400, 1, 4), (131072, 4, 4), (131072, 8, 8), (8400, 1, 1)] {
-                    let split = AttentionSplit::new(super::attention_keys(lp, max_len), t, ATT_SPLIT_KEYS);
-                    let hpb = super::attention_heads_per_block(lp, cap, split.keys_per_block, t);
-                    assert!(hpb <= cap && group % hpb == 0, "{name} layer {} hpb {hpb}", lp.index);
-                    let smem = super::attention_smem(lp, hpb, split.keys_per_block, t);
-                    assert!(smem <= crate::megakernel::MK_SMEM_MAX as usize, "{name} layer {}: {smem}", lp.index);
-                }
-            }
-        }
-        let e4b = ModelPlan::new(&synthetic_config("e4b").unwrap()).unwrap();
-        let full = e4b.layers.iter().find(|l| l.window.is_none()).unwrap();
-        let split = AttentionSplit::new(super::attention_keys(full, 131072), 1, ATT_SPLIT_KEYS);
-        assert_eq!(super::attention_heads_per_block(full, 4, split.keys_per_block, 1), 4);
     }
 
     /// The host's fused-norm flags, batch size and column table are the kernel's.
