@@ -16,15 +16,19 @@
 #define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
 #define ATT_MAX_SPLITS 64
 #define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
-// Floats of shared memory for committed K and V rows copied before the wait: a range's first
-// ATT_PRE_FLOATS / (2·hd) committed keys (16 at head dim 256, 8 at 512); the rest are asked of L2.
-#define ATT_PRE_FLOATS 8192
-// Not in the megakernel: its stages share one register allocation, and the copy's registers made
-// its entries spill more (lean entry 200 → 340 bytes of spill stores).
+// Committed K and V rows stream through shared memory: each warp keeps ATT_SLOTS rows of its keys
+// in flight (cp.async, issued ATT_SLOTS keys ahead; the first before the wait), so a block has
+// 32 rows in flight instead of the few its warps' loads kept (eighth of a row per load). The
+// buffers are the last of the block's shared memory: ATT_SLOTS·ATT_WARPS·hd floats.
+#define ATT_SLOTS 4
+// Not in the megakernel: its stages share one register allocation, and a copy ahead made its
+// entries spill more (lean entry 200 → 340 bytes of spill stores); there warps load their rows.
+#ifndef ATT_STREAM
 #ifdef MEGAKERNEL
-#define ATT_PRE 0
+#define ATT_STREAM 0
 #else
-#define ATT_PRE 1
+#define ATT_STREAM 1
+#endif
 #endif
 
 // Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
@@ -137,40 +141,62 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const float2 wqp = weight_pair(fused & ATT_FUSED_Q ? wq : nullptr, half);
   const float2 wkp = weight_pair(fused & ATT_FUSED_KV ? wk : nullptr, half);
   const float f = fused & ATT_FUSED_Q && inv_freq && (int)threadIdx.x < half ? inv_freq[threadIdx.x] : 0.f;
-  // The range's first `npre` committed keys and values are copied into shared memory (cp.async:
-  // nothing waits for them before the scores), the rest asked of L2.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // Shared memory: the query [hd], per-warp Σe·v [ATT_WARPS, hd], this pass's keys in the range
+  // (positions js0 .. k0 + nk) normed from the raw rows kn/vn [ns, hd], scores [per], then (16-byte
+  // aligned) the warps' row buffers [ATT_WARPS, ATT_SLOTS, hd].
+  const int js0 = max(k0, p0), ns = (fused & ATT_FUSED_KV) ? max(0, k0 + nk - js0) : 0;
+  float* qs = smem;
+  float* part = qs + hd;
+  float* kn = part + ATT_WARPS * hd;
+  float* vn = kn + ns * hd;
+  float* scores = vn + ns * hd;
+  float* buf = smem + ((hd * (1 + ATT_WARPS + 2 * ns) + per + 3) & ~3) + warp * ATT_SLOTS * hd;
+  // The range's committed keys come first; warp w takes keys w, w + ATT_WARPS, …, the first `nc`
+  // of them committed (streamed through its buffer when ATT_STREAM), the rest staged.
   const int committed = max(0, min(k0 + nk, p0) - k0);
-  const int npre = ATT_PRE && (hd & 3) == 0 ? min(committed, ATT_PRE_FLOATS / (2 * hd)) : 0;
-  float* kpre = smem;
-  float* vpre = smem + ATT_PRE_FLOATS / 2;
-  {
-    const int q4 = hd / 4;  // 16-byte pieces of a row
-    const unsigned sk = smem_addr(kpre), sv = smem_addr(vpre);
-    for (int i = threadIdx.x; i < npre * q4; i += blockDim.x) {
-      const int jj = i / q4, c = 4 * (i - jj * q4), j = k0 + jj;
-      const u64 g = (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + c;
-      const unsigned o = (unsigned)(jj * hd + c) * 4;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sk + o), "l"(kc + g) : "memory");
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sv + o), "l"(vc + g) : "memory");
+  const int nc = committed > warp ? (committed - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
+  auto cached_row = [&](const float* cache, int jj) {
+    const int j = k0 + jj;
+    return cache + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd;
+  };
+  // Copy of this warp's i-th committed row of `cache` into buffer slot i mod ATT_SLOTS (none past
+  // the last), then a commit: one cp.async group per row, empty or not.
+  auto copy_row = [&](const float* cache, int i) {
+    if (i < nc) {
+      const float* src = cached_row(cache, warp + ATT_WARPS * i);
+      const unsigned dst = smem_addr(buf + (i % ATT_SLOTS) * hd);
+      for (int c = 4 * lane; c < hd; c += 128)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 4 * c), "l"(src + c) : "memory");
     }
-    if (ATT_PRE) asm volatile("cp.async.commit_group;" ::: "memory");
-    const int lines = (hd + 31) / 32, rest = committed - npre;  // 128-byte lines per head row
-    for (int i = threadIdx.x; i < 2 * rest * lines; i += blockDim.x) {
-      const int j = k0 + npre + (i / lines) % rest, l = i % lines;
-      const float* base = i < rest * lines ? kc : vc;
-      prefetch_l2(base + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd + l * 32);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  // Row i of this warp's buffer, once its copy has landed: ATT_SLOTS − 1 younger groups may pend.
+  auto buffered = [&](int i) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(ATT_SLOTS - 1) : "memory");
+    __syncwarp();
+    return buf + (i % ATT_SLOTS) * hd;
+  };
+  const bool stream = ATT_STREAM && (hd & 3) == 0;  // 16-byte copies
+  if (stream) {
+    for (int i = 0; i < ATT_SLOTS; i++) copy_row(kc, i);
+    // The rest of the range's committed rows asked of L2 (values all, keys past the first copies).
+    const int lines = (hd + 31) / 32, skip = min(committed, ATT_WARPS * ATT_SLOTS);
+    const int nkey = (committed - skip) * lines;
+    for (int i = threadIdx.x; i < nkey + committed * lines; i += blockDim.x) {
+      const bool key = i < nkey;
+      const int r = key ? skip + i / lines : (i - nkey) / lines, l = (key ? i : i - nkey) % lines;
+      prefetch_l2(cached_row(key ? kc : vc, r) + l * 32);
+    }
+  } else {
+    const int lines = (hd + 31) / 32;  // 128-byte lines per head row
+    for (int i = threadIdx.x; i < 2 * committed * lines; i += blockDim.x) {
+      const int r = (i / lines) % committed, l = i % lines;
+      prefetch_l2(cached_row(i < committed * lines ? kc : vc, r) + l * 32);
     }
   }
   pdl_start();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* qs = smem + ATT_PRE_FLOATS;
-  float* scores = qs + hd;
-  float* part = scores + per;  // [ATT_WARPS, hd]
   const float* qrow = q + ((u64)t * heads + head) * hd;
-  // This pass's keys in the range (positions js0 .. k0 + nk) from the raw rows: kn/vn [ns, hd].
-  const int js0 = max(k0, p0), ns = (fused & ATT_FUSED_KV) ? max(0, k0 + nk - js0) : 0;
-  float* kn = part + ATT_WARPS * hd;
-  float* vn = kn + ns * hd;
   if (fused & ATT_FUSED_Q) {
     // The query and the range's staged keys and values, normed and rotated into shared memory:
     // one block reduction for the query and the first key and value, one per further key.
@@ -193,7 +219,6 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   } else {
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
   }
-  if (ATT_PRE) asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   if (ns > 0 && head % (heads / kv_heads) == 0 && split == nsplit - 1) {
     // The range ends at this token's own key (position pos): its row goes to the staging.
@@ -205,19 +230,30 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     }
   }
 
-  // Scores: one warp per key, lanes over the head dim (unrolled so several keys' loads overlap).
-#pragma unroll 4
-  for (int jj = warp; jj < nk; jj += ATT_WARPS) {
-    const int j = k0 + jj;
-    const float* k = j < p0 ? (jj < npre ? kpre + jj * hd : kc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd)
-                     : ns > 0 ? kn + (j - js0) * hd
-                              : ks + (u64)(j - p0) * kvw + kvh * hd;
+  // Scores: one warp per key, lanes over the head dim. Key row jj: committed (in the cache or this
+  // warp's buffer), normed here or staged.
+  auto score = [&](int jj, const float* k) {
     float s = 0.f;
 #pragma unroll 4
     for (int d = lane; d < hd; d += 32) s = fmaf(qs[d], k[d], s);
     s = warp_sum(s);
     if (lane == 0) scores[jj] = __fmul_rn(s, scale);
+  };
+  auto direct = [&](const float* cache, const float* normed, const float* staged, int jj) {
+    const int j = k0 + jj;
+    return j < p0 ? cached_row(cache, jj) : ns > 0 ? normed + (j - js0) * hd : staged + (u64)(j - p0) * kvw + kvh * hd;
+  };
+  const int streamed = stream ? nc : 0;  // this warp's keys streamed through its buffer
+  for (int i = 0; i < streamed; i++) {
+    score(warp + ATT_WARPS * i, buffered(i));
+    __syncwarp();
+    copy_row(kc, i + ATT_SLOTS);
   }
+#pragma unroll 4
+  for (int jj = warp + ATT_WARPS * streamed; jj < nk; jj += ATT_WARPS) score(jj, direct(kc, kn, ks, jj));
+  // The values' first copies, while the softmax runs.
+  if (stream)
+    for (int i = 0; i < ATT_SLOTS; i++) copy_row(vc, i);
   __syncthreads();
   float mx = NEG_INF;
   for (int jj = threadIdx.x; jj < nk; jj += blockDim.x) mx = fmaxf(mx, scores[jj]);
@@ -231,23 +267,26 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   sum = block_sum(sum);
   __syncthreads();
 
-  // Weighted values Σ e·v: warp w takes keys w, w + ATT_WARPS, …; lane holds dims lane + 32·i.
+  // Weighted values Σ e·v: warp w takes keys w, w + ATT_WARPS, … (in that order); lane holds dims
+  // lane + 32·i.
   float acc[ATT_MAX_DPL];
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) acc[i] = 0.f;
-#pragma unroll 2
-  for (int jj = warp; jj < nk; jj += ATT_WARPS) {
-    const int j = k0 + jj;
-    const float* v = j < p0 ? (jj < npre ? vpre + jj * hd : vc + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd)
-                     : ns > 0 ? vn + (j - js0) * hd
-                              : vs + (u64)(j - p0) * kvw + kvh * hd;
+  auto accumulate = [&](int jj, const float* v) {
     const float e = scores[jj];
 #pragma unroll
     for (int i = 0; i < ATT_MAX_DPL; i++) {
       const int d = lane + 32 * i;
       if (d < hd) acc[i] = fmaf(e, v[d], acc[i]);
     }
+  };
+  for (int i = 0; i < streamed; i++) {
+    accumulate(warp + ATT_WARPS * i, buffered(i));
+    __syncwarp();
+    copy_row(vc, i + ATT_SLOTS);
   }
+#pragma unroll 2
+  for (int jj = warp + ATT_WARPS * streamed; jj < nk; jj += ATT_WARPS) accumulate(jj, direct(vc, vn, vs, jj));
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) {
     const int d = lane + 32 * i;
