@@ -16,19 +16,10 @@
 #define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
 #define ATT_MAX_SPLITS 64
 #define ATT_LONG_SPLITS 4   // longer passes (prefill) split at most this many ways
-// Committed K and V rows stream through shared memory: each warp keeps ATT_SLOTS rows of its keys
-// in flight (cp.async, issued ATT_SLOTS keys ahead; the first before the wait), so a block has
-// 32 rows in flight instead of the few its warps' loads kept (eighth of a row per load). The
-// buffers are the last of the block's shared memory: ATT_SLOTS·ATT_WARPS·hd floats.
-#define ATT_SLOTS 4
-// Not in the megakernel: its stages share one register allocation, and a copy ahead made its
-// entries spill more (lean entry 200 → 340 bytes of spill stores); there warps load their rows.
-#ifndef ATT_STREAM
-#ifdef MEGAKERNEL
-#define ATT_STREAM 0
-#else
-#define ATT_STREAM 1
-#endif
+// Blocks per SM the registers must allow (`__launch_bounds__`; an experiment may set it in
+// MEGAGEMMA_CUDA_DEFINES).
+#ifndef ATT_MIN_BLOCKS
+#define ATT_MIN_BLOCKS 2
 #endif
 
 // Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
@@ -143,52 +134,21 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   const float f = fused & ATT_FUSED_Q && inv_freq && (int)threadIdx.x < half ? inv_freq[threadIdx.x] : 0.f;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // Shared memory: the query [hd], per-warp Σe·v [ATT_WARPS, hd], this pass's keys in the range
-  // (positions js0 .. k0 + nk) normed from the raw rows kn/vn [ns, hd], scores [per], then (16-byte
-  // aligned) the warps' row buffers [ATT_WARPS, ATT_SLOTS, hd].
+  // (positions js0 .. k0 + nk) normed from the raw rows kn/vn [ns, hd], scores [per].
   const int js0 = max(k0, p0), ns = (fused & ATT_FUSED_KV) ? max(0, k0 + nk - js0) : 0;
   float* qs = smem;
   float* part = qs + hd;
   float* kn = part + ATT_WARPS * hd;
   float* vn = kn + ns * hd;
   float* scores = vn + ns * hd;
-  float* buf = smem + ((hd * (1 + ATT_WARPS + 2 * ns) + per + 3) & ~3) + warp * ATT_SLOTS * hd;
-  // The range's committed keys come first; warp w takes keys w, w + ATT_WARPS, …, the first `nc`
-  // of them committed (streamed through its buffer when ATT_STREAM), the rest staged.
+  // The range's committed keys come first (positions before p0): rows of the cache.
   const int committed = max(0, min(k0 + nk, p0) - k0);
-  const int nc = committed > warp ? (committed - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
   auto cached_row = [&](const float* cache, int jj) {
     const int j = k0 + jj;
     return cache + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd;
   };
-  // Copy of this warp's i-th committed row of `cache` into buffer slot i mod ATT_SLOTS (none past
-  // the last), then a commit: one cp.async group per row, empty or not.
-  auto copy_row = [&](const float* cache, int i) {
-    if (i < nc) {
-      const float* src = cached_row(cache, warp + ATT_WARPS * i);
-      const unsigned dst = smem_addr(buf + (i % ATT_SLOTS) * hd);
-      for (int c = 4 * lane; c < hd; c += 128)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 4 * c), "l"(src + c) : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
-  // Row i of this warp's buffer, once its copy has landed: ATT_SLOTS − 1 younger groups may pend.
-  auto buffered = [&](int i) {
-    asm volatile("cp.async.wait_group %0;" ::"n"(ATT_SLOTS - 1) : "memory");
-    __syncwarp();
-    return buf + (i % ATT_SLOTS) * hd;
-  };
-  const bool stream = ATT_STREAM && (hd & 3) == 0;  // 16-byte copies
-  if (stream) {
-    for (int i = 0; i < ATT_SLOTS; i++) copy_row(kc, i);
-    // The rest of the range's committed rows asked of L2 (values all, keys past the first copies).
-    const int lines = (hd + 31) / 32, skip = min(committed, ATT_WARPS * ATT_SLOTS);
-    const int nkey = (committed - skip) * lines;
-    for (int i = threadIdx.x; i < nkey + committed * lines; i += blockDim.x) {
-      const bool key = i < nkey;
-      const int r = key ? skip + i / lines : (i - nkey) / lines, l = (key ? i : i - nkey) % lines;
-      prefetch_l2(cached_row(key ? kc : vc, r) + l * 32);
-    }
-  } else {
+  {
+    // Every committed key and value row asked of L2 before the wait.
     const int lines = (hd + 31) / 32;  // 128-byte lines per head row
     for (int i = threadIdx.x; i < 2 * committed * lines; i += blockDim.x) {
       const int r = (i / lines) % committed, l = i % lines;
@@ -230,8 +190,8 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     }
   }
 
-  // Scores: one warp per key, lanes over the head dim. Key row jj: committed (in the cache or this
-  // warp's buffer), normed here or staged.
+  // Scores: one warp per key, lanes over the head dim. Key row jj: committed (in the cache), normed
+  // here or staged.
   auto score = [&](int jj, const float* k) {
     float s = 0.f;
 #pragma unroll 4
@@ -243,17 +203,8 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
     const int j = k0 + jj;
     return j < p0 ? cached_row(cache, jj) : ns > 0 ? normed + (j - js0) * hd : staged + (u64)(j - p0) * kvw + kvh * hd;
   };
-  const int streamed = stream ? nc : 0;  // this warp's keys streamed through its buffer
-  for (int i = 0; i < streamed; i++) {
-    score(warp + ATT_WARPS * i, buffered(i));
-    __syncwarp();
-    copy_row(kc, i + ATT_SLOTS);
-  }
 #pragma unroll 4
-  for (int jj = warp + ATT_WARPS * streamed; jj < nk; jj += ATT_WARPS) score(jj, direct(kc, kn, ks, jj));
-  // The values' first copies, while the softmax runs.
-  if (stream)
-    for (int i = 0; i < ATT_SLOTS; i++) copy_row(vc, i);
+  for (int jj = warp; jj < nk; jj += ATT_WARPS) score(jj, direct(kc, kn, ks, jj));
   __syncthreads();
   float mx = NEG_INF;
   for (int jj = threadIdx.x; jj < nk; jj += blockDim.x) mx = fmaxf(mx, scores[jj]);
@@ -280,13 +231,8 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
       if (d < hd) acc[i] = fmaf(e, v[d], acc[i]);
     }
   };
-  for (int i = 0; i < streamed; i++) {
-    accumulate(warp + ATT_WARPS * i, buffered(i));
-    __syncwarp();
-    copy_row(vc, i + ATT_SLOTS);
-  }
 #pragma unroll 2
-  for (int jj = warp + ATT_WARPS * streamed; jj < nk; jj += ATT_WARPS) accumulate(jj, direct(vc, vn, vs, jj));
+  for (int jj = warp; jj < nk; jj += ATT_WARPS) accumulate(jj, direct(vc, vn, vs, jj));
 #pragma unroll
   for (int i = 0; i < ATT_MAX_DPL; i++) {
     const int d = lane + 32 * i;
@@ -317,7 +263,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
               [&](int s, int d) { return __ldcg(&part_o[(first + s) * hd + d]); });
   if (threadIdx.x == 0) counters[query] = 0u;
 }
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 2) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           float* ks, float* vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
           int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,

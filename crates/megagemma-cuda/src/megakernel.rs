@@ -160,16 +160,12 @@ impl Megakernel {
         for (s, p) in stages.iter_mut().zip(prefetch_plan(&kernels, ahead)) {
             s.prefetch = p;
         }
-        // Each tensor-core matvec keeps its warps' cp.async rings after its inputs; the attention
-        // streams no rows here (`ATT_STREAM` 0), and its row buffers are the last of its shared memory.
+        // Each tensor-core matvec keeps its warps' cp.async rings after its inputs.
         let smem = recorded
             .iter()
-            .map(|r| match (r.name.as_str(), r.args.get(8)) {
-                (n, _) if n.starts_with("matvec_q4t_") => {
-                    r.smem + mma_ring_bytes(if n.contains("g32") { 2 } else { 1 })
-                }
-                ("attention", Some(&Arg::I32(hd))) => r.smem - crate::seq::attention_buffer_bytes(hd as usize) as u32,
-                _ => r.smem,
+            .map(|r| match r.name.starts_with("matvec_q4t_") {
+                true => r.smem + mma_ring_bytes(if r.name.contains("g32") { 2 } else { 1 }),
+                false => r.smem,
             })
             .max()
             .unwrap_or(0);

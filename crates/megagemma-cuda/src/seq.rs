@@ -27,21 +27,6 @@ const PREFILL_CHUNK: usize = 1024;
 const MATVEC_COLS: usize = 8;
 const MATVEC_ROWS_PER_BLOCK: usize = 8;
 const ATTENTION_WARPS: usize = 8;
-/// Committed K/V rows each attention warp keeps in flight (`ATT_SLOTS` in `kernels/attention.cu`;
-/// an experiment may set it in `MEGAGEMMA_CUDA_DEFINES`).
-const ATTENTION_SLOTS: usize = 4;
-
-/// Shared memory of the attention warps' row buffers at head dim `hd`, the last of a block's (the
-/// megakernel's attention streams no rows: `ATT_STREAM`).
-pub(crate) fn attention_buffer_bytes(hd: usize) -> usize {
-    static SLOTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let slots = *SLOTS.get_or_init(|| {
-        let list = std::env::var("MEGAGEMMA_CUDA_DEFINES").unwrap_or_default();
-        crate::compile::define_in(&list, "ATT_SLOTS").and_then(|v| v.parse().ok()).unwrap_or(ATTENTION_SLOTS)
-    });
-    f32s(slots * ATTENTION_WARPS * hd)
-}
-
 /// Shared memory the tensor-core matvec's input fragments may take per block (`MMA_SLICE_BYTES` in
 /// `kernels/matvec_mma.cu`; its blocks per SM are `Q4Stream::mma_blocks_per_sm`).
 const MMA_SLICE_BYTES: usize = 48 * 1024;
@@ -1471,12 +1456,9 @@ impl CudaSeq {
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
         let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
-        // The query, per-warp sums, with fused K/V norms the range's normed K/V rows, scores
-        // (rounded up to 16 bytes), then the warps' row buffers.
+        // The query, per-warp sums, with fused K/V norms the range's normed K/V rows, and scores.
         let staged_rows = if norms.fused & ATT_FUSED_KV != 0 { t.min(split.keys_per_block) } else { 0 };
-        let smem = f32s(lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block)
-            .next_multiple_of(16)
-            + attention_buffer_bytes(lp.head_dim);
+        let smem = f32s(lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
         if smem > 200 * 1024 {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
@@ -1599,7 +1581,6 @@ mod attention_split_tests {
         assert_eq!(AttentionSplit::FEW_TOKENS, kernel_define("ATT_FEW_TOKENS"));
         assert_eq!(AttentionSplit::MAX_SPLITS, kernel_define("ATT_MAX_SPLITS"));
         assert_eq!(AttentionSplit::LONG_SPLITS, kernel_define("ATT_LONG_SPLITS"));
-        assert_eq!(super::ATTENTION_SLOTS, kernel_define("ATT_SLOTS"));
         // The kernel's split of n keys (att_splits) fits the host's grid and shared memory.
         for (t, split_keys) in [1, 4, 8, 9, 64].into_iter().flat_map(|t| [1, 16, ATT_SPLIT_KEYS, 64].map(|k| (t, k))) {
             for max_keys in [1, 31, 32, 33, 200, 512, 4096, 131072] {
