@@ -35,8 +35,8 @@ ARGMAX_SAFE = (
 
 ATT_AFTER_WAIT = (
     "attention.cu",
-    "  pdl_start();\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n",
-    "  pdl_start();\n  return;\n  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n",
+    "  pdl_start();\n  const float* qrow = q + ((u64)t * heads + head) * hd;\n",
+    "  pdl_start();\n  return;\n  const float* qrow = q + ((u64)t * heads + head) * hd;\n",
 )
 MMA_AFTER_WAIT = (
     "matvec_mma.cu",
