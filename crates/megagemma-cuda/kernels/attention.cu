@@ -21,6 +21,11 @@
 #ifndef ATT_MIN_BLOCKS
 #define ATT_MIN_BLOCKS 2
 #endif
+// Scores from 16-byte loads (lane: dims 4·lane + 128·i): a quarter of the load instructions, but
+// each lane's dims, so its partial sums, differ from the 4-byte form's (lane + 32·i): other bits.
+#ifndef ATT_SCORE4
+#define ATT_SCORE4 0
+#endif
 
 // Norms fused into a short pass's attention (`fused`, bit flags; 0 = the pass ran `qkv_norm_rope`):
 #define ATT_FUSED_Q 1       // q holds the raw projection: each block norms (wq) and rotates its head
@@ -194,8 +199,16 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   // here or staged.
   auto score = [&](int jj, const float* k) {
     float s = 0.f;
+    if (ATT_SCORE4) {
+#pragma unroll
+      for (int d = 4 * lane; d < hd; d += 128) {
+        const float4 x = *(const float4*)(k + d), y = *(const float4*)(qs + d);
+        s = fmaf(y.w, x.w, fmaf(y.z, x.z, fmaf(y.y, x.y, fmaf(y.x, x.x, s))));
+      }
+    } else {
 #pragma unroll 4
-    for (int d = lane; d < hd; d += 32) s = fmaf(qs[d], k[d], s);
+      for (int d = lane; d < hd; d += 32) s = fmaf(qs[d], k[d], s);
+    }
     s = warp_sum(s);
     if (lane == 0) scores[jj] = __fmul_rn(s, scale);
   };
@@ -218,25 +231,29 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   sum = block_sum(sum);
   __syncthreads();
 
-  // Weighted values Σ e·v: warp w takes keys w, w + ATT_WARPS, … (in that order); lane holds dims
-  // lane + 32·i.
-  float acc[ATT_MAX_DPL];
+  // Weighted values Σ e·v: warp w takes keys w, w + ATT_WARPS, … (in that order); a lane holds
+  // dims 4·lane + 128·i (16-byte loads; which lane holds a dim changes no sum).
+  float4 acc[ATT_MAX_DPL / 4];
 #pragma unroll
-  for (int i = 0; i < ATT_MAX_DPL; i++) acc[i] = 0.f;
+  for (int i = 0; i < ATT_MAX_DPL / 4; i++) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   auto accumulate = [&](int jj, const float* v) {
     const float e = scores[jj];
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DPL; i++) {
-      const int d = lane + 32 * i;
-      if (d < hd) acc[i] = fmaf(e, v[d], acc[i]);
+    for (int i = 0; i < ATT_MAX_DPL / 4; i++) {
+      const int d = 4 * lane + 128 * i;
+      if (d < hd) {
+        const float4 x = *(const float4*)(v + d);
+        acc[i] = make_float4(fmaf(e, x.x, acc[i].x), fmaf(e, x.y, acc[i].y), fmaf(e, x.z, acc[i].z),
+                             fmaf(e, x.w, acc[i].w));
+      }
     }
   };
 #pragma unroll 2
   for (int jj = warp; jj < nk; jj += ATT_WARPS) accumulate(jj, direct(vc, vn, vs, jj));
 #pragma unroll
-  for (int i = 0; i < ATT_MAX_DPL; i++) {
-    const int d = lane + 32 * i;
-    if (d < hd) part[warp * hd + d] = acc[i];
+  for (int i = 0; i < ATT_MAX_DPL / 4; i++) {
+    const int d = 4 * lane + 128 * i;
+    if (d < hd) *(float4*)(part + warp * hd + d) = acc[i];
   }
   __syncthreads();
   float* o = out + ((u64)t * heads + head) * hd;

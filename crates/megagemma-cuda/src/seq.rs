@@ -1450,8 +1450,8 @@ impl CudaSeq {
     /// column's cache from that table.
     fn attention_launch(&self, lp: &LayerPlan, c: KvView, t: usize, norms: &AttentionNorms, cols: u64) -> Result<()> {
         let s = &self.s;
-        if lp.head_dim > 512 {
-            bail!("head dim {} is past the attention kernel's 512", lp.head_dim);
+        if lp.head_dim > 512 || lp.head_dim % 4 != 0 {
+            bail!("head dim {} is not one the attention kernel takes (a multiple of 4, at most 512)", lp.head_dim);
         }
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
