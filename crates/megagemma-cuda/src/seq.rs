@@ -1450,7 +1450,7 @@ impl CudaSeq {
     /// column's cache from that table.
     fn attention_launch(&self, lp: &LayerPlan, c: KvView, t: usize, norms: &AttentionNorms, cols: u64) -> Result<()> {
         let s = &self.s;
-        if lp.head_dim > 512 || lp.head_dim % 4 != 0 {
+        if lp.head_dim > 512 || !lp.head_dim.is_multiple_of(4) {
             bail!("head dim {} is not one the attention kernel takes (a multiple of 4, at most 512)", lp.head_dim);
         }
         // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.

@@ -39,6 +39,12 @@ fn compile_report(file: &str, opts: &[String], label: &str) -> Result<Vec<Kernel
     Ok(report)
 }
 
+/// Spills kept because the kernel was measured faster with them: (file, kernel, most bytes of spill
+/// stores and loads). The attention at four blocks an SM (`ATT_MIN_BLOCKS`, 64 registers) spills 8
+/// bytes (20 loaded back) and still beats two blocks an SM without spills (docs/perf-notes.md,
+/// twentieth session). More fails.
+const MEASURED_SPILLS: &[(&str, &str, u32)] = &[("attention.cu", "attention", 28)];
+
 #[test]
 fn kernels_compile() {
     ensure_nvrtc();
@@ -53,8 +59,13 @@ fn kernels_compile() {
             // still spills: docs/perf-notes.md, "Decode megakernel, first version".
             Ok(_) if file == "megakernel.cu" => {}
             Ok(report) => {
-                for k in report.iter().filter(|k| k.spill_bytes > 0) {
-                    failures.push(format!("{file}: {} spills {} bytes", k.function, k.spill_bytes));
+                for k in report.iter() {
+                    let allowed =
+                        MEASURED_SPILLS.iter().find(|m| (m.0, m.1) == (file, k.function.as_str())).map_or(0, |m| m.2);
+                    if k.spill_bytes > allowed {
+                        failures
+                            .push(format!("{file}: {} spills {} bytes (allowed {allowed})", k.function, k.spill_bytes));
+                    }
                 }
             }
         }
@@ -75,6 +86,8 @@ fn kernel_experiments_compile() {
         ("megakernel.cu", "MMA_SCALES_F4"),
         ("megakernel.cu", "MK_MARK=2"),
         ("matvec_mma.cu", "MK_MARK=2"),
+        ("attention.cu", "ATT_SCORE4=1"),
+        ("attention.cu", "ATT_MIN_BLOCKS=2"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
