@@ -144,9 +144,9 @@ pub struct Q4Stream {
 /// Which tensor-core matvec launches that fit in less than a round of virtual blocks are spread
 /// over more of it: fewer tiles per virtual block (idle warps in each), as few as keep the launch
 /// in one round. Each tile's sums stay in the same order, so no result depends on it.
-/// Nineteenth session (H200, q4, three rounds): E4B's gate+up at 5 tiles a virtual block instead of
-/// 8 (256 virtual blocks instead of 160): graph -1.2%, megakernel -2.2%; every launch (also the
-/// PLE projection and E2B's two-warp gate+up): E4B -0.4% / -1.3%, E2B +0.3% / +0.8%.
+/// Nineteenth session (H200, q4, three rounds in one call, docs/perf-notes.md): fill 1 against 0,
+/// E4B's gate+up at 5 tiles a virtual block instead of 8 (256 virtual blocks instead of 160):
+/// graph −1.3%, megakernel −1.2%; E2B (its double-wide gate+up, 192 → 256) +0.5% / +0.4%.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MmaFill {
     /// Eight tiles per virtual block over one warp each, or 8 / ks over ks warps each.

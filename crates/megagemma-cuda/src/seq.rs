@@ -985,7 +985,7 @@ impl CudaSeq {
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
         let split = self.mma_split(&tiles, cols, gate.is_some());
-        let nb: Vec<usize> = tiles.iter().map(|&t| split.blocks(&[t])).collect();
+        let nb: Vec<usize> = tiles.iter().map(|&t| split.matrix_blocks(t)).collect();
         let nblocks: usize = nb.iter().sum();
         let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
         // L2 requests for the next virtual block (`MEGAGEMMA_CUDA_Q4_AHEAD`) only in passes of
@@ -1663,9 +1663,14 @@ impl MmaSplit {
         MmaSplit { ks, tpb: MMA_WARPS / ks, parts }
     }
 
+    /// Virtual blocks of one matrix of `tiles` tiles.
+    fn matrix_blocks(&self, tiles: usize) -> usize {
+        tiles.div_ceil(self.tpb) * self.parts
+    }
+
     /// Virtual blocks of a launch of matrices with `tiles` tiles.
     fn blocks(&self, tiles: &[usize]) -> usize {
-        tiles.iter().map(|t| t.div_ceil(self.tpb)).sum::<usize>() * self.parts
+        tiles.iter().map(|&t| self.matrix_blocks(t)).sum()
     }
 
     /// The kernels' `split` argument.
@@ -1745,7 +1750,7 @@ fn splittable(tiles: &[usize], parts: usize) -> bool {
 }
 
 /// An experiment: `MEGAGEMMA_CUDA_MMA_SPLITS=ROWSxCOLS=KS:PARTS[:TPB];...` sets the tensor-core
-/// matvec's split (warps per tile, column parts, tiles per virtual block: 8 / KS when left out) of
+/// matvec's split (warps per tile, column parts, tiles per virtual block: MMA_WARPS / KS when left out) of
 /// launches whose first matrix has those rows and columns (e.g. `2560x10240=4:3`: E4B's down
 /// projection), so splits can be timed without a rebuild.
 /// Splits that the kernel cannot run are ignored — column parts only for launches of one matrix, so
@@ -1761,7 +1766,7 @@ fn split_override(rows: usize, cols: usize) -> Option<MmaSplit> {
             let (r, c) = shape.split_once('x')?;
             let mut n = split.split(':').map(|n| n.parse::<usize>().ok());
             let (ks, parts) = (n.next()??, n.next()??);
-            let tpb = n.next().unwrap_or(Some(8 / ks.clamp(1, 8)))?;
+            let tpb = n.next().unwrap_or(Some(MMA_WARPS / ks.clamp(1, MMA_WARPS)))?;
             n.next().is_none().then_some(((r.parse().ok()?, c.parse().ok()?), MmaSplit { ks, tpb, parts }))
         };
         let entries = v.split([',', ';']).filter(|e| !e.trim().is_empty());
@@ -1874,7 +1879,8 @@ mod mma_split_tests {
         assert_eq!(split(&[2048, 512, 512], 2560, false).0, (8, 1)); // E4B Q/K/V: 192
         assert_eq!(split(&[262144], 2560, false).0, (1, 1)); // LM head
         assert_eq!(split(&[2560], 256, true).0, (2, 1)); // E4B PLE projection: 40, not 4 parts of a chunk
-                                                         // The default fill (nineteenth session) spreads E4B's gate+up alone: 5 tiles a virtual block.
+
+        // The default fill (nineteenth session) spreads E4B's gate+up alone: 5 tiles a virtual block.
         let filled = |rows: &[usize], cols, gated| {
             let tiles: Vec<usize> = rows.iter().map(|r| r.div_ceil(16)).collect();
             let s = mma_split(&tiles, cols, gated, ROUND, MMA_PART_CHUNKS, MmaFill::OneWarpTiles);
