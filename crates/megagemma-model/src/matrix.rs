@@ -66,6 +66,15 @@ pub enum WeightLayout<'a> {
 
 /// Rows handled per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROW_BLOCK: usize = 64;
+/// Tasks a product is cut into at most: a 262,144-row LM head in 64-row tasks was 4,096 tasks
+/// (and, for several tokens, as many output buffers) per product.
+const MAX_TASKS: usize = 256;
+
+/// Rows per task for a matrix of `rows` rows: [`ROW_BLOCK`], or a multiple of it that keeps the
+/// product within [`MAX_TASKS`] tasks. (Which rows a task computes changes no result.)
+fn row_block(rows: usize) -> usize {
+    rows.div_ceil(MAX_TASKS).div_ceil(ROW_BLOCK).max(1) * ROW_BLOCK
+}
 
 /// `ys[t] = W · xs[t]` for every token `t`. `xs` is `[T, cols]`, `ys` is `[T, rows]`, row-major.
 /// Work is split over row blocks (each block's weights are read once, then reused across tokens).
@@ -78,19 +87,20 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
         return; // e.g. the LM head on a prefill chunk that keeps no position
     }
     let prepared = w.prepare_inputs(xs);
+    let block = row_block(rows);
     if t == 1 {
-        ys.par_chunks_mut(ROW_BLOCK).enumerate().for_each(|(b, out)| match &prepared {
-            Some(p) => w.dot_rows_prepared(b * ROW_BLOCK, p, out),
-            None => w.dot_rows(b * ROW_BLOCK, xs, out),
+        ys.par_chunks_mut(block).enumerate().for_each(|(b, out)| match &prepared {
+            Some(p) => w.dot_rows_prepared(b * block, p, out),
+            None => w.dot_rows(b * block, xs, out),
         });
         return;
     }
     // Row-block-major so each block of weights is read once for all T tokens; each task writes
     // its block's rows of every token's output (disjoint slices, so the copies run in parallel).
-    let blocks = rows.div_ceil(ROW_BLOCK);
+    let blocks = rows.div_ceil(block);
     let mut per_block: Vec<Vec<&mut [f32]>> = (0..blocks).map(|_| Vec::with_capacity(t)).collect();
     for y in ys.chunks_exact_mut(rows) {
-        for (b, part) in y.chunks_mut(ROW_BLOCK).enumerate() {
+        for (b, part) in y.chunks_mut(block).enumerate() {
             per_block[b].push(part);
         }
     }
@@ -98,8 +108,8 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
         let n = parts[0].len();
         let mut block_out = vec![0f32; t * n];
         match &prepared {
-            Some(p) => w.dot_rows_prepared(b * ROW_BLOCK, p, &mut block_out),
-            None => w.dot_rows_multi(b * ROW_BLOCK, xs, &mut block_out),
+            Some(p) => w.dot_rows_prepared(b * block, p, &mut block_out),
+            None => w.dot_rows_multi(b * block, xs, &mut block_out),
         }
         for (ti, part) in parts.iter_mut().enumerate() {
             part.copy_from_slice(&block_out[ti * n..(ti + 1) * n]);

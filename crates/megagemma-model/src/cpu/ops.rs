@@ -122,15 +122,29 @@ pub fn softcap(x: f32, cap: f32) -> f32 {
     cap * (x / cap).tanh()
 }
 
-/// Index of the largest value; the first one wins ties (as torch.argmax).
+/// Index of the largest value; the first one wins ties (as torch.argmax). NaNs are passed over,
+/// but a NaN at index 0 is returned (the scan `if v > x[best]` that this computes in two passes:
+/// the largest value in 16 independent lanes, which vectorises, then its first index).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in x.iter().enumerate() {
-        if v > x[best] {
-            best = i;
+    if x.is_empty() || x[0].is_nan() {
+        return 0;
+    }
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for j in 0..LANES {
+            lanes[j] = if c[j] > lanes[j] { c[j] } else { lanes[j] };
         }
     }
-    best as u32
+    let mut m = x[0];
+    for &v in lanes.iter().chain(tail) {
+        if v > m {
+            m = v;
+        }
+    }
+    x.iter().position(|&v| v == m).unwrap_or(0) as u32
 }
 
 #[cfg(test)]
@@ -210,5 +224,40 @@ mod tests {
     #[test]
     fn argmax_first_index_wins() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn argmax_equals_the_scan_on_ties_nans_and_signed_zeros() {
+        let scan = |x: &[f32]| {
+            let mut best = 0;
+            for (i, &v) in x.iter().enumerate() {
+                if v > x[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut s = 7u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 5.0];
+        for len in [0, 1, 2, 15, 16, 17, 33, 100, 1000] {
+            for _ in 0..200 {
+                let x: Vec<f32> = (0..len)
+                    .map(|_| match next() % 8 {
+                        0 => specials[(next() % 6) as usize],
+                        _ => (next() % 11) as f32 - 5.0,
+                    })
+                    .collect();
+                assert_eq!(argmax(&x), scan(&x), "{x:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, 1.0]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 2.0]), 2);
     }
 }

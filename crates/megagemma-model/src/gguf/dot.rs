@@ -17,9 +17,11 @@
 //! x86-64 is SSE2: no FMA, no byte→int widening) and, on x86-64, an AVX2+FMA build chosen at run
 //! time (1.5–3× faster on the dev VM). The FMA build fuses `w·x + acc` (one rounding instead of
 //! two), so the builds differ in the last bits of the sum; a process always uses one of them.
-//! On CPUs with AVX-512 the block types use hand-written kernels instead (`dot512.rs`), which
-//! give exactly the AVX2 build's bits with the accumulators of 4 vectors held in registers.
-//! (An AVX-512 build of this generic source was measured slower than AVX2.)
+//! On x86-64 the block types use hand-written kernels instead, which give exactly the AVX2
+//! build's bits: `dot512.rs` on CPUs with AVX-512 (the accumulators of 4 vectors held in
+//! registers; an AVX-512 build of this generic source was measured slower than AVX2), else
+//! `dot256.rs` (f16 scales by F16C, and a row walked in lane groups so that the accumulators of
+//! 4 vectors never spill). The generic AVX2 build stays the reference both are tested against.
 
 use super::blocks::{check_row, f16_at, k4_scales_mins, q6k_half, supported_list, GgmlType};
 use crate::bail;
@@ -426,6 +428,33 @@ fn avx512_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
     }
 }
 
+/// The hand-written AVX2 kernels (`dot256.rs`): the same bits as the generic AVX2 build, where
+/// the CPU also has F16C (every AVX2 CPU made so far).
+#[cfg(target_arch = "x86_64")]
+fn avx256_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
+    use super::dot256 as k;
+    if !is_x86_feature_detected!("f16c") {
+        return None;
+    }
+    macro_rules! pair {
+        ($f:ident) => {
+            // SAFETY: the CPU supports avx2, fma (the caller's check) and f16c (just above).
+            Some((|w, x| unsafe { k::$f::<1>(w, [x])[0] }, |w, xs| unsafe { k::$f::<MULTI>(w, xs) }))
+        };
+    }
+    match ty {
+        GgmlType::Q8_0 => pair!(dot_q8_0),
+        GgmlType::Q4_0 => pair!(dot_q4_0),
+        GgmlType::Q4_1 => pair!(dot_q4_1),
+        GgmlType::Q5_0 => pair!(dot_q5_0),
+        GgmlType::Q5_1 => pair!(dot_q5_1),
+        GgmlType::Q4_K => pair!(dot_q4_k),
+        GgmlType::Q5_K => pair!(dot_q5_k),
+        GgmlType::Q6_K => pair!(dot_q6_k),
+        _ => None,
+    }
+}
+
 /// Two rows against [`MULTI`] vectors at once (each vector loaded once for both rows); row `r`,
 /// column `n` equals the [`DotFn`] result for `rows[r]` and `xs[n]`.
 pub(super) type DotMulti2Fn = fn([&[u8]; 2], [&[f32]; MULTI]) -> [[f32; MULTI]; 2];
@@ -469,7 +498,7 @@ pub(super) fn dot_kernel(ty: GgmlType) -> Option<(DotFn, DotMultiFn)> {
     #[cfg(target_arch = "x86_64")]
     match crate::simd::level() {
         crate::simd::Level::Avx512 if avx512_supported() => return avx512_kernel(ty).or_else(|| avx2_kernel(ty)),
-        crate::simd::Level::Avx512 | crate::simd::Level::Avx2 => return avx2_kernel(ty),
+        crate::simd::Level::Avx512 | crate::simd::Level::Avx2 => return avx256_kernel(ty).or_else(|| avx2_kernel(ty)),
         crate::simd::Level::Portable => {}
     }
     portable_kernel(ty)

@@ -70,7 +70,7 @@ pub fn enabled() -> bool {
 
 /// `T` activation vectors of `cols` values, quantized to 22-bit integers per 16 values and laid
 /// out for the integer kernel (see the module documentation).
-pub struct IntInputs {
+pub struct LaneInputs {
     t: usize,
     groups: usize,
     /// `[t][group][step][lane][4]`: `(x_q >> 16) + 128` (as unsigned bytes).
@@ -85,9 +85,9 @@ pub struct IntInputs {
     sums: Vec<f32>,
 }
 
-impl IntInputs {
+impl LaneInputs {
     /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32).
-    pub fn quantize(xs: &[f32], cols: usize) -> IntInputs {
+    pub fn quantize(xs: &[f32], cols: usize) -> LaneInputs {
         assert!(
             cols > 0 && cols.is_multiple_of(BLOCK),
             "integer dot: {cols} values per vector is not whole 32-value blocks"
@@ -126,7 +126,7 @@ impl IntInputs {
                 .zip(xs.par_chunks(cols * QUANT_TASK))
                 .for_each(|(bufs, xs)| work(bufs, xs));
         }
-        IntInputs { t, groups, hi, mid, lo, scale, sums }
+        LaneInputs { t, groups, hi, mid, lo, scale, sums }
     }
 
     /// Number of vectors.
@@ -151,7 +151,7 @@ pub fn supports(ty: GgmlType) -> bool {
 
 /// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows of a
 /// `ty` matrix whose rows are `row_bytes` bytes from `data`. Requires [`supports`]`(ty)`.
-pub fn dot_rows(ty: GgmlType, data: &[u8], row_bytes: usize, start: usize, x: &IntInputs, outs: &mut [f32]) {
+pub fn dot_rows(ty: GgmlType, data: &[u8], row_bytes: usize, start: usize, x: &LaneInputs, outs: &mut [f32]) {
     assert!(supports(ty), "no integer dot kernel for {ty} on this CPU");
     assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "integer dot: {} outputs for {} vectors", outs.len(), x.t);
     let n = outs.len() / x.t;
@@ -432,7 +432,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     unsafe fn tile<F: Format, const R: usize, const N: usize>(
         rows: [&[DecGroup]; R],
-        x: &IntInputs,
+        x: &LaneInputs,
         t0: usize,
     ) -> [[f32; N]; R] {
         let mut acc = [[_mm512_setzero_ps(); N]; R];
@@ -482,7 +482,7 @@ mod avx512 {
         data: &[u8],
         row_bytes: usize,
         start: usize,
-        x: &IntInputs,
+        x: &LaneInputs,
         outs: &mut [f32],
         n: usize,
     ) {
@@ -518,7 +518,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
     unsafe fn times_vectors<F: Format, const R: usize>(
         rows: [&[DecGroup]; R],
-        x: &IntInputs,
+        x: &LaneInputs,
         ts: std::ops::Range<usize>,
         outs: &mut [f32],
         n: usize,
@@ -593,7 +593,7 @@ mod tests {
     }
 
     /// The kernel's arithmetic transcribed for one row and vector `ti`, lane by lane.
-    fn reference(ty: GgmlType, row: &[u8], x: &IntInputs, ti: usize) -> f32 {
+    fn reference(ty: GgmlType, row: &[u8], x: &LaneInputs, ti: usize) -> f32 {
         let mut acc = [0f32; 16];
         for g in 0..x.groups {
             for (j, a) in acc.iter_mut().enumerate() {
@@ -663,12 +663,12 @@ mod tests {
             let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
             xs[cols + 5] = 900.0;
             xs[2 * cols..2 * cols + 16].fill(0.0);
-            let x = IntInputs::quantize(&xs, cols);
+            let x = LaneInputs::quantize(&xs, cols);
             let mut outs = vec![0f32; t * rows];
             dot_rows(ty, &data, rb, 0, &x, &mut outs);
             for ti in 0..t {
                 // One vector alone gives the same bits as in the group.
-                let one = IntInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+                let one = LaneInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
                 let mut single = vec![0f32; rows];
                 dot_rows(ty, &data, rb, 0, &one, &mut single);
                 let xv = &xs[ti * cols..(ti + 1) * cols];
@@ -713,11 +713,11 @@ mod tests {
         let data = random_rows(ty, rows, cols, 11);
         let rb = ty.row_bytes(cols).unwrap();
         let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
-        let x = IntInputs::quantize(&xs, cols);
+        let x = LaneInputs::quantize(&xs, cols);
         let mut outs = vec![0f32; t * rows];
         dot_rows(ty, &data, rb, 0, &x, &mut outs);
         for ti in [0, 1, TOKEN_BLOCK - 1, TOKEN_BLOCK, 2 * TOKEN_BLOCK + 3, t - 1] {
-            let one = IntInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+            let one = LaneInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
             let mut single = vec![0f32; rows];
             dot_rows(ty, &data, rb, 0, &one, &mut single);
             for r in 0..rows {
@@ -734,7 +734,7 @@ mod tests {
         let data = random_rows(GgmlType::Q5_0, 1, 64, 3);
         let mut xs = vec![0.5f32; 64];
         xs[40] = f32::NAN;
-        let x = IntInputs::quantize(&xs, 64);
+        let x = LaneInputs::quantize(&xs, 64);
         let mut out = [0f32; 1];
         dot_rows(GgmlType::Q5_0, &data, 2 * Q5_0_BYTES, 0, &x, &mut out);
         assert!(out[0].is_nan());

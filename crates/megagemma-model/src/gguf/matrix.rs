@@ -1,14 +1,16 @@
 //! A GGUF tensor used directly as a CPU weight matrix: rows are dotted straight out of the
 //! memory map with the fused kernels, so quantized weights are never expanded in memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use memmap2::Mmap;
 
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
 use super::dot::{dot_kernel, dot_kernel_2rows, DotFn, DotMulti2Fn, DotMultiFn, MULTI};
-use super::idot::IntInputs;
+use super::idot::LaneInputs;
+use super::q8_tiles::{Q8Tiles, TileInputs};
 use super::reader::{GgufFile, GgufTensorInfo};
+use super::IntInputs;
 use crate::bail;
 use crate::error::Result;
 use crate::matrix::{RowDot, WeightLayout};
@@ -28,8 +30,12 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
-    /// Rows go through the integer kernel ([`super::idot`]) on this CPU.
+    /// Rows go through an integer kernel on this CPU: [`super::idot`], or for Q8_0
+    /// [`super::q8_tiles`].
     int_dot: bool,
+    /// Q8_0 rows re-laid in 16-row tiles, made on the first product (a device backend that only
+    /// uploads [`RowDot::layout`] never pays for it).
+    tiles: OnceLock<Q8Tiles>,
 }
 
 impl GgufMatrix {
@@ -60,7 +66,8 @@ impl GgufMatrix {
             dot_multi,
             dot_multi2: dot_kernel_2rows(ty),
             dequant,
-            int_dot: super::idot::supports(ty),
+            int_dot: super::idot::supports(ty) || super::q8_tiles::supports(ty),
+            tiles: OnceLock::new(),
         })
     }
 
@@ -155,7 +162,13 @@ impl RowDot for GgufMatrix {
     }
 
     fn prepare_inputs(&self, xs: &[f32]) -> Option<IntInputs> {
-        self.int_dot.then(|| IntInputs::quantize(xs, self.cols))
+        if !self.int_dot {
+            return None;
+        }
+        Some(match self.ggml_type {
+            GgmlType::Q8_0 => IntInputs::Tiles(TileInputs::quantize(xs, self.cols)),
+            _ => IntInputs::Lanes(LaneInputs::quantize(xs, self.cols)),
+        })
     }
 
     fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [f32]) {
@@ -163,7 +176,13 @@ impl RowDot for GgufMatrix {
         let n = outs.len() / xs.len().max(1);
         assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
         let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
-        super::idot::dot_rows(self.ggml_type, data, self.row_bytes, start, xs, outs);
+        match xs {
+            IntInputs::Lanes(x) => super::idot::dot_rows(self.ggml_type, data, self.row_bytes, start, x, outs),
+            IntInputs::Tiles(x) => {
+                let tiles = self.tiles.get_or_init(|| Q8Tiles::from_q8_0(data, self.rows, self.row_bytes));
+                super::q8_tiles::dot_rows(tiles, start, x, outs)
+            }
+        }
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {

@@ -8,13 +8,37 @@
 mod blocks;
 mod dot;
 #[cfg(target_arch = "x86_64")]
+mod dot256;
+#[cfg(target_arch = "x86_64")]
 mod dot512;
 pub mod idot;
 mod matrix;
+pub mod q8_tiles;
 mod reader;
 
 pub use blocks::{dequantize_row, f16_to_f32, GgmlType, SUPPORTED_TYPES};
 pub use dot::{dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, dot_rows2_multi, MULTI};
-pub use idot::IntInputs;
 pub use matrix::GgufMatrix;
 pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC};
+
+/// Activation vectors prepared once per product for a GGUF integer kernel
+/// ([`crate::matrix::RowDot::prepare_inputs`]): 22-bit lanes for Q5_0 / Q4_K / Q6_K rows
+/// ([`idot`]), or 20-bit digits per 32 values for Q8_0 tiles ([`q8_tiles`]).
+pub enum IntInputs {
+    Lanes(idot::LaneInputs),
+    Tiles(q8_tiles::TileInputs),
+}
+
+impl IntInputs {
+    /// Number of vectors.
+    pub fn len(&self) -> usize {
+        match self {
+            IntInputs::Lanes(x) => x.len(),
+            IntInputs::Tiles(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

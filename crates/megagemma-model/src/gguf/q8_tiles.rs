@@ -1,0 +1,692 @@
+//! GGUF Q8_0 matrices as integer dot products over 16 rows at once (AVX-512 VNNI).
+//!
+//! Q8_0 weights are `d·q` per 32 values (`q` a signed byte, `d` an f16). The f32 kernel spends
+//! one fused multiply-add per weight and vector, so a verify pass's LM head (Gemma 3 270M:
+//! 262,144 × 640 in Q8_0, 72% of the bytes a token reads) ran at the FMA units' limit; and
+//! [`super::idot`]'s lane layout (one row at a time, lanes summed across at the end) measured no
+//! faster than f32 for Q8_0. Here the matrix is re-laid once, on first use, in *tiles* of 16 rows:
+//! per tile and 32-value block, the 512 codes as `q + 128` (unsigned) in the order `vpdpbusd`
+//! reads them against one broadcast activation word — step `i` (values `4i .. 4i + 4`), row `r`,
+//! byte `e` at `64·i + 4·r + e` — then the 16 rows' f16 scales: 544 bytes, as many as the 16
+//! Q8_0 blocks they come from. One `vpdpbusd` adds four products to each of the 16 rows: no byte
+//! permutes, no horizontal sums.
+//!
+//! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / (2^19 − 1)` (error at most
+//! `s/2`, ≈9.5e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256
+//! digits `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 8`). Per block and row,
+//! three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
+//! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
+//! true value fits, `128·(2^19 − 1)·32 < 2^31`); then `acc = fma(f32(Σ q·x_q), d·s, acc)` block
+//! after block. Every step is per token, so a column of a multi-token call is bit-identical to a
+//! one-token call. With two tokens or more, on CPUs with AMX (and `MEGAGEMMA_AMX` not `0`), one
+//! `tdpbsud` per tile and block computes the same `S_p` for up to five tokens at once (the digit
+//! rows of the tokens' three planes against the tile's codes, exactly the layout above): integer
+//! sums are exact in any order, so the results are the same bits; [`tests`] check the kernel against a scalar transcription of the same
+//! arithmetic, bit for bit, and against an f64 dot product.
+
+#![allow(clippy::missing_safety_doc)]
+// Indexed loops over fixed-size register arrays unroll into straight-line code (as idot.rs).
+#![allow(clippy::needless_range_loop)]
+
+use super::blocks::GgmlType;
+use rayon::prelude::*;
+
+/// Rows per tile: the 16 i32 lanes of one `vpdpbusd`.
+pub const TILE_ROWS: usize = 16;
+/// Values per Q8_0 block (and per activation scale).
+const BLOCK: usize = 32;
+/// Q8_0 block bytes: f16 `d`, 32 signed codes.
+const Q8_0_BYTES: usize = 34;
+/// One tile's block: 16 rows × 32 codes, then 16 f16 scales.
+const TILE_BLOCK_BYTES: usize = TILE_ROWS * BLOCK + 2 * TILE_ROWS;
+/// The largest quantized activation magnitude (20-bit signed).
+const Q_MAX: f32 = 524_287.0;
+/// Adding and subtracting 1.5·2^23 rounds an f32 below 2^22 to an integer, half to even.
+const ROUNDER: f32 = 12_582_912.0;
+/// Tokens whose digits stay in L2 while a call's tiles are multiplied with them.
+const TOKEN_BLOCK: usize = 128;
+/// Vectors quantized per parallel task.
+const QUANT_TASK: usize = 8;
+
+/// Bytes ahead of the block being multiplied that a tile walk prefetches (about 7.5 tile
+/// blocks; 1 to 16 KiB and the T1/T2 hints measured alike on the 2-core Xeon VM).
+const PREFETCH_AHEAD: usize = 4096;
+
+/// Whether this CPU runs the tiled kernel: the integer kernels' switch ([`super::idot::enabled`]).
+pub fn enabled() -> bool {
+    super::idot::enabled()
+}
+
+/// A Q8_0 matrix re-laid in tiles of 16 rows (see the module documentation). Rows past the
+/// matrix in the last tile are zero (codes 128, scales 0).
+pub struct Q8Tiles {
+    rows: usize,
+    blocks: usize,
+    /// `[tile][block]` of [`TILE_BLOCK_BYTES`].
+    data: Vec<u8>,
+}
+
+impl Q8Tiles {
+    /// Re-lay `rows` Q8_0 rows of `row_bytes` bytes each (`bytes`, rows contiguous).
+    pub fn from_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> Q8Tiles {
+        assert!(row_bytes.is_multiple_of(Q8_0_BYTES), "Q8_0 rows of {row_bytes} bytes are not whole blocks");
+        assert_eq!(bytes.len(), rows * row_bytes, "Q8_0 matrix: {} bytes for {rows} rows", bytes.len());
+        let blocks = row_bytes / Q8_0_BYTES;
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let tile_bytes = blocks * TILE_BLOCK_BYTES;
+        let mut data = vec![0u8; tiles * tile_bytes];
+        data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
+            for (b, tb) in out.chunks_exact_mut(TILE_BLOCK_BYTES).enumerate() {
+                let (codes, scales) = tb.split_at_mut(TILE_ROWS * BLOCK);
+                codes.fill(128);
+                for r in 0..TILE_ROWS {
+                    let row = tile * TILE_ROWS + r;
+                    if row >= rows {
+                        break;
+                    }
+                    let blk = &bytes[row * row_bytes + b * Q8_0_BYTES..][..Q8_0_BYTES];
+                    scales[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+                    for (v, &q) in blk[2..].iter().enumerate() {
+                        codes[64 * (v / 4) + 4 * r + v % 4] = (q as i8 as i32 + 128) as u8;
+                    }
+                }
+            }
+        });
+        Q8Tiles { rows, blocks, data }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn tile(&self, t: usize) -> &[u8] {
+        let tb = self.blocks * TILE_BLOCK_BYTES;
+        &self.data[t * tb..(t + 1) * tb]
+    }
+}
+
+/// `T` activation vectors quantized for [`Q8Tiles`] (see the module documentation).
+pub struct TileInputs {
+    t: usize,
+    cols: usize,
+    /// `[t][plane][cols]`: the high, middle and low signed digits of `x_q`.
+    digits: Vec<i8>,
+    /// `[t][block]`: the block's scale `s` (NaN when the block holds a non-finite value).
+    scale: Vec<f32>,
+    /// `[t][block]`: `128·Σ x_q` over the block (wrapping).
+    corr: Vec<i32>,
+}
+
+impl TileInputs {
+    /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32).
+    pub fn quantize(xs: &[f32], cols: usize) -> TileInputs {
+        assert!(cols > 0 && cols.is_multiple_of(BLOCK), "Q8_0 tiles: {cols} values per vector is not whole blocks");
+        assert_eq!(xs.len() % cols, 0, "Q8_0 tiles: input is not [T, {cols}]");
+        assert!(enabled(), "Q8_0 tile inputs prepared on a CPU without AVX-512 VNNI");
+        let (t, blocks) = (xs.len() / cols, cols / BLOCK);
+        let mut digits = vec![0i8; t * 3 * cols];
+        let mut scale = vec![0f32; t * blocks];
+        let mut corr = vec![0i32; t * blocks];
+        let work = |((d, s), c): ((&mut [i8], &mut [f32]), &mut [i32]), xs: &[f32]| {
+            for (k, x) in xs.chunks_exact(cols).enumerate() {
+                let (d, s, c) = (
+                    &mut d[k * 3 * cols..][..3 * cols],
+                    &mut s[k * blocks..][..blocks],
+                    &mut c[k * blocks..][..blocks],
+                );
+                // SAFETY: `enabled()` (checked above) includes the kernel's CPU features.
+                unsafe { avx512::quantize_one(x, d, s, c) };
+            }
+        };
+        if t <= QUANT_TASK {
+            work(((&mut digits[..], &mut scale[..]), &mut corr[..]), xs);
+        } else {
+            digits
+                .par_chunks_mut(3 * cols * QUANT_TASK)
+                .zip(scale.par_chunks_mut(blocks * QUANT_TASK))
+                .zip(corr.par_chunks_mut(blocks * QUANT_TASK))
+                .zip(xs.par_chunks(cols * QUANT_TASK))
+                .for_each(|(bufs, xs)| work(bufs, xs));
+        }
+        TileInputs { t, cols, digits, scale, corr }
+    }
+
+    /// Number of vectors.
+    pub fn len(&self) -> usize {
+        self.t
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.t == 0
+    }
+}
+
+/// Whether rows of `ty` go through [`Q8Tiles`] here.
+pub fn supports(ty: GgmlType) -> bool {
+    ty == GgmlType::Q8_0 && enabled()
+}
+
+/// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows.
+pub fn dot_rows(w: &Q8Tiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
+    dot_rows_on(w, start, x, outs, amx::available())
+}
+
+/// [`dot_rows`], with several tokens on AMX when `use_amx` (and it is [`amx::available`]).
+fn dot_rows_on(w: &Q8Tiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+    assert!(enabled(), "Q8_0 tiles on a CPU without AVX-512 VNNI");
+    assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "Q8_0 tiles: {} outputs for {} vectors", outs.len(), x.t);
+    assert_eq!(x.cols, w.blocks * BLOCK, "Q8_0 tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
+    let n = outs.len() / x.t;
+    assert!(start + n <= w.rows, "Q8_0 tiles: rows {start}..{} out of range", start + n);
+    if n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `enabled()` checked the CPU features; the shapes were checked just above.
+    unsafe {
+        avx512::rows(w, start, n, x, outs, use_amx && amx::available())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Tiles `tiles` × vectors `t0 .. t0 + N`: per tile and vector, the 16 rows' dots.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_dots<const R: usize, const N: usize>(
+        tiles: [&[u8]; R],
+        x: &TileInputs,
+        t0: usize,
+    ) -> [[__m512; N]; R] {
+        let cols = x.cols;
+        let blocks = cols / BLOCK;
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        for b in 0..blocks {
+            for r in 0..R {
+                prefetch_block(tiles[r], b);
+            }
+            let z = _mm512_setzero_si512();
+            let mut s = [[[z; 3]; N]; R];
+            for i in 0..BLOCK / 4 {
+                let w: [__m512i; R] = std::array::from_fn(|r| {
+                    _mm512_loadu_si512(tiles[r].as_ptr().add(b * TILE_BLOCK_BYTES + 64 * i) as *const _)
+                });
+                for n in 0..N {
+                    let at = x.digits.as_ptr().add((t0 + n) * 3 * cols + BLOCK * b + 4 * i);
+                    let word = |p: usize| _mm512_set1_epi32((at.add(p * cols) as *const i32).read_unaligned());
+                    let (h, m, l) = (word(0), word(1), word(2));
+                    for r in 0..R {
+                        s[r][n][0] = _mm512_dpbusd_epi32(s[r][n][0], w[r], h);
+                        s[r][n][1] = _mm512_dpbusd_epi32(s[r][n][1], w[r], m);
+                        s[r][n][2] = _mm512_dpbusd_epi32(s[r][n][2], w[r], l);
+                    }
+                }
+            }
+            for r in 0..R {
+                let d = block_scales(tiles[r], b);
+                for n in 0..N {
+                    acc[r][n] = combine(acc[r][n], s[r][n], d, x, (t0 + n) * blocks + b);
+                }
+            }
+        }
+        acc
+    }
+
+    /// Write tile `tile`'s 16 dots of vector `ti` into `outs` (`[vector][n]`, rows `start ..`),
+    /// keeping only the rows in range.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn store(dots: __m512, tile: usize, ti: usize, start: usize, n: usize, outs: &mut [f32]) {
+        let row0 = tile * TILE_ROWS;
+        let out = &mut outs[ti * n..(ti + 1) * n];
+        if row0 >= start && row0 + TILE_ROWS <= start + n {
+            _mm512_storeu_ps(out.as_mut_ptr().add(row0 - start), dots);
+        } else {
+            let lanes: [f32; TILE_ROWS] = std::mem::transmute(dots);
+            for (r, v) in lanes.into_iter().enumerate() {
+                let row = row0 + r;
+                if row >= start && row < start + n {
+                    out[row - start] = v;
+                }
+            }
+        }
+    }
+
+    /// `acc = fma(f32(65536·S_h + 256·S_m + S_l − corr), d·s, acc)` for vector `v` (`[t][block]`
+    /// index) of one tile and block: the three planes' sums to the block's dot, accumulated.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn combine(
+        acc: __m512,
+        [sh, sm, sl]: [__m512i; 3],
+        d: __m512,
+        x: &TileInputs,
+        v: usize,
+    ) -> __m512 {
+        let upper = _mm512_add_epi32(_mm512_slli_epi32::<8>(sh), sm);
+        let sum = _mm512_add_epi32(_mm512_slli_epi32::<8>(upper), sl);
+        let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(*x.corr.get_unchecked(v)));
+        let ds = _mm512_mul_ps(d, _mm512_set1_ps(*x.scale.get_unchecked(v)));
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, acc)
+    }
+
+    /// The prefetches of one tile's block `b`: the stream ahead (the tile's later blocks, then the
+    /// next tiles), so that loads and dot products overlap instead of taking turns.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn prefetch_block(tile: &[u8], b: usize) {
+        let p = tile.as_ptr().wrapping_add(b * TILE_BLOCK_BYTES + PREFETCH_AHEAD);
+        for line in (0..TILE_BLOCK_BYTES).step_by(64) {
+            _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
+        }
+    }
+
+    /// The 16 rows' scales of one tile's block `b`, as f32.
+    #[target_feature(enable = "avx512f,f16c")]
+    #[inline]
+    pub(super) unsafe fn block_scales(tile: &[u8], b: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(tile.as_ptr().add(b * TILE_BLOCK_BYTES + TILE_ROWS * BLOCK) as *const _))
+    }
+
+    /// Every tile of `tiles` × vectors `t0 .. t0 + N`, `R` tiles at a time (then one at a time).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tiles_times<const R: usize, const N: usize>(
+        w: &Q8Tiles,
+        tiles: std::ops::Range<usize>,
+        x: &TileInputs,
+        t0: usize,
+        (start, n): (usize, usize),
+        outs: &mut [f32],
+    ) {
+        let mut tile = tiles.start;
+        while tile + R <= tiles.end {
+            let dots = tile_dots::<R, N>(std::array::from_fn(|r| w.tile(tile + r)), x, t0);
+            for r in 0..R {
+                for j in 0..N {
+                    store(dots[r][j], tile + r, t0 + j, start, n, outs);
+                }
+            }
+            tile += R;
+        }
+        for tile in tile..tiles.end {
+            let dots = tile_dots::<1, N>([w.tile(tile)], x, t0);
+            for j in 0..N {
+                store(dots[0][j], tile, t0 + j, start, n, outs);
+            }
+        }
+    }
+
+    /// Rows `start .. start + n` × every vector: per block of at most [`TOKEN_BLOCK`] vectors,
+    /// vectors four at a time over one tile, then the rest with more tiles at a time (each
+    /// (row, vector) dot is the same arithmetic whatever the grouping).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn rows(w: &Q8Tiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+        let tiles = start / TILE_ROWS..(start + n).div_ceil(TILE_ROWS);
+        let span = (start, n);
+        if x.t >= 2 && use_amx {
+            let mut ti = 0;
+            while ti < x.t {
+                let nt = amx::MAX_TOKENS.min(x.t - ti);
+                amx::tiles_times(w, tiles.clone(), x, ti, nt, span, outs);
+                ti += nt;
+            }
+            return;
+        }
+        for tb in (0..x.t).step_by(TOKEN_BLOCK) {
+            let end = x.t.min(tb + TOKEN_BLOCK);
+            let mut ti = tb;
+            while ti + 4 <= end {
+                tiles_times::<1, 4>(w, tiles.clone(), x, ti, span, outs);
+                ti += 4;
+            }
+            match end - ti {
+                3 => tiles_times::<1, 3>(w, tiles.clone(), x, ti, span, outs),
+                2 => tiles_times::<2, 2>(w, tiles.clone(), x, ti, span, outs),
+                1 => tiles_times::<4, 1>(w, tiles.clone(), x, ti, span, outs),
+                _ => {}
+            }
+        }
+    }
+
+    /// Quantize one vector: per 32 values `s = amax / Q_MAX` and `x_q = round(x / s)` (half to
+    /// even: `x·(Q_MAX/amax)` plus and minus 1.5·2^23), split into balanced digits, with
+    /// `128·Σ x_q`. A non-finite value makes its block's scale NaN, so it reaches the result as
+    /// the f32 kernel's would (the integers cannot carry it).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_one(x: &[f32], digits: &mut [i8], scale: &mut [f32], corr: &mut [i32]) {
+        let cols = x.len();
+        let abs = _mm512_set1_epi32(0x7fff_ffff);
+        let (rounder, limit) = (_mm512_set1_ps(ROUNDER), _mm512_set1_ps(Q_MAX));
+        for (b, blk) in x.chunks_exact(BLOCK).enumerate() {
+            let v = [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))];
+            let a = v.map(|v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs)));
+            let inf = _mm512_set1_ps(f32::INFINITY);
+            let finite = a.iter().all(|a| _mm512_cmp_ps_mask::<_CMP_LT_OQ>(*a, inf) == 0xffff);
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]));
+            let s = if finite { amax / Q_MAX } else { f32::NAN };
+            let inv = if finite && amax > 0.0 { Q_MAX / amax } else { 0.0 };
+            let mut sum = _mm512_setzero_si512();
+            for (h, v) in v.into_iter().enumerate() {
+                let qf = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), rounder), rounder);
+                let qf = _mm512_min_ps(_mm512_max_ps(qf, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+                let q = _mm512_cvttps_epi32(qf);
+                sum = _mm512_add_epi32(sum, q);
+                // Balanced digits: l = q's low byte as signed, then the same for (q − l) / 256.
+                let low = |v: __m512i| _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(v));
+                let l = low(q);
+                let rest = _mm512_srai_epi32::<8>(_mm512_sub_epi32(q, l));
+                let m = low(rest);
+                let hi = _mm512_srai_epi32::<8>(_mm512_sub_epi32(rest, m));
+                for (p, d) in [hi, m, l].into_iter().enumerate() {
+                    let at = digits.as_mut_ptr().add(p * cols + BLOCK * b + 16 * h);
+                    _mm_storeu_si128(at as *mut _, _mm512_cvtepi32_epi8(d));
+                }
+            }
+            scale[b] = s;
+            corr[b] = _mm512_reduce_add_epi32(sum).wrapping_mul(128);
+        }
+    }
+}
+
+/// The same products on Intel AMX: per tile and block, one `tdpbsud` of the digit rows of up to
+/// [`MAX_TOKENS`] tokens (A: row `3n + p` is token `n`'s plane `p`, 32 signed bytes) against the
+/// tile's codes (B: 8 rows of 64 bytes, the layout [`Q8Tiles`] keeps), giving `S_p` for every
+/// token, plane and row in C. AMX instructions are written as inline assembly (their intrinsics
+/// are not in stable Rust); nothing else in the process touches the tile registers.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use super::avx512::{block_scales, combine, prefetch_block, store};
+    use super::*;
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+
+    /// Tokens per `tdpbsud`: three digit rows each, at most 16 rows in a tile.
+    pub const MAX_TOKENS: usize = 5;
+
+    /// Whether AMX-INT8 runs here: the CPU has it, Linux grants the process the tile state
+    /// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), the integer kernels are on and
+    /// `MEGAGEMMA_AMX` is not `0`.
+    pub fn available() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            if std::env::var("MEGAGEMMA_AMX").is_ok_and(|v| v == "0") || !enabled() {
+                return false;
+            }
+            // CPUID.(EAX=7, ECX=0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8.
+            let edx = __cpuid_count(7, 0).edx;
+            if edx & (3 << 24) != 3 << 24 {
+                return false;
+            }
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain system call; it only changes which register state the process may use.
+            unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+        })
+    }
+
+    /// `ldtilecfg`'s 64-byte operand (palette 1).
+    #[repr(C, align(64))]
+    struct TileConfig {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    /// Two sets: C in tmm0 / tmm3 (3·nt rows × 16 i32), A in tmm1 / tmm4 (3·nt rows × 32 bytes),
+    /// B in tmm2 / tmm5 (8 × 64 bytes).
+    unsafe fn configure(nt: usize) {
+        let m = (3 * nt) as u8;
+        let mut cfg = TileConfig { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        for set in [0, 3] {
+            (cfg.colsb[set], cfg.rows[set]) = (64, m);
+            (cfg.colsb[set + 1], cfg.rows[set + 1]) = (BLOCK as u16, m);
+            (cfg.colsb[set + 2], cfg.rows[set + 2]) = (64, (BLOCK / 4) as u8);
+        }
+        asm!("ldtilecfg [{0}]", in(reg) &cfg as *const TileConfig, options(nostack, readonly));
+    }
+
+    /// Every tile of `tiles` × vectors `t0 .. t0 + nt` (`nt ≤ MAX_TOKENS`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn tiles_times(
+        w: &Q8Tiles,
+        tiles: std::ops::Range<usize>,
+        x: &TileInputs,
+        t0: usize,
+        nt: usize,
+        (start, n): (usize, usize),
+        outs: &mut [f32],
+    ) {
+        #[repr(C, align(64))]
+        struct Sums([[i32; 16]; 16]);
+        let (cols, blocks) = (x.cols, x.cols / BLOCK);
+        let mut c = [Sums([[0; 16]; 16]), Sums([[0; 16]; 16])];
+        configure(nt);
+        for tile in tiles {
+            let tb = w.tile(tile);
+            let mut acc = [_mm512_setzero_ps(); MAX_TOKENS];
+            let a = |b: usize| x.digits.as_ptr().add(t0 * 3 * cols + BLOCK * b);
+            let bp = |b: usize| tb.as_ptr().add(b * TILE_BLOCK_BYTES);
+            // Two blocks per round (C in tmm0 and tmm3), so one block's products overlap the
+            // other's store and reload; an odd last block runs alone.
+            let mut b = 0;
+            while b < blocks {
+                prefetch_block(tb, b);
+                if b + 1 < blocks {
+                    prefetch_block(tb, b + 1);
+                    asm!(
+                        "tilezero tmm0",
+                        "tilezero tmm3",
+                        "tileloadd tmm1, [{a0} + {sa}*1]",
+                        "tileloadd tmm2, [{b0} + {sb}*1]",
+                        "tileloadd tmm4, [{a1} + {sa}*1]",
+                        "tileloadd tmm5, [{b1} + {sb}*1]",
+                        "tdpbsud tmm0, tmm1, tmm2",
+                        "tdpbsud tmm3, tmm4, tmm5",
+                        "tilestored [{c0} + {sb}*1], tmm0",
+                        "tilestored [{c1} + {sb}*1], tmm3",
+                        a0 = in(reg) a(b),
+                        a1 = in(reg) a(b + 1),
+                        sa = in(reg) cols,
+                        b0 = in(reg) bp(b),
+                        b1 = in(reg) bp(b + 1),
+                        sb = in(reg) 64usize,
+                        c0 = in(reg) c[0].0.as_mut_ptr(),
+                        c1 = in(reg) c[1].0.as_mut_ptr(),
+                        options(nostack),
+                    );
+                } else {
+                    asm!(
+                        "tilezero tmm0",
+                        "tileloadd tmm1, [{a0} + {sa}*1]",
+                        "tileloadd tmm2, [{b0} + {sb}*1]",
+                        "tdpbsud tmm0, tmm1, tmm2",
+                        "tilestored [{c0} + {sb}*1], tmm0",
+                        a0 = in(reg) a(b),
+                        sa = in(reg) cols,
+                        b0 = in(reg) bp(b),
+                        sb = in(reg) 64usize,
+                        c0 = in(reg) c[0].0.as_mut_ptr(),
+                        options(nostack),
+                    );
+                }
+                for (i, c) in c.iter().enumerate().take((blocks - b).min(2)) {
+                    let d = block_scales(tb, b + i);
+                    for k in 0..nt {
+                        let row = |p: usize| _mm512_load_si512(c.0[3 * k + p].as_ptr() as *const _);
+                        acc[k] = combine(acc[k], [row(0), row(1), row(2)], d, x, (t0 + k) * blocks + b + i);
+                    }
+                }
+                b += 2;
+            }
+            for k in 0..nt {
+                store(acc[k], tile, t0 + k, start, n, outs);
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+/// No AMX off Linux x86-64: the VNNI kernel runs every width.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+mod amx {
+    pub const MAX_TOKENS: usize = 1;
+    pub fn available() -> bool {
+        false
+    }
+    pub(super) unsafe fn tiles_times(
+        _: &super::Q8Tiles,
+        _: std::ops::Range<usize>,
+        _: &super::TileInputs,
+        _: usize,
+        _: usize,
+        _: (usize, usize),
+        _: &mut [f32],
+    ) {
+        unreachable!()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's arithmetic transcribed for one row and vector `ti`, block by block.
+    fn reference(row: &[u8], x: &TileInputs, ti: usize) -> f32 {
+        let blocks = x.cols / BLOCK;
+        let mut acc = 0f32;
+        for b in 0..blocks {
+            let blk = &row[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
+            let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            let mut sum = 0i64;
+            for v in 0..BLOCK {
+                let digit = |p: usize| x.digits[(ti * 3 + p) * x.cols + BLOCK * b + v] as i64;
+                let xq = 65536 * digit(0) + 256 * digit(1) + digit(2);
+                sum += (blk[2 + v] as i8) as i64 * xq;
+            }
+            let sum = i32::try_from(sum).expect("a block's integer dot fits in i32");
+            let s = x.scale[ti * blocks + b];
+            acc = (sum as f32).mul_add(d * s, acc);
+        }
+        acc
+    }
+
+    /// Random Q8_0 rows with sane f16 scales; code −128 appears (the format allows it).
+    fn random_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * Q8_0_BYTES).map(|_| next() as u8).collect();
+        for (i, blk) in bytes.chunks_exact_mut(Q8_0_BYTES).enumerate() {
+            let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+            blk[..2].copy_from_slice(&d.to_le_bytes());
+            if i % 5 == 0 {
+                blk[2 + i % 32] = 0x80;
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn tiles_equal_their_scalar_transcription_and_the_exact_dot() {
+        if !enabled() {
+            assert!(!supports(GgmlType::Q8_0));
+            eprintln!("integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): Q8_0 keeps the f32 kernel");
+            return;
+        }
+        // 37 rows (two whole tiles and a partial third), 11 vectors (tiles of 4, then 3; and
+        // each alone), 640 values; one vector has an outlier at both extremes of its block, one a
+        // zero block.
+        let (rows, cols, t) = (37, 640, 11);
+        let rb = cols / BLOCK * Q8_0_BYTES;
+        let data = random_rows(rows, cols, 5);
+        let w = Q8Tiles::from_q8_0(&data, rows, rb);
+        let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        xs[cols + 5] = 900.0;
+        xs[cols + 6] = -900.0;
+        xs[2 * cols..2 * cols + 32].fill(0.0);
+        let x = TileInputs::quantize(&xs, cols);
+        let mut outs = vec![0f32; t * rows];
+        dot_rows(&w, 0, &x, &mut outs);
+        // Several tokens on AMX (where it runs) and on VNNI give the same bits.
+        let mut vnni = vec![0f32; t * rows];
+        dot_rows_on(&w, 0, &x, &mut vnni, false);
+        assert!(outs.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits()), "AMX and VNNI differ");
+        eprintln!("Q8_0 tiles: several tokens on {}", if amx::available() { "AMX" } else { "VNNI" });
+        for ti in 0..t {
+            let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+            let mut single = vec![0f32; rows];
+            dot_rows(&w, 0, &one, &mut single);
+            let xv = &xs[ti * cols..(ti + 1) * cols];
+            for r in 0..rows {
+                let row = &data[r * rb..(r + 1) * rb];
+                let got = outs[ti * rows + r];
+                let want = reference(row, &x, ti);
+                assert_eq!(got.to_bits(), want.to_bits(), "row {r} vector {ti}: kernel {got} vs reference {want}");
+                assert_eq!(got.to_bits(), single[r].to_bits(), "row {r} vector {ti}: in a group vs alone");
+                let mut wr = vec![0f32; cols];
+                crate::gguf::dequantize_row(GgmlType::Q8_0, row, &mut wr).unwrap();
+                let exact: f64 = wr.iter().zip(xv).map(|(w, x)| *w as f64 * *x as f64).sum();
+                let scale: f64 = wr.iter().zip(xv).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum();
+                assert!((got as f64 - exact).abs() <= 4e-6 * scale, "row {r} vector {ti}: {got} vs exact {exact}");
+            }
+        }
+        // Rows from the middle, across a tile boundary (a partial tile on each side).
+        let mut part = vec![0f32; t * 9];
+        dot_rows(&w, 12, &x, &mut part);
+        for ti in 0..t {
+            for r in 0..9 {
+                assert_eq!(
+                    part[ti * 9 + r].to_bits(),
+                    outs[ti * rows + 12 + r].to_bits(),
+                    "row {} vector {ti}",
+                    12 + r
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn vectors_across_token_blocks_equal_lone_vectors() {
+        if !enabled() {
+            return; // the kernel cannot run here (checked by the test above)
+        }
+        let (rows, cols, t) = (20, 64, TOKEN_BLOCK + 6);
+        let rb = cols / BLOCK * Q8_0_BYTES;
+        let data = random_rows(rows, cols, 9);
+        let w = Q8Tiles::from_q8_0(&data, rows, rb);
+        let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
+        let x = TileInputs::quantize(&xs, cols);
+        let mut outs = vec![0f32; t * rows];
+        dot_rows(&w, 0, &x, &mut outs);
+        for ti in [0, 3, TOKEN_BLOCK - 1, TOKEN_BLOCK, t - 2, t - 1] {
+            let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
+            let mut single = vec![0f32; rows];
+            dot_rows(&w, 0, &one, &mut single);
+            for r in 0..rows {
+                assert_eq!(outs[ti * rows + r].to_bits(), single[r].to_bits(), "row {r} vector {ti} of {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn non_finite_inputs_reach_the_result() {
+        if !enabled() {
+            return;
+        }
+        let data = random_rows(1, 64, 3);
+        let w = Q8Tiles::from_q8_0(&data, 1, 2 * Q8_0_BYTES);
+        let mut xs = vec![0.5f32; 64];
+        xs[40] = f32::INFINITY;
+        let x = TileInputs::quantize(&xs, 64);
+        let mut out = [0f32; 1];
+        dot_rows(&w, 0, &x, &mut out);
+        assert!(out[0].is_nan());
+    }
+}
