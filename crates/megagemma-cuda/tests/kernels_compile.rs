@@ -86,7 +86,6 @@ fn kernel_experiments_compile() {
         ("megakernel.cu", "MMA_SCALES_F4"),
         ("megakernel.cu", "MK_MARK=2"),
         ("matvec_mma.cu", "MK_MARK=2"),
-        ("attention.cu", "ATT_SCORE4=1"),
         ("attention.cu", "ATT_MIN_BLOCKS=2"),
     ];
     for (file, define) in experiments {
