@@ -107,15 +107,16 @@ fn blocks_for<const N: usize>(w: &[u8], xs: &[&[f32]; N], bs: usize, vals: usize
 
 /// One walk over a row's `nb` blocks of `bs` bytes and `groups` 32-value groups each, for
 /// quarters `K0 .. K0 + Q`: `scales(block)` decodes what a block's groups share, `weights(block,
-/// scales, g, k)` returns weights `8k .. 8k + 8` of group `g`, which go to set `g % sets`.
+/// scales, g, k)` returns weights `8k .. 8k + 8` of group `g`, which go to set `g % SETS`. The
+/// set loop is the inner one, so that each accumulator's index is a constant once unrolled (with
+/// `g % SETS` from a runtime loop they stayed in memory: a load and a store per FMA).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn walk<const N: usize, const K0: usize, const Q: usize, S>(
+unsafe fn walk<const N: usize, const K0: usize, const Q: usize, const SETS: usize, S>(
     acc: &mut Acc<N>,
     w: &[u8],
     xp: &[*const f32; N],
-    (nb, bs, groups, sets): (usize, usize, usize, usize),
+    (nb, bs, groups): (usize, usize, usize),
     scales: &impl Fn(*const u8) -> S,
     weights: &impl Fn(*const u8, &S, usize, usize) -> __m256,
 ) {
@@ -125,50 +126,54 @@ unsafe fn walk<const N: usize, const K0: usize, const Q: usize, S>(
             prefetch(p, bs);
         }
         let s = scales(p);
-        for g in 0..groups {
-            for q in 0..Q {
-                let k = K0 + q;
-                let wv = weights(p, &s, g, k);
-                let at = 32 * (groups * b + g) + 8 * k;
-                for n in 0..N {
-                    let a = &mut acc[n][g % sets][k];
-                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[n].add(at)), *a);
+        for g2 in 0..groups / SETS {
+            for set in 0..SETS {
+                let g = SETS * g2 + set;
+                for q in 0..Q {
+                    let k = K0 + q;
+                    let wv = weights(p, &s, g, k);
+                    let at = 32 * (groups * b + g) + 8 * k;
+                    for n in 0..N {
+                        let a = &mut acc[n][set][k];
+                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp[n].add(at)), *a);
+                    }
                 }
             }
         }
     }
 }
 
-/// The kernel over blocks of `bs` bytes holding `groups` 32-value groups: walks the row once,
-/// twice or four times (see the module documentation), then reduces each vector's sets.
+/// The kernel over blocks of `bs` bytes holding `groups` 32-value groups in `SETS` alternating
+/// accumulator sets: walks the row once, twice or four times (see the module documentation),
+/// then reduces each vector's sets.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn blocks<const N: usize, S>(
+unsafe fn blocks<const N: usize, const SETS: usize, S>(
     w: &[u8],
     xs: [&[f32]; N],
-    (bs, groups, sets): (usize, usize, usize),
+    (bs, groups): (usize, usize),
     scales: impl Fn(*const u8) -> S,
     weights: impl Fn(*const u8, &S, usize, usize) -> __m256,
 ) -> [f32; N] {
     let nb = blocks_for(w, &xs, bs, 32 * groups);
     let xp: [*const f32; N] = std::array::from_fn(|n| xs[n].as_ptr());
-    let shape = (nb, bs, groups, sets);
+    let shape = (nb, bs, groups);
     let mut acc: Acc<N> = [[[_mm256_setzero_ps(); 4]; 2]; N];
-    match N * sets {
-        1 | 2 => walk::<N, 0, 4, S>(&mut acc, w, &xp, shape, &scales, &weights),
+    match N * SETS {
+        1 | 2 => walk::<N, 0, 4, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights),
         3 | 4 => {
-            walk::<N, 0, 2, S>(&mut acc, w, &xp, shape, &scales, &weights);
-            walk::<N, 2, 2, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 0, 2, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 2, 2, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
         }
         _ => {
-            walk::<N, 0, 1, S>(&mut acc, w, &xp, shape, &scales, &weights);
-            walk::<N, 1, 1, S>(&mut acc, w, &xp, shape, &scales, &weights);
-            walk::<N, 2, 1, S>(&mut acc, w, &xp, shape, &scales, &weights);
-            walk::<N, 3, 1, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 0, 1, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 1, 1, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 2, 1, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
+            walk::<N, 3, 1, SETS, S>(&mut acc, w, &xp, shape, &scales, &weights);
         }
     }
     std::array::from_fn(|n| {
-        if sets == 1 {
+        if SETS == 1 {
             hsum(acc[n][0])
         } else {
             // As the generic `hsum2`: the two sets added lane by lane, then reduced.
@@ -179,10 +184,10 @@ unsafe fn blocks<const N: usize, S>(
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q8_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 1, _>(
         w,
         xs,
-        (34, 1, 1),
+        (34, 1),
         |p| _mm256_set1_ps(f16_at(p, 0)),
         |p, d, _, k| _mm256_mul_ps(_mm256_cvtepi32_ps(i8x8(p.add(2 + 8 * k))), *d),
     )
@@ -190,10 +195,10 @@ pub(super) unsafe fn dot_q8_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q4_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 1, _>(
         w,
         xs,
-        (18, 1, 1),
+        (18, 1),
         |p| _mm256_set1_ps(f16_at(p, 0)),
         |p, d, _, k| {
             let q = _mm256_sub_epi32(nibbles(p.add(2), k), _mm256_set1_epi32(8));
@@ -204,10 +209,10 @@ pub(super) unsafe fn dot_q4_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q4_1<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 1, _>(
         w,
         xs,
-        (20, 1, 1),
+        (20, 1),
         |p| (_mm256_set1_ps(f16_at(p, 0)), _mm256_set1_ps(f16_at(p, 2))),
         |p, &(d, m), _, k| _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibbles(p.add(4), k)), d, m),
     )
@@ -226,10 +231,10 @@ unsafe fn q5_quarter(qh: u32, qs: *const u8, k: usize) -> __m256 {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q5_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 1, _>(
         w,
         xs,
-        (22, 1, 1),
+        (22, 1),
         |p| {
             let d = f16_at(p, 0);
             // As the generic kernel: q·d − 16·d in one fused step (exact).
@@ -241,10 +246,10 @@ pub(super) unsafe fn dot_q5_0<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
 
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q5_1<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 1, _>(
         w,
         xs,
-        (24, 1, 1),
+        (24, 1),
         |p| {
             let (d, m) = (_mm256_set1_ps(f16_at(p, 0)), _mm256_set1_ps(f16_at(p, 2)));
             (d, m, u32::from_le_bytes(*(p.add(4) as *const [u8; 4])))
@@ -260,10 +265,10 @@ pub(super) unsafe fn dot_q5_1<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
 #[inline]
 unsafe fn k4<const Q5: bool, const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     let (bs, qs_off) = if Q5 { (176, 48) } else { (144, 16) };
-    blocks(
+    blocks::<N, 2, _>(
         w,
         xs,
-        (bs, 8, 2),
+        (bs, 8),
         |p| {
             let (d, dmin) = (f16_at(p, 0), f16_at(p, 2));
             let (sc, mn) = k4_scales_mins(&*(p.add(4) as *const [u8; 12]));
@@ -300,10 +305,10 @@ pub(super) unsafe fn dot_q5_k<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
 /// `scale · q` (one rounding, as the generic kernel). Even parts go to set 0, odd to set 1.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn dot_q6_k<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    blocks(
+    blocks::<N, 2, _>(
         w,
         xs,
-        (210, 8, 2),
+        (210, 8),
         |p| {
             let d = f16_at(p, 208);
             let s: [f32; 16] = std::array::from_fn(|i| d * (*p.add(192 + i) as i8) as f32);
@@ -312,7 +317,7 @@ pub(super) unsafe fn dot_q6_k<const N: usize>(w: &[u8], xs: [&[f32]; N]) -> [f32
         |p, s, g, k| {
             let (h, part) = (g / 4, g % 4);
             let ql = u8x8(p.add(64 * h + 32 * (part % 2) + 8 * k));
-            let nib = if part < 2 { _mm256_and_si256(ql, _mm256_set1_epi32(0xf)) } else { _mm256_srli_epi32::<4>(ql) };
+            let nib = _mm256_and_si256(srl(ql, 4 * (part / 2)), _mm256_set1_epi32(0xf));
             let hb = _mm256_and_si256(srl(u8x8(p.add(128 + 32 * h + 8 * k)), 2 * part), _mm256_set1_epi32(3));
             let q = _mm256_sub_epi32(_mm256_or_si256(nib, _mm256_slli_epi32::<4>(hb)), _mm256_set1_epi32(32));
             _mm256_mul_ps(_mm256_set1_ps(s[8 * h + 2 * part + k / 2]), _mm256_cvtepi32_ps(q))
