@@ -79,7 +79,11 @@ ABLATIONS = {
     "attnokv": (
         "attention's K and V loads (the query row in shared memory stands in for both)",
         [
-            ("attention.cu", "s = fmaf(qs[d], k[d], s);", "s = fmaf(qs[d], qs[d], s);"),
+            (
+                "attention.cu",
+                "const float4 x = *(const float4*)(k + d), y = *(const float4*)(qs + d);",
+                "const float4 x = *(const float4*)(qs + d), y = *(const float4*)(qs + d);",
+            ),
             ("attention.cu", "const float4 x = *(const float4*)(v + d);", "const float4 x = *(const float4*)(qs + d);"),
         ],
     ),
