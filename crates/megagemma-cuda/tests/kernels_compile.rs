@@ -40,10 +40,12 @@ fn compile_report(file: &str, opts: &[String], label: &str) -> Result<Vec<Kernel
 }
 
 /// Spills kept because the kernel was measured faster with them: (file, kernel, most bytes of spill
-/// stores and loads). The attention at four blocks an SM (`ATT_MIN_BLOCKS`, 64 registers) spills 8
-/// bytes (20 loaded back) and still beats two blocks an SM without spills (docs/perf-notes.md,
-/// twentieth session). More fails.
-const MEASURED_SPILLS: &[(&str, &str, u32)] = &[("attention.cu", "attention", 28)];
+/// stores and loads). The attention at four blocks an SM (`ATT_MIN_BLOCKS`, 64 registers) spills
+/// (28 bytes in the twentieth session; 52 since its scores take 16-byte loads) and still beats two
+/// or three blocks an SM: with the 16-byte scores, 2 is 0.6–1% faster a step but its 5-column
+/// verify 3% slower, 3 slower at 8k (docs/perf-notes.md, twentieth and twenty-second sessions).
+/// More fails.
+const MEASURED_SPILLS: &[(&str, &str, u32)] = &[("attention.cu", "attention", 52)];
 
 #[test]
 fn kernels_compile() {
