@@ -56,7 +56,7 @@ const LANES: usize = 32;
 /// How far ahead of the block being decoded to prefetch. Rows are streamed once per matvec; on
 /// the 2-core dev VM the hardware prefetcher alone left the Q4_K kernel at ~1/3 of its
 /// cache-resident speed once the matrix exceeded L2.
-const PREFETCH_AHEAD: usize = 1024;
+pub(super) const PREFETCH_AHEAD: usize = 1024;
 
 /// Prefetch the cache lines `PREFETCH_AHEAD` bytes past `block` (the weights decoded a few
 /// blocks from now, possibly in the next row, which is contiguous).
@@ -70,6 +70,16 @@ fn prefetch_ahead(block: &[u8]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = block;
+}
+
+/// Checks the shapes the hand-written kernels (`dot256.rs`, `dot512.rs`) rely on: `w` holds whole
+/// blocks of `bs` bytes, each encoding `vals` values, and every vector has that many values.
+/// Returns the number of blocks.
+#[inline(always)]
+pub(super) fn blocks_for<const N: usize>(w: &[u8], xs: &[&[f32]; N], bs: usize, vals: usize) -> usize {
+    let nb = w.len() / bs;
+    assert!(nb * bs == w.len() && xs.iter().all(|x| x.len() == nb * vals), "dot kernel: row/vector size mismatch");
+    nb
 }
 
 /// Sum of the lanes in a fixed pairwise order (reproducible results).

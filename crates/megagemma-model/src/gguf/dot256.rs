@@ -23,10 +23,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::k4_scales_mins;
+use super::dot::{blocks_for, PREFETCH_AHEAD};
 use std::arch::x86_64::*;
-
-/// How far ahead of the current block to prefetch (as [`super::dot`]).
-const PREFETCH_AHEAD: usize = 1024;
 
 /// Accumulators of up to 4 vectors × 2 sets × 4 quarters (only those of one walk are live).
 type Acc<const N: usize> = [[[__m256; 4]; 2]; N];
@@ -94,15 +92,6 @@ unsafe fn hsum(q: [__m256; 4]) -> f32 {
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
     _mm_cvtss_f32(s1)
-}
-
-/// Checks the shapes every kernel relies on: `w` holds whole blocks of `bs` bytes, each
-/// encoding `vals` values, and every vector has that many values.
-#[inline(always)]
-fn blocks_for<const N: usize>(w: &[u8], xs: &[&[f32]; N], bs: usize, vals: usize) -> usize {
-    let nb = w.len() / bs;
-    assert!(nb * bs == w.len() && xs.iter().all(|x| x.len() == nb * vals), "dot kernel: row/vector size mismatch");
-    nb
 }
 
 /// One walk over a row's `nb` blocks of `bs` bytes and `groups` 32-value groups each, for

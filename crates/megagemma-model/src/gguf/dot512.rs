@@ -18,10 +18,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::{f16_at, k4_scales_mins};
+use super::dot::{blocks_for, PREFETCH_AHEAD};
 use std::arch::x86_64::*;
-
-/// How far ahead of the current block to prefetch (as [`super::dot`]).
-const PREFETCH_AHEAD: usize = 1024;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[inline]
@@ -82,15 +80,6 @@ unsafe fn fma_cols<const N: usize>(acc: &mut [__m512; N], w: __m512, xs: &[*cons
     for n in 0..N {
         acc[n] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[n].add(at)), acc[n]);
     }
-}
-
-/// Checks the shapes every kernel relies on: `w` holds whole blocks of `bs` bytes, each
-/// encoding `vals` values, and every vector has that many values.
-#[inline(always)]
-fn blocks_for<const N: usize>(w: &[u8], xs: &[&[f32]; N], bs: usize, vals: usize) -> usize {
-    let nb = w.len() / bs;
-    assert!(nb * bs == w.len() && xs.iter().all(|x| x.len() == nb * vals), "dot kernel: row/vector size mismatch");
-    nb
 }
 
 /// A kernel over 32-value blocks of `bs` bytes for `R` rows (each `w[r]`) at once; `decode(block)`

@@ -139,7 +139,8 @@ impl LaneInputs {
     }
 }
 
-const ROUNDER: f32 = 12_582_912.0;
+/// Adding and subtracting 1.5·2^23 rounds an f32 below 2^22 to an integer, half to even.
+pub(super) const ROUNDER: f32 = 12_582_912.0;
 /// The largest quantized magnitude: 22-bit integers, so a lane's `Σ q·x_q` (16 values,
 /// `|q| ≤ 32`) stays within `i32`.
 const Q_MAX: f32 = 2_097_151.0;
@@ -544,7 +545,7 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// One lane of one group, decoded from the format's description: the 16 integer weights,
@@ -622,7 +623,8 @@ mod tests {
     }
 
     /// Random rows of `ty` with sane f16 scales.
-    fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    /// Random rows of `ty` with sane f16 scales (also used by the Q8_0 tile tests).
+    pub(in crate::gguf) fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = move || {
             s ^= s << 13;
@@ -632,7 +634,7 @@ mod tests {
         };
         let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
         let scale_at: &[usize] = match ty {
-            GgmlType::Q5_0 => &[0],
+            GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
             GgmlType::Q4_K => &[0, 2],
             _ => &[208],
         };

@@ -41,8 +41,6 @@ const Q8_0_BYTES: usize = 34;
 const TILE_BLOCK_BYTES: usize = TILE_ROWS * BLOCK + 2 * TILE_ROWS;
 /// The largest quantized activation magnitude (20-bit signed).
 const Q_MAX: f32 = 524_287.0;
-/// Adding and subtracting 1.5·2^23 rounds an f32 below 2^22 to an integer, half to even.
-const ROUNDER: f32 = 12_582_912.0;
 /// Tokens whose digits stay in L2 while a call's tiles are multiplied with them.
 const TOKEN_BLOCK: usize = 128;
 /// Vectors quantized per parallel task.
@@ -357,7 +355,7 @@ mod avx512 {
     pub(super) unsafe fn quantize_one(x: &[f32], digits: &mut [i8], scale: &mut [f32], corr: &mut [i32]) {
         let cols = x.len();
         let abs = _mm512_set1_epi32(0x7fff_ffff);
-        let (rounder, limit) = (_mm512_set1_ps(ROUNDER), _mm512_set1_ps(Q_MAX));
+        let (rounder, limit) = (_mm512_set1_ps(super::super::idot::ROUNDER), _mm512_set1_ps(Q_MAX));
         for (b, blk) in x.chunks_exact(BLOCK).enumerate() {
             let v = [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))];
             let a = v.map(|v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs)));
@@ -575,17 +573,8 @@ mod tests {
 
     /// Random Q8_0 rows with sane f16 scales; code −128 appears (the format allows it).
     fn random_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        let mut next = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
-        let mut bytes: Vec<u8> = (0..rows * cols / BLOCK * Q8_0_BYTES).map(|_| next() as u8).collect();
+        let mut bytes = super::super::idot::tests::random_rows(GgmlType::Q8_0, rows, cols, seed);
         for (i, blk) in bytes.chunks_exact_mut(Q8_0_BYTES).enumerate() {
-            let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
-            blk[..2].copy_from_slice(&d.to_le_bytes());
             if i % 5 == 0 {
                 blk[2 + i % 32] = 0x80;
             }
