@@ -9,7 +9,8 @@
 #     Also a random model of E4B's widths (tools/make_bench_model.py), whose matrices reach the
 #     tensor-core matvec's split paths, against the CPU backend.
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
-#     with and without speculative drafting (lookup, oracle), and with the decode megakernel
+#     with and without speculative drafting (lookup, oracle; MTP with the committed assistants,
+#     also checked round by round by `gpu_check drafts`), and with the decode megakernel
 #     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
 #     synccheck, memcheck) over a few megakernel steps of one fixture. The real Gemma 3 270M GGUF
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
@@ -55,6 +56,14 @@ if [ -x "$BIN/gpu_check" ]; then
   timeout 300 "$BIN/gpu_check" megakernel > "$OUT/gpu_check_megakernel.log" 2>&1 || fail=1
   grep -v " ok$" "$OUT/gpu_check_megakernel.log"
   echo "gpu_check megakernel: $(grep -c ' ok$' "$OUT/gpu_check_megakernel.log") checks ok"
+fi
+
+# The MTP drafter on CUDA against the CPU's: every round's drafts and verify argmaxes equal, and
+# speculative decoding with CUDA's own drafts prints the greedy ids.
+if [ -x "$BIN/gpu_check" ]; then
+  timeout 300 "$BIN/gpu_check" drafts > "$OUT/gpu_check_drafts.log" 2>&1 || fail=1
+  grep -v " ok$" "$OUT/gpu_check_drafts.log"
+  echo "gpu_check drafts: $(grep -c ' ok$' "$OUT/gpu_check_drafts.log") checks ok"
 fi
 
 # Several sequences in one step (one weight pass per eight): every output bit-identical to the
@@ -105,6 +114,23 @@ for dir in tests/fixtures/*/; do
       gpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
       if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
       echo "$r $(basename "$dir") [$ids] ${extra:-plain}" >> "$OUT/cli_fixtures.log"
+    done
+  done
+done
+# MTP drafting on CUDA (--draft mtp): the committed assistants' target, stored and q4, each
+# assistant (dense and centroid head), graph and megakernel, 48 tokens (the target's sliding window
+# of 8 wraps five times).
+mtp_target=tests/fixtures/ple_shared_dw
+for ids in $(python3 -c "import json; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$mtp_target/expected.json'))['cases'][:2]]"); do
+  for q in "" "--quant q4"; do
+    cpu=$("$MG" run --model "$mtp_target" --prompt-ids "$ids" --greedy --ignore-eos -n 48 --output ids --backend cpu $q 2>>"$OUT/cli_fixtures.err")
+    for a in dense centroid; do
+      for extra in "" "--decode megakernel"; do
+        gpu=$("$MG" run --model "$mtp_target" --prompt-ids "$ids" --greedy --ignore-eos -n 48 --output ids --backend cuda $q \
+          --draft mtp --assistant "tests/fixtures/assistants/$a" $extra 2>>"$OUT/cli_fixtures.err")
+        if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
+        echo "$r ple_shared_dw [$ids] --draft mtp ($a) ${q:-stored} ${extra:-graph}" >> "$OUT/cli_fixtures.log"
+      done
     done
   done
 done

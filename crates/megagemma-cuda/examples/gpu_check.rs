@@ -12,10 +12,15 @@
 //!   then decode speed of both on synthetic E4B and E2B.
 //! `gpu_check batch [DIR…]`: decode steps of several sequences in one `step` (one weight pass)
 //!   against the same sequences stepped alone, bit for bit, on the fixtures and synthetic models.
+//! `gpu_check drafts [ASSISTANT_DIR…]`: the MTP drafter on CUDA against the CPU backend's (default:
+//!   every assistant under tests/fixtures/assistants, stored and q4): each round's drafts and
+//!   verify argmaxes equal, and speculative decoding with CUDA's drafts prints the greedy ids.
+//! `gpu_check draftcost [e4b|e2b]`: where a draft round of a random assistant of the real shapes
+//!   goes, kernel by kernel (run with `MEGAGEMMA_CUDA_PROFILE=1 MEGAGEMMA_CUDA_GRAPHS=0`).
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
 use megagemma_cuda::check::{
-    batch_matches_lone, compare_greedy, fixture_cases, fixture_dirs, fixture_models, long_prompt,
+    batch_matches_lone, compare_greedy, drafts_match, fixture_cases, fixture_dirs, fixture_models, long_prompt,
     megakernel_broken_schedule, megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS,
 };
 use megagemma_cuda::{CudaModel, CudaSeq, Decode, Want};
@@ -67,6 +72,8 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
         }
         "megakernel" => megakernel_check(&fixtures()?),
         "batch" => batch_check(&fixtures()?),
+        "drafts" => drafts_check(rest),
+        "draftcost" => draft_cost(rest.first().map_or("e4b", String::as_str)),
         "prefill" => {
             let name = rest.first().map_or("e4b", String::as_str);
             let tokens = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(2048);
@@ -281,6 +288,83 @@ fn batch_check(dirs: &[PathBuf]) -> Result<bool> {
         let prompts: Vec<Vec<u32>> =
             (0..9u32).map(|s| (0..20 + 3 * s).map(|i| (i * 7919 + 11 + s * 131) % vocab).collect()).collect();
         report(&format!("synthetic {name}"), &cm, &prompts)?;
+    }
+    Ok(ok)
+}
+
+/// Ten greedy draft rounds of k = 3 after a 64-token prompt on synthetic `name` with a random
+/// assistant; with `MEGAGEMMA_CUDA_PROFILE=1` the time per kernel.
+fn draft_cost(name: &str) -> Result<bool> {
+    use megagemma_cuda::backend::CudaBackend;
+    use megagemma_model::backend::{Backend, Want as BWant};
+    let cm = CudaModel::synthetic(name, "q4")?;
+    let vocab = cm.plan().vocab_size as u32;
+    let mut b = CudaBackend::new(cm.clone(), Some(256)).with_synthetic_assistant()?;
+    let seq = b.new_sequence()?;
+    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 1000) % vocab).collect();
+    let tok = b.prefill(seq, &prompt, BWant::Argmax)?.argmax;
+    b.draft(seq, tok, 3, false)?;
+    cm.take_profile();
+    let t = Instant::now();
+    for _ in 0..10 {
+        b.draft(seq, tok, 3, false)?;
+    }
+    println!("draft round of 3 on synthetic {name}: {:.3} ms", t.elapsed().as_secs_f64() * 1e2);
+    for (k, n, secs) in cm.take_profile() {
+        println!("  {k:<48} {:>5} launches {:>8.3} ms  {:>7.2} us each", n / 10, secs * 1e2, secs * 1e6 / n as f64);
+    }
+    Ok(true)
+}
+
+/// The MTP drafter on CUDA against the CPU's, for each assistant fixture (`expected.json` names its
+/// target) stored and quantized on load as q4, on the target's prompts.
+fn drafts_check(dirs: &[String]) -> Result<bool> {
+    use megagemma_model::assistant::AssistantModel;
+    use megagemma_model::quant::load::QuantMode;
+    const TOKENS: usize = 48;
+    let dirs: Vec<PathBuf> = if dirs.is_empty() {
+        fixture_dirs(Path::new("tests/fixtures/assistants"))?
+    } else {
+        dirs.iter().map(PathBuf::from).collect()
+    };
+    let mut ok = true;
+    for dir in dirs {
+        let text = std::fs::read_to_string(dir.join("expected.json"))
+            .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", dir.display())))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| megagemma_model::Error::msg(e.to_string()))?;
+        let target_dir = PathBuf::from(v["target"].as_str().unwrap_or("tests/fixtures/ple_shared_dw"));
+        let k = v["draft_tokens"].as_u64().unwrap_or(3) as usize;
+        for quant in [QuantMode::Stored, QuantMode::Q4] {
+            let model = Arc::new(megagemma_model::Model::load_with(&target_dir, quant)?);
+            let asst = Arc::new(AssistantModel::load(&dir, &model, quant)?);
+            for (case, prompt) in fixture_cases(&target_dir)? {
+                let r = drafts_match(&model, &asst, &prompt, k, TOKENS)?;
+                ok &= r.ok();
+                let label = format!("{}/{quant} {case}", dir.file_name().unwrap_or_default().to_string_lossy());
+                println!(
+                    "drafts {label:<28} rounds {:>2}/{} equal, verifies {:>2}/{} equal, step {}, speculative = greedy: {} \
+                     (acceptance {:.2})  {}",
+                    r.rounds_equal,
+                    r.rounds,
+                    r.verifies_equal,
+                    r.verifies,
+                    if r.step_equal { "equal" } else { "DIFFERS" },
+                    r.speculative_equals_greedy,
+                    r.acceptance,
+                    if r.ok() { "ok" } else { "FAIL" }
+                );
+                if !r.probs_ids_equal || r.probs_rel_l2 > 1e-3 {
+                    println!(
+                        "  round with probabilities: ids equal {}, max rel L2 {:.2e}",
+                        r.probs_ids_equal, r.probs_rel_l2
+                    );
+                }
+                if let Some((pos, c, g)) = &r.first_diff {
+                    println!("  first differing round at position {pos}: CPU {c:?}, CUDA {g:?}");
+                }
+            }
+        }
     }
     Ok(ok)
 }

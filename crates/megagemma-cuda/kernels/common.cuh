@@ -50,6 +50,17 @@ __device__ __forceinline__ void pdl_start() {
 }
 #endif
 
+// (value, index) pair order for the argmax: larger value first, then the lower index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(ov, oi, v, i)) { v = ov; i = oi; }
+  }
+}
+
 // The shared-window address of a pointer into shared memory (for cp.async).
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned r;

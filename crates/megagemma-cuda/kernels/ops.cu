@@ -276,17 +276,6 @@ extern "C" __global__ void kv_commit_columns(const u64* __restrict__ tables, con
   kv_commit_row(layers, blockIdx.x, 0, 1, p0);
 }
 
-// (value, index) pair order for the argmax: larger value first, then the lower index.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(0xffffffffu, v, o);
-    int oi = __shfl_xor_sync(0xffffffffu, i, o);
-    if (better(ov, oi, v, i)) { v = ov; i = oi; }
-  }
-}
-
 // Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:
 // `split` blocks per row write (value, index) pairs to partial[row·split + b].
 STAGE void softcap_argmax_partial_body(const int vb, float* logits, int V, float cap, float2* partial, int split) {

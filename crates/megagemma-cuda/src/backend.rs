@@ -4,9 +4,12 @@
 //! `InvalidInput` or `Capacity` error and never leaves a sequence half-updated. Greedy calls read
 //! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
 
+use crate::draft::CudaAssistant;
 use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
-use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, PosOut, SeqId, Want};
+use megagemma_model::assistant::AssistantModel;
+use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want};
+use megagemma_model::cpu::ops::softmax;
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
 use megagemma_model::Result;
@@ -30,6 +33,8 @@ pub struct CudaBackend {
     /// A step of several sequences runs them in one weight pass (`MEGAGEMMA_CUDA_BATCH=0`: one
     /// pass each).
     batch_steps: bool,
+    /// The MTP assistant, when loaded: it drafts from a sequence's KV cache and kept hidden state.
+    assistant: Option<CudaAssistant>,
 }
 
 impl CudaBackend {
@@ -44,7 +49,29 @@ impl CudaBackend {
             step_tokens: 0,
             decode: Decode::from_env(),
             batch_steps: std::env::var("MEGAGEMMA_CUDA_BATCH").map_or(true, |v| v != "0"),
+            assistant: None,
         }
+    }
+
+    /// Uploads `assistant` (loaded for this backend's model) beside the target for
+    /// [`Backend::draft`]; sequences from now on keep the hidden state it reads.
+    pub fn with_assistant(self, assistant: &AssistantModel) -> Result<CudaBackend> {
+        let a = CudaAssistant::load(&self.model, assistant)?;
+        Ok(self.drafting_with(a))
+    }
+
+    /// A random assistant of the real E2B / E4B assistants' shapes ([`CudaAssistant::synthetic`]).
+    pub fn with_synthetic_assistant(self) -> Result<CudaBackend> {
+        let a = CudaAssistant::synthetic(&self.model)?;
+        Ok(self.drafting_with(a))
+    }
+
+    fn drafting_with(mut self, a: CudaAssistant) -> CudaBackend {
+        self.assistant = Some(a);
+        for s in self.seqs.values_mut() {
+            s.set_keep_hidden(true);
+        }
+        self
     }
 
     /// Decode steps as a CUDA graph (the default) or as one persistent kernel.
@@ -168,6 +195,7 @@ impl Backend for CudaBackend {
     fn new_sequence(&mut self) -> Result<SeqId> {
         let mut s = CudaSeq::new(&self.model, self.max_context)?;
         s.set_decode(self.decode);
+        s.set_keep_hidden(self.assistant.is_some());
         Ok(self.add(s))
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
@@ -223,5 +251,34 @@ impl Backend for CudaBackend {
 
     fn truncate(&mut self, seq: SeqId, len: usize) -> Result<()> {
         self.seq_mut(seq)?.truncate_to(len)
+    }
+
+    fn has_drafter(&self) -> bool {
+        self.assistant.is_some()
+    }
+
+    fn draft(&mut self, seq: SeqId, token: u32, k: usize, with_probs: bool) -> Result<Draft> {
+        let Some(asst) = &self.assistant else {
+            return Err(Error::invalid_input("no MTP assistant is loaded (give --assistant DIR)"));
+        };
+        let vocab = self.model.plan().vocab_size;
+        let s = self.seqs.get_mut(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
+        if !s.has_hidden {
+            return Err(Error::invalid_input(format!(
+                "sequence {seq} has no hidden state to draft from: run a pass after creating or truncating it"
+            )));
+        }
+        if token as usize >= vocab {
+            return Err(Error::invalid_input(format!("token id {token} is out of range")));
+        }
+        let (ids, logits) = s.draft(asst, token, k, with_probs)?;
+        let probs = logits
+            .into_iter()
+            .map(|mut l| {
+                softmax(&mut l);
+                l
+            })
+            .collect();
+        Ok(Draft { ids, probs })
     }
 }

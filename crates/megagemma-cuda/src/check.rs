@@ -356,3 +356,140 @@ pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result
     let (fresh, _) = cuda_greedy(cm, prompt, steps, None)?;
     Ok(ForkReport { steps: steps - 1, identical, ids_equal_fresh: fresh == ids })
 }
+
+/// The MTP drafter on CUDA against the CPU backend's, on one target and assistant.
+pub struct DraftReport {
+    /// Draft rounds, and those whose k ids equal the CPU's.
+    pub rounds: usize,
+    pub rounds_equal: usize,
+    /// Verify passes (the same tokens on both backends), and those whose argmaxes are equal.
+    pub verifies: usize,
+    pub verifies_equal: usize,
+    /// The plain step before the first round gave the CPU's token.
+    pub step_equal: bool,
+    /// A round with the drafter's probabilities (speculative sampling): ids equal, and the largest
+    /// relative L2 between the CPU's and CUDA's probabilities of a step.
+    pub probs_ids_equal: bool,
+    pub probs_rel_l2: f64,
+    /// The first round that differs: position, CPU drafts, CUDA drafts.
+    pub first_diff: Option<(usize, Vec<u32>, Vec<u32>)>,
+    /// Greedy speculative decoding driven by the CUDA drafter, on CUDA, printed the CPU's greedy
+    /// ids; its acceptance (accepted drafts / drafts).
+    pub speculative_equals_greedy: bool,
+    pub acceptance: f64,
+}
+
+impl DraftReport {
+    pub fn ok(&self) -> bool {
+        self.step_equal
+            && self.probs_ids_equal
+            && self.probs_rel_l2 <= REL_L2_MAX
+            && self.rounds_equal == self.rounds
+            && self.verifies_equal == self.verifies
+            && self.speculative_equals_greedy
+    }
+}
+
+/// Runs `prompt` through the CPU and CUDA backends, both with `assistant`, in lockstep: one plain
+/// step, then rounds that each draft `k` on both (compared) and verify on both (argmaxes compared)
+/// the CPU's drafts, or — every second and third round, since random fixture assistants are
+/// never right — greedy's own continuation (all k accepted) or greedy's with its second token
+/// wrong (one accepted); then commit the accepted tokens and the target's own one. So the drafts
+/// read hidden states kept by `step`, by `prefill` and by commits of each verify row the rounds
+/// reach, `tokens` tokens in all. Then speculative decoding on CUDA alone, its own drafts
+/// verified, against the CPU's greedy ids.
+pub fn drafts_match(
+    model: &Arc<Model>,
+    assistant: &Arc<megagemma_model::assistant::AssistantModel>,
+    prompt: &[u32],
+    k: usize,
+    tokens: usize,
+) -> Result<DraftReport> {
+    use crate::backend::CudaBackend;
+    use megagemma_model::backend::{Backend, Want as BWant};
+    use megagemma_model::cpu::CpuBackend;
+    let (greedy, _) = cpu_greedy(model, prompt, tokens + k + 1)?;
+    let vocab = model.plan.vocab_size as u32;
+    let mut cpu = CpuBackend::new(model.clone()).with_assistant(assistant.clone());
+    let cm = CudaModel::load(model)?;
+    let mut gpu = CudaBackend::new(cm, Some(prompt.len() + tokens + k + 2)).with_assistant(assistant)?;
+    let (sc, sg) = (cpu.new_sequence()?, gpu.new_sequence()?);
+    let mut tok = cpu.prefill(sc, prompt, BWant::Argmax)?.argmax;
+    gpu.prefill(sg, prompt, BWant::Argmax)?;
+    let mut r = DraftReport {
+        rounds: 0,
+        rounds_equal: 0,
+        verifies: 0,
+        verifies_equal: 0,
+        step_equal: false,
+        probs_ids_equal: false,
+        probs_rel_l2: f64::INFINITY,
+        first_diff: None,
+        speculative_equals_greedy: false,
+        acceptance: 0.0,
+    };
+    // A round with probabilities (the logits path, launched step by step), then a greedy one right
+    // after prefill, then one plain step: the next draft reads the hidden state its commit kept.
+    let (pc, pg) = (cpu.draft(sc, tok, k, true)?, gpu.draft(sg, tok, k, true)?);
+    r.probs_ids_equal = pc.ids == pg.ids && pc.probs.len() == k && pg.probs.len() == k;
+    r.probs_rel_l2 = pc.probs.iter().zip(&pg.probs).map(|(c, g)| rel_l2(g, c)).fold(0.0, f64::max);
+    let mut rounds = Vec::new();
+    rounds.push((cpu.draft(sc, tok, k, false)?.ids, gpu.draft(sg, tok, k, false)?.ids, cpu.seq_len(sc)?));
+    let next = cpu.step(&[(sc, tok)], BWant::Argmax)?[0].argmax;
+    r.step_equal = next == gpu.step(&[(sg, tok)], BWant::Argmax)?[0].argmax;
+    let mut out = vec![tok, next];
+    tok = next;
+    while out.len() < tokens {
+        let pos = cpu.seq_len(sc)?;
+        let dc = cpu.draft(sc, tok, k, false)?.ids;
+        let dg = gpu.draft(sg, tok, k, false)?.ids;
+        let cont = &greedy[out.len()..out.len() + k];
+        let drafts: Vec<u32> = match rounds.len() % 3 {
+            0 => dc.clone(),
+            1 => cont.to_vec(),
+            _ => cont.iter().enumerate().map(|(i, &t)| if i == 1 { (t + 1) % vocab } else { t }).collect(),
+        };
+        rounds.push((dc, dg, pos));
+        let cand: Vec<u32> = std::iter::once(tok).chain(drafts.iter().copied()).collect();
+        let vc: Vec<u32> = cpu.verify(sc, &cand, BWant::Argmax)?.iter().map(|o| o.argmax).collect();
+        let vg: Vec<u32> = gpu.verify(sg, &cand, BWant::Argmax)?.iter().map(|o| o.argmax).collect();
+        r.verifies += 1;
+        r.verifies_equal += usize::from(vc == vg);
+        let n = drafts.iter().zip(&vc).take_while(|(d, t)| d == t).count();
+        cpu.commit(sc, n + 1)?;
+        gpu.commit(sg, n + 1)?;
+        out.extend_from_slice(&drafts[..n]);
+        out.push(vc[n]);
+        tok = vc[n];
+    }
+    r.rounds = rounds.len();
+    for (dc, dg, pos) in rounds {
+        if dc == dg {
+            r.rounds_equal += 1;
+        } else if r.first_diff.is_none() {
+            r.first_diff = Some((pos, dc, dg));
+        }
+    }
+    out.truncate(tokens);
+    let greedy = &greedy[..tokens];
+
+    // Speculative decoding on CUDA alone, driven by its own drafts.
+    let s = gpu.new_sequence()?;
+    let mut tok = gpu.prefill(s, prompt, BWant::Argmax)?.argmax;
+    let (mut spec, mut drafted, mut accepted) = (vec![tok], 0usize, 0usize);
+    while spec.len() < tokens {
+        let d = gpu.draft(s, tok, k, false)?.ids;
+        let cand: Vec<u32> = std::iter::once(tok).chain(d.iter().copied()).collect();
+        let v: Vec<u32> = gpu.verify(s, &cand, BWant::Argmax)?.iter().map(|o| o.argmax).collect();
+        let n = d.iter().zip(&v).take_while(|(a, b)| a == b).count();
+        gpu.commit(s, n + 1)?;
+        (drafted, accepted) = (drafted + k, accepted + n);
+        spec.extend_from_slice(&d[..n]);
+        spec.push(v[n]);
+        tok = v[n];
+    }
+    spec.truncate(tokens);
+    r.speculative_equals_greedy = spec == greedy && out == greedy;
+    r.acceptance = accepted as f64 / drafted.max(1) as f64;
+    Ok(r)
+}

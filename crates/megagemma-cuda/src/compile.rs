@@ -7,13 +7,14 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
 /// `(file name, embedded source)` of every kernel file.
-pub const KERNEL_FILES: [(&str, &str); 7] = [
+pub const KERNEL_FILES: [(&str, &str); 8] = [
     ("matvec.cu", include_str!("../kernels/matvec.cu")),
     ("matvec_mma.cu", include_str!("../kernels/matvec_mma.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
     ("attention.cu", include_str!("../kernels/attention.cu")),
     ("prefill.cu", include_str!("../kernels/prefill.cu")),
     ("synth.cu", include_str!("../kernels/synth.cu")),
+    ("draft.cu", include_str!("../kernels/draft.cu")),
     ("megakernel.cu", include_str!("../kernels/megakernel.cu")),
 ];
 const COMMON: &str = include_str!("../kernels/common.cuh");

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Every kernel entry point, by file.
-const FUNCTIONS: [(&str, &[&str]); 6] = [
+const FUNCTIONS: [(&str, &[&str]); 7] = [
     ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated", "matvec_experts"]),
     ("matvec_mma.cu", &MMA_KERNELS),
     (
@@ -44,6 +44,7 @@ const FUNCTIONS: [(&str, &[&str]); 6] = [
         &["widen_rows", "widen_tiles", "split_inputs", "swap_rows", "split_queries", "kv_gather", "masked_softmax"],
     ),
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
+    ("draft.cu", &["centroid_candidates", "rows_dot", "argmax_ids"]),
 ];
 
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of

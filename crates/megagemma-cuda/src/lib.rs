@@ -42,6 +42,7 @@ mod capture;
 pub mod check;
 pub mod compile;
 pub mod device;
+pub mod draft;
 pub mod libs;
 mod long_pass;
 mod megakernel;

@@ -40,7 +40,7 @@ fn mma_chunk_bytes(h: usize, upc: usize) -> usize {
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
 /// Blocks per row of the softcap + argmax pass.
-const ARGMAX_SPLIT: usize = 64;
+pub(crate) const ARGMAX_SPLIT: usize = 64;
 
 /// A residual step not run yet (`add_norm`: `x = (x + norm(o)·w1)·scale`, then the next input
 /// `norm(x)·w2`, or `x` itself when `w2` is 0). The next tensor-core matvec folds it into its input
@@ -56,9 +56,9 @@ struct PendingNorm {
 
 /// The second input of a gated projection: `[t, ≥ cols]` floats with row stride `stride`.
 #[derive(Clone, Copy)]
-struct Gate {
-    ptr: u64,
-    stride: usize,
+pub(crate) struct Gate {
+    pub(crate) ptr: u64,
+    pub(crate) stride: usize,
 }
 
 /// How a single-token pass (decode step) is launched.
@@ -129,7 +129,7 @@ impl LayerCache {
 
 /// A cache-owning layer's device pointers, as a pass's attention reads and stages them.
 #[derive(Clone, Copy, Default)]
-struct KvView {
+pub(crate) struct KvView {
     k: u64,
     v: u64,
     staged_k: u64,
@@ -141,13 +141,13 @@ struct KvView {
 /// the sequence of the pass's token t — its cache of the layer, ring slots and position.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct AttColumnDesc {
-    kc: u64,
-    vc: u64,
-    ks: u64,
-    vs: u64,
-    pos: i32,
-    ring: i32,
+pub(crate) struct AttColumnDesc {
+    pub(crate) kc: u64,
+    pub(crate) vc: u64,
+    pub(crate) ks: u64,
+    pub(crate) vs: u64,
+    pub(crate) pos: i32,
+    pub(crate) ring: i32,
 }
 
 impl AttColumnDesc {
@@ -203,6 +203,9 @@ pub(crate) struct Scratch {
     pg: DevBuf,
     logits: DevBuf,
     ids: DevBuf,
+    /// With `keep_hidden`: the final-normed hidden states of the positions whose logits the last
+    /// pass computed (`[rows, hidden]`), for the MTP drafter.
+    pub(crate) hid: DevBuf,
     /// Per-block (value, index) candidates of the argmax.
     partial: DevBuf,
     /// Per-part sums of split matvecs (`MMA_PARTIAL_FLOATS`) and their per-tile-group arrival
@@ -232,7 +235,7 @@ const ATT_FUSED_KV: i32 = 2;
 const ATT_FUSED_VNORM: i32 = 4;
 
 /// The norms a short pass's attention applies itself (`fused` = 0: the pass ran `qkv_norm_rope`).
-struct AttentionNorms {
+pub(crate) struct AttentionNorms {
     fused: i32,
     q_norm: u64,
     inv_freq: u64,
@@ -240,6 +243,28 @@ struct AttentionNorms {
     k_norm: u64,
     kr: u64,
     vr: u64,
+}
+
+impl AttentionNorms {
+    /// None: the queries (and keys) were normed and rotated before the attention.
+    pub(crate) fn none() -> AttentionNorms {
+        AttentionNorms { fused: 0, q_norm: 0, inv_freq: 0, k_norm: 0, kr: 0, vr: 0 }
+    }
+}
+
+/// Where an attention launch reads its queries (and, without a column table, its positions) and
+/// writes its output and split scratch, its window (0: full) and the most keys a query sees (which
+/// sizes the grid): a pass's own, or the MTP drafter's (`CudaSeq::draft`).
+pub(crate) struct AttIo {
+    pub(crate) q: u64,
+    pub(crate) out: u64,
+    pub(crate) pos: u64,
+    pub(crate) part_o: u64,
+    pub(crate) part_ml: u64,
+    pub(crate) counters: u64,
+    pub(crate) window: usize,
+    pub(crate) max_keys: usize,
+    pub(crate) scale: f32,
 }
 
 /// The most keys a query of layer `lp` can see in a sequence of `max_len` positions.
@@ -329,6 +354,7 @@ impl Scratch {
             pg: gpu.alloc_zeros(f32s(t * plan.ple_dim))?,
             logits: gpu.alloc_zeros(f32s(out * plan.vocab_size))?,
             ids: gpu.alloc_zeros(out * 4)?,
+            hid: gpu.alloc_zeros(f32s(out * h))?,
             partial: gpu.alloc_zeros(out * ARGMAX_SPLIT * 8)?,
             mma_partial: gpu.alloc_zeros(f32s(MMA_PARTIAL_FLOATS))?,
             att_o: gpu.alloc_zeros(f32s(att_floats))?,
@@ -387,6 +413,18 @@ pub struct CudaSeq {
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
+    /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
+    /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
+    /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
+    keep_hidden: bool,
+    /// The final-normed hidden state of position `len − 1` (`[hidden]`), valid when `has_hidden`.
+    pub(crate) hidden: DevBuf,
+    pub(crate) has_hidden: bool,
+    /// The pass position of `Scratch::hid`'s row 0 in the last forward (its first output).
+    hid_first: usize,
+    /// Greedy draft rounds captured as CUDA graphs, by (assistant, drafts per round): a round's
+    /// inputs (token, position, the cache columns) are uploaded before its launch.
+    pub(crate) draft_graphs: Vec<((u64, usize), CudaGraph)>,
 }
 
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
@@ -471,6 +509,11 @@ impl CudaSeq {
             batched: Default::default(),
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
+            keep_hidden: false,
+            hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
+            has_hidden: false,
+            hid_first: 0,
+            draft_graphs: Vec::new(),
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -507,6 +550,7 @@ impl CudaSeq {
         self.decode_graph = [None, None];
         self.batch_graphs.iter_mut().for_each(|g| *g = None);
         self.megakernels.clear();
+        self.draft_graphs.clear();
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
             c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
@@ -535,8 +579,18 @@ impl CudaSeq {
         copy.decode = self.decode;
         copy.trace_megakernel = self.trace_megakernel;
         copy.trace_file = self.trace_file.clone();
+        copy.keep_hidden = self.keep_hidden;
+        if self.has_hidden {
+            gpu.copy(copy.hidden.ptr, self.hidden.ptr, f32s(self.model.plan.hidden))?;
+            copy.has_hidden = true;
+        }
         gpu.sync()?;
         Ok(copy)
+    }
+
+    /// The most positions this sequence holds.
+    pub fn max_len(&self) -> usize {
+        self.max_len
     }
 
     /// Committed positions.
@@ -546,6 +600,36 @@ impl CudaSeq {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Whether passes keep the final-normed hidden states the MTP drafter reads (see
+    /// `keep_hidden`). Graphs and megakernel tables are recorded again with or without its launch.
+    pub fn set_keep_hidden(&mut self, on: bool) {
+        if on != self.keep_hidden {
+            self.keep_hidden = on;
+            self.decode_graph = [None, None];
+            self.batch_graphs.iter_mut().for_each(|g| *g = None);
+            self.megakernels.clear();
+        }
+    }
+
+    /// After a commit that makes position `i` of the last pass the newest: its hidden state
+    /// becomes the sequence's (when the pass computed it).
+    fn keep_hidden_of(&mut self, i: usize) -> Result<()> {
+        if !self.keep_hidden {
+            return Ok(());
+        }
+        self.has_hidden = i >= self.hid_first;
+        if self.has_hidden {
+            let h = self.model.plan.hidden;
+            self.model.gpu.copy(self.hidden.ptr, self.s.hid.at(f32s((i - self.hid_first) * h)), f32s(h))?;
+        }
+        Ok(())
+    }
+
+    /// Whether passes replay captured CUDA graphs.
+    pub(crate) fn uses_graphs(&self) -> bool {
+        self.use_graphs
     }
 
     /// Whether single-token passes replay a captured CUDA graph (default on; off with
@@ -569,7 +653,7 @@ impl CudaSeq {
     }
 
     /// The launches `pass` makes, captured into a CUDA graph instead of run.
-    fn capture(&self, pass: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+    pub(crate) fn capture(&self, pass: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let stream = self.model.gpu.stream.clone();
         let graph = crate::capture::capture(|| {
@@ -646,6 +730,7 @@ impl CudaSeq {
             // forward staged the row and the launch committed it.
             self.len += 1;
             self.staged = 0;
+            self.keep_hidden_of(0)?;
         } else {
             self.commit(1)?;
         }
@@ -717,9 +802,16 @@ impl CudaSeq {
             all = vec![0f32; n * vocab];
             gpu.download(&mut all, self.s.logits.ptr)?;
         }
-        for s in std::iter::once(&mut *self).chain(others.iter_mut().map(|o| &mut **o)) {
+        let h = plan.hidden;
+        let hid = self.s.hid.ptr;
+        for (i, s) in std::iter::once(&mut *self).chain(others.iter_mut().map(|o| &mut **o)).enumerate() {
             s.len += 1;
             s.staged = 0;
+            if s.keep_hidden {
+                // Column i's hidden state, from the pass's scratch (the first sequence's).
+                gpu.copy(s.hidden.ptr, hid + f32s(i * h) as u64, f32s(h))?;
+                s.has_hidden = true;
+            }
         }
         Ok(ids
             .into_iter()
@@ -810,6 +902,7 @@ impl CudaSeq {
         let meta: Vec<u32> = std::iter::once(self.len as u32).chain(tokens.iter().copied()).collect();
         self.model.gpu.upload(self.s.meta.ptr, &meta)?;
         let first = if want.all_positions { 0 } else { t - 1 };
+        self.hid_first = first;
         let megakernel = t <= MK_MAX_TOKENS && self.use_graphs && self.decode == Decode::Megakernel;
         if megakernel {
             self.megakernel_pass(t, first, 0)?;
@@ -883,6 +976,9 @@ impl CudaSeq {
         }
         self.len += accepted;
         self.staged = 0;
+        if accepted > 0 {
+            self.keep_hidden_of(accepted - 1)?;
+        }
         Ok(())
     }
 
@@ -904,6 +1000,10 @@ impl CudaSeq {
                 }
             }
         }
+        if len != self.len {
+            // The hidden state of position len − 1 is gone; a drafter needs a fresh pass first.
+            self.has_hidden = false;
+        }
         self.len = len;
         Ok(())
     }
@@ -924,12 +1024,12 @@ impl CudaSeq {
 
     /// `y[t] = W·x[t]` for `t` columns, in launches of up to eight columns (each column's
     /// arithmetic is independent of the others, so the split does not change any bit).
-    fn matvec(&self, w: &DevMat, x: u64, y: u64, t: usize) -> Result<()> {
+    pub(crate) fn matvec(&self, w: &DevMat, x: u64, y: u64, t: usize) -> Result<()> {
         self.matvec_impl(w, x, None, y, t)
     }
 
     /// `y[t] = W·(gelu(x[t]) · gate[t])`: fused into the 4-bit kernel, else a separate pass over `x`.
-    fn matvec_gated(&self, w: &DevMat, x: u64, gate: Gate, y: u64, t: usize) -> Result<()> {
+    pub(crate) fn matvec_gated(&self, w: &DevMat, x: u64, gate: Gate, y: u64, t: usize) -> Result<()> {
         self.matvec_impl(w, x, Some(gate), y, t)
     }
 
@@ -1236,7 +1336,7 @@ impl CudaSeq {
         self.gpu().launch("rms_norm", chunks as u32, block, 0, &args)
     }
 
-    fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
+    pub(crate) fn elementwise(&self, name: &str, n: usize, args: &[Arg]) -> Result<()> {
         self.gpu().launch(name, n.div_ceil(256) as u32, 256, 0, args)
     }
 
@@ -1298,7 +1398,13 @@ impl CudaSeq {
         ];
         self.gpu().launch("softcap_argmax_partial", (n * ARGMAX_SPLIT) as u32, 256, 0, &args)?;
         let args = [Arg::Ptr(s.partial.ptr), Arg::I32(ARGMAX_SPLIT as i32), Arg::Ptr(s.ids.ptr)];
-        self.gpu().launch("argmax_final", n as u32, 32, 0, &args)
+        self.gpu().launch("argmax_final", n as u32, 32, 0, &args)?;
+        if self.keep_hidden {
+            // The final residual of the wanted positions (the step the LM head folded or ran
+            // wrote it to `xcur`), normed again for the drafter.
+            self.norm(s.hid.ptr, self.xcur() + f32s(first * h) as u64, w.final_norm, h, n, false)?;
+        }
+        Ok(())
     }
 
     /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, or `pending` the
@@ -1450,12 +1556,36 @@ impl CudaSeq {
     /// column's cache from that table.
     fn attention_launch(&self, lp: &LayerPlan, c: KvView, t: usize, norms: &AttentionNorms, cols: u64) -> Result<()> {
         let s = &self.s;
+        let io = AttIo {
+            q: s.q.ptr,
+            out: s.att.ptr,
+            pos: s.meta.ptr,
+            part_o: s.att_o.ptr,
+            part_ml: s.att_ml.ptr,
+            counters: s.att_counters.ptr,
+            window: lp.window.unwrap_or(0),
+            // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
+            max_keys: attention_keys(lp, self.max_len),
+            scale: self.model.plan.attn_scale,
+        };
+        self.launch_attention(lp, c, t, norms, cols, &io)
+    }
+
+    /// The attention kernel over `io`'s buffers (the heads and head dim of `lp`).
+    pub(crate) fn launch_attention(
+        &self,
+        lp: &LayerPlan,
+        c: KvView,
+        t: usize,
+        norms: &AttentionNorms,
+        cols: u64,
+        io: &AttIo,
+    ) -> Result<()> {
         if lp.head_dim > 512 || !lp.head_dim.is_multiple_of(4) {
             bail!("head dim {} is not one the attention kernel takes (a multiple of 4, at most 512)", lp.head_dim);
         }
-        // Sized for the most keys any pass of this sequence can see, so a captured graph fits every step.
         let split_keys = self.gpu().att_split_keys;
-        let split = AttentionSplit::new(attention_keys(lp, self.max_len), t, split_keys);
+        let split = AttentionSplit::new(io.max_keys, t, split_keys);
         // The query, per-warp sums, with fused K/V norms the range's normed K/V rows, and scores.
         let staged_rows = if norms.fused & ATT_FUSED_KV != 0 { t.min(split.keys_per_block) } else { 0 };
         let smem = f32s(lp.head_dim * (1 + ATTENTION_WARPS + 2 * staged_rows) + split.keys_per_block);
@@ -1463,24 +1593,24 @@ impl CudaSeq {
             bail!("attention needs {smem} bytes of shared memory per block (at most 200 KB)");
         }
         let args = [
-            Arg::Ptr(s.q.ptr),
+            Arg::Ptr(io.q),
             Arg::Ptr(c.k),
             Arg::Ptr(c.v),
             Arg::Ptr(c.staged_k),
             Arg::Ptr(c.staged_v),
-            Arg::Ptr(s.att.ptr),
+            Arg::Ptr(io.out),
             Arg::I32(lp.num_heads as i32),
             Arg::I32(lp.num_kv_heads as i32),
             Arg::I32(lp.head_dim as i32),
-            Arg::Ptr(s.meta.ptr),
-            Arg::I32(lp.window.unwrap_or(0) as i32),
+            Arg::Ptr(io.pos),
+            Arg::I32(io.window as i32),
             Arg::I32(c.ring as i32),
-            Arg::F32(self.model.plan.attn_scale),
+            Arg::F32(io.scale),
             Arg::I32(t as i32),
             Arg::I32(split.grid_splits as i32),
-            Arg::Ptr(s.att_o.ptr),
-            Arg::Ptr(s.att_ml.ptr),
-            Arg::Ptr(s.att_counters.ptr),
+            Arg::Ptr(io.part_o),
+            Arg::Ptr(io.part_ml),
+            Arg::Ptr(io.counters),
             Arg::I32(split_keys as i32),
             Arg::I32(norms.fused),
             Arg::Ptr(norms.q_norm),

@@ -4,7 +4,7 @@
 
 use crate::weights::{DevLayer, DevMoe, DevPleInput, DevPleLayer, DevWeights, Placer};
 use megagemma_model::config::{AttnKind, Family, ModelConfig, MoeConfig, RopeSpec};
-use megagemma_model::plan::ModelPlan;
+use megagemma_model::plan::{LayerPlan, ModelPlan};
 use megagemma_model::{bail, Result};
 
 /// Group size of the synthetic 4-bit matrices (MLX's default).
@@ -133,40 +133,48 @@ pub fn place_synthetic(p: &mut Placer, plan: &ModelPlan) -> Result<DevWeights> {
     };
     let mut layers = Vec::with_capacity(l);
     for lp in &plan.layers {
-        let owns = !lp.is_kv_shared();
-        let (qw, kvw, i) = (lp.q_width(), lp.kv_width(), lp.mlp_width);
-        layers.push(DevLayer {
-            input_norm: p.vec_const(h, 1.0)?,
-            q: p.q4_random(qw, h, g, true)?,
-            q_norm: p.vec_const(lp.head_dim, 1.0)?,
-            k: if owns { Some(p.q4_random(kvw, h, g, true)?) } else { None },
-            v: if owns && !lp.k_eq_v { Some(p.q4_random(kvw, h, g, true)?) } else { None },
-            k_norm: if owns { Some(p.vec_const(lp.head_dim, 1.0)?) } else { None },
-            o: p.q4_random(h, qw, g, true)?,
-            post_attn_norm: p.vec_const(h, 1.0)?,
-            pre_ffn_norm: p.vec_const(h, 1.0)?,
-            gate: p.q4_random(i, h, g, true)?,
-            up: p.q4_random(i, h, g, true)?,
-            down: p.q4_random(h, i, g, true)?,
-            post_ffn_norm: p.vec_const(h, 1.0)?,
-            ple: if pd > 0 {
-                Some(DevPleLayer {
-                    gate: p.q4_random(pd, h, g, true)?,
-                    proj: p.q4_random(h, pd, g, true)?,
-                    post_norm: p.vec_const(h, 1.0)?,
-                })
-            } else {
-                None
-            },
-            moe: match plan.moe_experts {
-                0 => None,
-                experts => Some(synthetic_moe(p, plan, experts)?),
-            },
-            layer_scalar: 1.0,
-            inv_freq: p.vec(&lp.inv_freq)?,
-        });
+        let mut layer = random_layer(p, h, pd, lp, !lp.is_kv_shared())?;
+        if plan.moe_experts > 0 {
+            layer.moe = Some(synthetic_moe(p, plan, plan.moe_experts)?);
+        }
+        layers.push(layer);
     }
     Ok(DevWeights { embed, ple, layers, final_norm: p.vec_const(h, 1.0)?, lm_head })
+}
+
+/// One decoder layer of random 4-bit weights (groups of [`SYNTHETIC_GROUP`]) and unit norms, of
+/// width `h`, with per-layer embeddings of `pd` (0: none) and, when `owns_kv`, its K/V projections;
+/// no MoE (the caller adds it).
+pub fn random_layer(p: &mut Placer, h: usize, pd: usize, lp: &LayerPlan, owns_kv: bool) -> Result<DevLayer> {
+    let g = SYNTHETIC_GROUP;
+    let (qw, kvw, i) = (lp.q_width(), lp.kv_width(), lp.mlp_width);
+    Ok(DevLayer {
+        input_norm: p.vec_const(h, 1.0)?,
+        q: p.q4_random(qw, h, g, true)?,
+        q_norm: p.vec_const(lp.head_dim, 1.0)?,
+        k: if owns_kv { Some(p.q4_random(kvw, h, g, true)?) } else { None },
+        v: if owns_kv && !lp.k_eq_v { Some(p.q4_random(kvw, h, g, true)?) } else { None },
+        k_norm: if owns_kv { Some(p.vec_const(lp.head_dim, 1.0)?) } else { None },
+        o: p.q4_random(h, qw, g, true)?,
+        post_attn_norm: p.vec_const(h, 1.0)?,
+        pre_ffn_norm: p.vec_const(h, 1.0)?,
+        gate: p.q4_random(i, h, g, true)?,
+        up: p.q4_random(i, h, g, true)?,
+        down: p.q4_random(h, i, g, true)?,
+        post_ffn_norm: p.vec_const(h, 1.0)?,
+        ple: if pd > 0 {
+            Some(DevPleLayer {
+                gate: p.q4_random(pd, h, g, true)?,
+                proj: p.q4_random(h, pd, g, true)?,
+                post_norm: p.vec_const(h, 1.0)?,
+            })
+        } else {
+            None
+        },
+        moe: None,
+        layer_scalar: 1.0,
+        inv_freq: p.vec(&lp.inv_freq)?,
+    })
 }
 
 /// Random router and experts (row-major: the routed-expert kernel reads them by row), unit norms

@@ -8,9 +8,9 @@ use crate::device::{Arg, DevBuf, DevMat, Gpu, FMT_BF16, FMT_F16, FMT_F32, FMT_Q4
 use crate::tiled::{tile_q4, tileable, tiled_sizes};
 use megagemma_model::gguf::GgmlType;
 use megagemma_model::matrix::{RowDot, WeightLayout};
-use megagemma_model::plan::ModelPlan;
+use megagemma_model::plan::{LayerPlan, ModelPlan};
 use megagemma_model::quant::QuantMatrix;
-use megagemma_model::weights::ModelWeights;
+use megagemma_model::weights::{LayerWeights, ModelWeights};
 use megagemma_model::{bail, Result};
 
 pub struct DevPleLayer {
@@ -130,6 +130,11 @@ impl Placer<'_> {
     }
 
     pub fn vec(&mut self, v: &[f32]) -> Result<u64> {
+        self.put(v)
+    }
+
+    /// A table of u32 (token ids).
+    pub fn ids(&mut self, v: &[u32]) -> Result<u64> {
         self.put(v)
     }
 
@@ -263,6 +268,12 @@ impl Placer<'_> {
 
 /// Runs `place` twice — measuring, then writing into one arena of the measured size.
 pub fn place_all(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<DevWeights>) -> Result<Uploaded> {
+    let (w, arena) = place_in_arena(gpu, place)?;
+    Ok(Uploaded { w, arena })
+}
+
+/// [`place_all`] for any set of tensors (the MTP assistant's): what `place` returns, and the arena.
+pub fn place_in_arena<T>(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<T>) -> Result<(T, DevBuf)> {
     let mma_min = q4_mma_min();
     let mut measure = Placer { gpu, base: None, off: 0, seed: 0, mma_min };
     place(&mut measure)?;
@@ -270,7 +281,7 @@ pub fn place_all(gpu: &Gpu, place: impl Fn(&mut Placer) -> Result<DevWeights>) -
     let mut write = Placer { gpu, base: Some(arena.ptr), off: 0, seed: 0, mma_min };
     let w = place(&mut write)?;
     gpu.sync()?;
-    Ok(Uploaded { w, arena })
+    Ok((w, arena))
 }
 
 /// Every weight of a loaded model, in plan order.
@@ -286,56 +297,7 @@ pub fn place_model(p: &mut Placer, plan: &ModelPlan, mw: &ModelWeights) -> Resul
     };
     let mut layers = Vec::with_capacity(mw.layers.len());
     for (lp, lw) in plan.layers.iter().zip(&mw.layers) {
-        let a = &lw.attn;
-        let opt = |p: &mut Placer, m: &Option<Box<dyn RowDot>>| m.as_ref().map(|m| p.mat(m.as_ref())).transpose();
-        let moe = match &lw.moe {
-            Some(m) => {
-                let experts: Vec<[DevMat; 3]> = m
-                    .experts
-                    .iter()
-                    .map(|e| {
-                        Ok([p.mat_rows(e.gate.as_ref())?, p.mat_rows(e.up.as_ref())?, p.mat_rows(e.down.as_ref())?])
-                    })
-                    .collect::<Result<_>>()?;
-                Some(DevMoe {
-                    router: p.mat(m.router_proj.as_ref())?,
-                    router_scale: p.vec(&m.router_scale)?,
-                    per_expert_scale: p.vec(&m.per_expert_scale)?,
-                    table: p.expert_table(&experts)?,
-                    experts,
-                    pre_norm_2: p.vec(&m.pre_norm_2)?,
-                    post_norm_1: p.vec(&m.post_norm_1)?,
-                    post_norm_2: p.vec(&m.post_norm_2)?,
-                })
-            }
-            None => None,
-        };
-        layers.push(DevLayer {
-            input_norm: p.vec(&lw.input_norm)?,
-            q: p.mat(a.q.as_ref())?,
-            q_norm: p.vec(&a.q_norm)?,
-            k: opt(p, &a.k)?,
-            v: opt(p, &a.v)?,
-            k_norm: a.k_norm.as_ref().map(|v| p.vec(v)).transpose()?,
-            o: p.mat(a.o.as_ref())?,
-            post_attn_norm: p.vec(&lw.post_attn_norm)?,
-            pre_ffn_norm: p.vec(&lw.pre_ffn_norm)?,
-            gate: p.mat(lw.mlp.gate.as_ref())?,
-            up: p.mat(lw.mlp.up.as_ref())?,
-            down: p.mat(lw.mlp.down.as_ref())?,
-            post_ffn_norm: p.vec(&lw.post_ffn_norm)?,
-            ple: match &lw.ple {
-                Some(x) => Some(DevPleLayer {
-                    gate: p.mat(x.gate.as_ref())?,
-                    proj: p.mat(x.proj.as_ref())?,
-                    post_norm: p.vec(&x.post_norm)?,
-                }),
-                None => None,
-            },
-            moe,
-            layer_scalar: lw.layer_scalar,
-            inv_freq: p.vec(&lp.inv_freq)?,
-        });
+        layers.push(place_layer(p, lp, lw)?);
     }
     // A tied head is the embedding again, in the matvec layout when that differs.
     let lm_head = match &mw.lm_head {
@@ -344,4 +306,56 @@ pub fn place_model(p: &mut Placer, plan: &ModelPlan, mw: &ModelWeights) -> Resul
         None => embed,
     };
     Ok(DevWeights { embed, ple, layers, final_norm: p.vec(&mw.final_norm)?, lm_head })
+}
+
+/// One decoder layer's tensors (the MTP assistant's query-only layers too: no K/V, PLE or MoE).
+pub fn place_layer(p: &mut Placer, lp: &LayerPlan, lw: &LayerWeights) -> Result<DevLayer> {
+    let a = &lw.attn;
+    let opt = |p: &mut Placer, m: &Option<Box<dyn RowDot>>| m.as_ref().map(|m| p.mat(m.as_ref())).transpose();
+    let moe = match &lw.moe {
+        Some(m) => {
+            let experts: Vec<[DevMat; 3]> = m
+                .experts
+                .iter()
+                .map(|e| Ok([p.mat_rows(e.gate.as_ref())?, p.mat_rows(e.up.as_ref())?, p.mat_rows(e.down.as_ref())?]))
+                .collect::<Result<_>>()?;
+            Some(DevMoe {
+                router: p.mat(m.router_proj.as_ref())?,
+                router_scale: p.vec(&m.router_scale)?,
+                per_expert_scale: p.vec(&m.per_expert_scale)?,
+                table: p.expert_table(&experts)?,
+                experts,
+                pre_norm_2: p.vec(&m.pre_norm_2)?,
+                post_norm_1: p.vec(&m.post_norm_1)?,
+                post_norm_2: p.vec(&m.post_norm_2)?,
+            })
+        }
+        None => None,
+    };
+    Ok(DevLayer {
+        input_norm: p.vec(&lw.input_norm)?,
+        q: p.mat(a.q.as_ref())?,
+        q_norm: p.vec(&a.q_norm)?,
+        k: opt(p, &a.k)?,
+        v: opt(p, &a.v)?,
+        k_norm: a.k_norm.as_ref().map(|v| p.vec(v)).transpose()?,
+        o: p.mat(a.o.as_ref())?,
+        post_attn_norm: p.vec(&lw.post_attn_norm)?,
+        pre_ffn_norm: p.vec(&lw.pre_ffn_norm)?,
+        gate: p.mat(lw.mlp.gate.as_ref())?,
+        up: p.mat(lw.mlp.up.as_ref())?,
+        down: p.mat(lw.mlp.down.as_ref())?,
+        post_ffn_norm: p.vec(&lw.post_ffn_norm)?,
+        ple: match &lw.ple {
+            Some(x) => Some(DevPleLayer {
+                gate: p.mat(x.gate.as_ref())?,
+                proj: p.mat(x.proj.as_ref())?,
+                post_norm: p.vec(&x.post_norm)?,
+            }),
+            None => None,
+        },
+        moe,
+        layer_scalar: lw.layer_scalar,
+        inv_freq: p.vec(&lp.inv_freq)?,
+    })
 }

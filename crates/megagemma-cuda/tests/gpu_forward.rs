@@ -145,3 +145,34 @@ fn forked_sequences_continue_like_the_original() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn mtp_drafts_equal_the_cpu_drafter() {
+    use megagemma_model::assistant::AssistantModel;
+    use megagemma_model::quant::load::QuantMode;
+    use std::sync::Arc;
+    let root = fixtures()[0].parent().expect("fixtures root").to_path_buf();
+    let target = root.join("ple_shared_dw");
+    let model = Arc::new(Model::load_with(&target, QuantMode::Stored).expect("target"));
+    let (_, prompt) = fixture_cases(&target).expect("cases").remove(0);
+    for kind in ["dense", "centroid"] {
+        let asst =
+            Arc::new(AssistantModel::load(&root.join("assistants").join(kind), &model, QuantMode::Stored).expect(kind));
+        let r = check::drafts_match(&model, &asst, &prompt, 3, 40).expect("drafts");
+        assert!(
+            r.ok(),
+            "{kind}: {}/{} rounds equal, {}/{} verifies equal, step equal {}, speculative = greedy {}, probabilities' \
+             ids equal {} (rel L2 {:.2e}); first diff {:?}",
+            r.rounds_equal,
+            r.rounds,
+            r.verifies_equal,
+            r.verifies,
+            r.step_equal,
+            r.speculative_equals_greedy,
+            r.probs_ids_equal,
+            r.probs_rel_l2,
+            r.first_diff
+        );
+    }
+}

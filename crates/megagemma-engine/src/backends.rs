@@ -79,17 +79,15 @@ pub fn open_backend_with(
         BackendKind::Auto => cuda_device_present(),
         BackendKind::Cpu => false,
     };
-    if cuda && assistant.is_some() {
-        if opts.kind == BackendKind::Cuda {
-            bail!("the CUDA backend cannot run the MTP assistant yet: use --backend cpu or --draft lookup");
-        }
-        eprintln!("note: the MTP assistant runs on the CPU backend only; running on the CPU");
-    } else if cuda {
+    if cuda {
         let spinner = crate::progress::spinner("uploading the weights to the GPU");
-        let loaded = CudaModel::load(&model);
+        let loaded = CudaModel::load(&model).and_then(|cm| match &assistant {
+            Some(a) => opts.cuda(cm).with_assistant(a),
+            None => Ok(opts.cuda(cm)),
+        });
         crate::progress::finish(spinner);
         match loaded {
-            Ok(cm) => return Ok(Box::new(opts.cuda(cm))),
+            Ok(b) => return Ok(Box::new(b)),
             Err(e) if opts.kind == BackendKind::Auto => eprintln!("note: CUDA is not usable ({e}); running on the CPU"),
             Err(e) => return Err(e.into()),
         }
@@ -105,13 +103,15 @@ pub fn open_backend_with(
 }
 
 /// A model of a real shape with random weights, built on the device without a checkpoint
-/// (`bench --synthetic`).
-pub fn open_synthetic(name: &str, quant: &str, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
+/// (`bench --synthetic`); with `assistant`, a random MTP assistant of the real assistants' shapes
+/// beside it (E2B, E4B).
+pub fn open_synthetic(name: &str, quant: &str, assistant: bool, opts: &BackendOptions) -> Result<Box<dyn Backend>> {
     if opts.kind == BackendKind::Cpu || !cuda_device_present() {
         bail!("--synthetic {name}: synthetic models are built on a GPU, and no CUDA device is available here");
     }
     let cm = CudaModel::synthetic(name, quant)?;
-    Ok(Box::new(opts.cuda(cm)))
+    let b = opts.cuda(cm);
+    Ok(Box::new(if assistant { b.with_synthetic_assistant()? } else { b }))
 }
 
 /// Whether a CUDA driver and at least one device are present (never panics without CUDA).

@@ -10,8 +10,9 @@
 use crate::run::{resolve_model, DraftArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions, Decode};
-use megagemma_engine::generate::{generate, DraftMode, GenerateParams};
+use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions, Decode};
+use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
+use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{Backend, Want};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -69,6 +70,8 @@ struct Figures {
     verify_ms: f64,
     weight_bytes: usize,
     spec_tps: Option<(f64, f64)>,
+    /// `--draft mtp`: ms per draft round of k tokens.
+    draft_ms: Option<f64>,
     /// Launches per token of the single-sequence decode (before the batched run).
     launches: Option<f64>,
     /// `--batch N`: ms per step of all N sequences.
@@ -91,23 +94,33 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         bail!("--trace records the decode megakernel: give --backend cuda --decode megakernel");
     }
     let opts = BackendOptions { kind, max_context: args.ctx, decode };
+    // A synthetic model drafts with a random assistant of the real shapes: no --assistant then.
+    let synthetic_mtp = args.synthetic.is_some() && args.draft.draft == "mtp" && args.draft.assistant.is_none();
+    let draft = if synthetic_mtp {
+        DraftParams { mode: DraftMode::Mtp, k: args.draft.k, trace: args.draft.trace_drafts }
+    } else {
+        args.draft.params(None)?
+    };
     let (label, mut backend): (String, Box<dyn Backend>) = match (&args.model, &args.synthetic) {
         (Some(m), None) => {
             let path = resolve_model(m)?;
             let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
             let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
-            (path.display().to_string(), open_backend(model, &opts)?)
+            let assistant = match &args.draft.assistant {
+                Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
+                None => None,
+            };
+            (path.display().to_string(), open_backend_with(model, assistant, &opts)?)
         }
-        (None, Some(name)) => (
-            format!("synthetic {name} {}", args.quant),
-            megagemma_engine::backends::open_synthetic(name, &args.quant, &opts)?,
-        ),
+        (None, Some(name)) => {
+            if args.draft.assistant.is_some() {
+                bail!("--assistant drafts for a checkpoint's model: --synthetic {name} --draft mtp drafts with a random assistant");
+            }
+            let label = format!("synthetic {name} {}", args.quant);
+            (label, megagemma_engine::backends::open_synthetic(name, &args.quant, synthetic_mtp, &opts)?)
+        }
         _ => bail!("give --model M or --synthetic e2b|e4b|26b-a4b|31b|tiny"),
     };
-    let draft = args.draft.params(None)?;
-    if draft.mode == DraftMode::Mtp {
-        bail!("bench --draft mtp is not available yet: use lookup or oracle");
-    }
     let need = args.prompt_len + args.tokens + draft.k + 2;
     if need > backend.max_context() {
         bail!("--prompt-len + --tokens need a context of {need}, more than {}: raise --ctx", backend.max_context());
@@ -165,6 +178,17 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         b.commit(seq, 0)?;
     }
     let verify_ms = t2.elapsed().as_secs_f64() * 1e3 / reps as f64;
+    // A draft round of k tokens from the position decode reached (nothing is committed).
+    let draft_ms = if b.has_drafter() && draft.mode == DraftMode::Mtp {
+        b.draft(seq, tok, draft.k, false)?;
+        let t3 = Instant::now();
+        for _ in 0..reps {
+            b.draft(seq, tok, draft.k, false)?;
+        }
+        Some(t3.elapsed().as_secs_f64() * 1e3 / reps as f64)
+    } else {
+        None
+    };
     b.free(seq)?;
 
     let spec_tps = if draft.mode == DraftMode::None {
@@ -185,6 +209,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         verify_ms,
         weight_bytes: b.decode_weight_bytes(),
         spec_tps,
+        draft_ms,
         launches,
         batch_ms,
     })
@@ -277,6 +302,14 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     if let Some(l) = launches {
         println!("launches/token   {l:.1}");
     }
+    if let Some(ms) = f.draft_ms {
+        let k = f.verify_cols - 1;
+        println!(
+            "draft            {k} tokens in {ms:.3} ms = {:.3} ms a draft step ({:.2}x a decode step)",
+            ms / k as f64,
+            ms / k as f64 / f.decode_ms
+        );
+    }
     if let Some((s, mean)) = f.spec_tps {
         println!("speculative      {s:.1} tok/s with --draft {} (mean accepted/round {mean:.2})", args.draft.draft);
     }
@@ -308,6 +341,7 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
         "verify_over_decode": f.verify_ms / f.decode_ms,
         "launches_per_token": launches,
         "draft": args.draft.draft,
+        "draft_ms": f.draft_ms,
         "spec_tok_s": f.spec_tps.map(|s| s.0),
         "spec_mean_accepted": f.spec_tps.map(|s| s.1),
         "batch": args.batch,
