@@ -201,6 +201,11 @@ fi
 timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda 2>&1 \
   | grep -v '^starting' | tee "$OUT/serve_fork.log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+# The same with MTP drafting on the device: the lone greedy request is answered speculatively.
+timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/ple_shared_dw --backend cuda \
+  --serve-arg=--draft --serve-arg=mtp --serve-arg=--assistant --serve-arg=tests/fixtures/assistants/centroid 2>&1 \
+  | grep -v '^starting' | tee -a "$OUT/serve_fork.log"
+[ "${PIPESTATUS[0]}" = 0 ] || fail=1
 # The summary again at the end (the call's output tail is 12,000 characters and the benches' tables
 # push the check lines out of it): every check's count, the sanitizer, each bench's figures.
 {

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """The server's uses of sequence forks, on any backend: a greedy chat completion with n = 2 (the
 second choice is a fork of the first's prompt) must return two identical choices, and the same
-request again (its prompt found in the prefix cache, forked from there) must return the same text.
+request again (its prompt found in the prefix cache, forked from there) must return the same text;
+then the same request with n = 1, which a server started with drafting (`--serve-arg=--draft ...`)
+answers speculatively, must return that text too.
 
     python3 tools/serve_fork_check.py --binary target/release/megagemma --model tests/fixtures/gemma3 --backend cuda
+    python3 tools/serve_fork_check.py --model tests/fixtures/ple_shared_dw --backend cuda \
+        --serve-arg=--draft --serve-arg=mtp --serve-arg=--assistant --serve-arg=tests/fixtures/assistants/centroid
 
 Prints one line per check and exits non-zero if any fails.
 """
@@ -25,9 +29,11 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more argument for `serve` (repeat)")
     args = ap.parse_args()
     server_args = argparse.Namespace(binary=args.binary, model=args.model, backend=args.backend, max_batch=8,
-                                     clients=[1], ctx=1024, threads=None, serve_arg=[], start_timeout=600)
+                                     clients=[1], ctx=1024, threads=None, serve_arg=args.serve_arg,
+                                     start_timeout=600)
     server = Server(server_args)
     failed = 0
     try:
@@ -43,6 +49,11 @@ def main():
         texts2 = [c["message"]["content"] for c in again["choices"]]
         ok = texts2 == texts
         print(f"{'ok' if ok else 'FAIL'} the same request again (prefix cache): same text: {ok}")
+        failed += not ok
+        lone = post(server.url, dict(body, n=1))["choices"][0]["message"]["content"]
+        ok = lone == texts[0]
+        drafting = " ".join(args.serve_arg) or "no drafting"
+        print(f"{'ok' if ok else 'FAIL'} n=1 ({drafting}): same text: {ok}")
         failed += not ok
     finally:
         server.stop()
