@@ -17,6 +17,8 @@
 //!   verify argmaxes equal, and speculative decoding with CUDA's drafts prints the greedy ids.
 //! `gpu_check draftcost [e4b|e2b]`: where a draft round of a random assistant of the real shapes
 //!   goes, kernel by kernel (run with `MEGAGEMMA_CUDA_PROFILE=1 MEGAGEMMA_CUDA_GRAPHS=0`).
+//! `gpu_check verifycost [e4b|e2b] [COLS]`: a decode step against a verify pass of COLS tokens (default
+//!   3), kernel by kernel (run with `MEGAGEMMA_CUDA_PROFILE=1 MEGAGEMMA_CUDA_GRAPHS=0`).
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
 use megagemma_cuda::check::{
@@ -74,6 +76,10 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
         "batch" => batch_check(&fixtures()?),
         "drafts" => drafts_check(rest),
         "draftcost" => draft_cost(rest.first().map_or("e4b", String::as_str)),
+        "verifycost" => {
+            let cols = rest.get(1).and_then(|c| c.parse().ok()).unwrap_or(3);
+            verify_cost(rest.first().map_or("e4b", String::as_str), cols)
+        }
         "prefill" => {
             let name = rest.first().map_or("e4b", String::as_str);
             let tokens = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(2048);
@@ -313,6 +319,41 @@ fn draft_cost(name: &str) -> Result<bool> {
     for (k, n, secs) in cm.take_profile() {
         println!("  {k:<48} {:>5} launches {:>8.3} ms  {:>7.2} us each", n / 10, secs * 1e2, secs * 1e6 / n as f64);
     }
+    Ok(true)
+}
+
+/// Twenty decode steps, then twenty verify passes of `cols` tokens (discarded) on synthetic `name`;
+/// with `MEGAGEMMA_CUDA_PROFILE=1` each's time per kernel, per pass.
+fn verify_cost(name: &str, cols: usize) -> Result<bool> {
+    const PASSES: usize = 20;
+    let cm = CudaModel::synthetic(name, "q4")?;
+    let vocab = cm.plan().vocab_size as u32;
+    let mut seq = CudaSeq::new(&cm, 256)?;
+    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 1000) % vocab).collect();
+    let mut tok = seq.prefill(&prompt, false)?.argmax;
+    let block: Vec<u32> = (0..cols as u32).map(|i| prompt[i as usize]).collect();
+    let want = Want { all_positions: true, logits: false };
+    seq.forward(&block, want)?;
+    seq.commit(0)?;
+    tok = seq.step(tok, false)?.argmax;
+    let report = |label: &str, secs: f64| {
+        println!("{label}: {:.3} ms a pass", secs * 1e3 / PASSES as f64);
+        for (k, n, s) in cm.take_profile() {
+            println!("  {k:<52} {:>6.1} launches {:>8.2} us a pass", n as f64 / PASSES as f64, s * 1e6 / PASSES as f64);
+        }
+    };
+    cm.take_profile();
+    let t = Instant::now();
+    for _ in 0..PASSES {
+        tok = seq.step(tok, false)?.argmax;
+    }
+    report("decode step", t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    for _ in 0..PASSES {
+        seq.forward(&block, want)?;
+        seq.commit(0)?;
+    }
+    report(&format!("verify of {cols}"), t.elapsed().as_secs_f64());
     Ok(true)
 }
 

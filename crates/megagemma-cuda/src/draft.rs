@@ -547,3 +547,35 @@ impl CudaSeq {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The round's bytes hold the token, the position and each column exactly where the kernels
+    /// read them: the column as `struct AttColumn` (kernels/attention.cu) lays it out in memory.
+    #[test]
+    fn round_inputs_match_the_column_layout() {
+        let cols: Vec<AttColumnDesc> = (0..3u64)
+            .map(|i| AttColumnDesc {
+                kc: 0x1000 + i,
+                vc: 0x2000 + i,
+                ks: 0x3000 + i,
+                vs: 0x4000 + i,
+                pos: 7 + i as i32,
+                ring: -(i as i32),
+            })
+            .collect();
+        let b = RoundInputs::encode(0xdead_beef, 4242, &cols);
+        assert_eq!(b.len(), RoundInputs::bytes(3));
+        assert_eq!(&b[RoundInputs::IDS..RoundInputs::IDS + 4], &0xdead_beef_u32.to_le_bytes());
+        assert_eq!(&b[RoundInputs::POS..RoundInputs::POS + 4], &4242_i32.to_le_bytes());
+        assert_eq!(RoundInputs::COLS % 8, 0);
+        let size = std::mem::size_of::<AttColumnDesc>();
+        for (i, c) in cols.iter().enumerate() {
+            // SAFETY: AttColumnDesc is repr(C) plain data without padding (asserted above).
+            let raw = unsafe { std::slice::from_raw_parts((c as *const AttColumnDesc).cast::<u8>(), size) };
+            assert_eq!(&b[RoundInputs::COLS + i * size..RoundInputs::COLS + (i + 1) * size], raw);
+        }
+    }
+}

@@ -1218,7 +1218,10 @@ impl CudaSeq {
         let h = self.model.plan.hidden;
         // Single-token passes only: the folded step computes each token's row statistics in turn,
         // so a verify or short prefill pass of t tokens would pay t times its latency in every
-        // block (measured: a 4-column verify 1.27x -> 1.49x a decode step).
+        // block (measured: a 4-column verify 1.27x -> 1.49x a decode step). All tokens' statistics
+        // in one pass over their rows was no better (twenty-third session: 3-column verify +16%,
+        // and the code it adds made E4B decode 7.7% slower): every block then rebuilds each
+        // token's inputs from x, o and both norm weights, where `add_norm` writes them once.
         if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
             self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
             self.x_in_x2.set(!self.x_in_x2.get());
