@@ -77,6 +77,8 @@ fn bench_errors_are_one_line() {
         (vec!["bench", "--model", d.to_str().unwrap(), "--ctx", "16"], "--ctx"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--batch", "0"], "--batch"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--trace", "t.json"], "--decode megakernel"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--draft", "mtp"], "--assistant"),
+        (vec!["bench", "--synthetic", "e4b", "--draft", "mtp", "--assistant", "x"], "random assistant"),
     ] {
         let out = megagemma(&args);
         assert!(!out.status.success(), "{args:?} should fail");
@@ -84,4 +86,37 @@ fn bench_errors_are_one_line() {
         assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "{err}");
         assert!(err.contains(needle), "{args:?}: {err}");
     }
+}
+
+/// `--draft mtp --assistant DIR` times a draft round beside the decode step, and runs speculative
+/// decoding with it (the committed assistants' target).
+#[test]
+fn bench_times_a_draft_round_with_the_assistant() {
+    let d = fixtures_dir().join("ple_shared_dw");
+    let a = fixtures_dir().join("assistants").join("centroid");
+    let out = megagemma(&[
+        "bench",
+        "--model",
+        d.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--prompt-len",
+        "8",
+        "--tokens",
+        "6",
+        "--draft",
+        "mtp",
+        "--assistant",
+        a.to_str().unwrap(),
+        "--k",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let line = text.lines().find(|l| l.starts_with("draft")).unwrap_or_else(|| panic!("no draft line in:\n{text}"));
+    assert!(line.contains("2 tokens in"), "{line}");
+    assert!(text.lines().any(|l| l.starts_with("speculative")), "{text}");
+    let json: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(json["draft"], "mtp");
+    assert!(json["draft_ms"].as_f64().is_some_and(|v| v > 0.0), "draft_ms = {}", json["draft_ms"]);
 }
