@@ -3,26 +3,16 @@
 mod common;
 use common::*;
 
+/// `megagemma bench` on the CPU over a short prompt and run (8 prompt tokens, 6 decoded), then `extra`.
+fn bench_cpu(model: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let base = ["bench", "--model", model.to_str().unwrap(), "--backend", "cpu", "--prompt-len", "8", "--tokens", "6"];
+    megagemma(&[&base[..], extra].concat())
+}
+
 #[test]
 fn bench_prints_the_table_and_a_json_line() {
     let d = fixtures_dir().join("sliding_wrap");
-    let out = megagemma(&[
-        "bench",
-        "--model",
-        d.to_str().unwrap(),
-        "--backend",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--tokens",
-        "6",
-        "--draft",
-        "oracle",
-        "--acceptance",
-        "1",
-        "--k",
-        "3",
-    ]);
+    let out = bench_cpu(&d, &["--draft", "oracle", "--acceptance", "1", "--k", "3"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     for label in ["read bandwidth", "weights/token", "prefill", "decode", "achieved", "verify", "speculative"] {
@@ -52,8 +42,7 @@ fn bench_prints_the_table_and_a_json_line() {
 #[test]
 fn bench_batch_reports_the_aggregate() {
     let d = fixtures_dir().join("sliding_wrap");
-    let args = ["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--prompt-len", "8", "--tokens", "6"];
-    let out = megagemma(&[&args[..], &["--batch", "3"]].concat());
+    let out = bench_cpu(&d, &["--batch", "3"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let line = text.lines().find(|l| l.starts_with("batch")).unwrap_or_else(|| panic!("no batch line in:\n{text}"));
@@ -63,7 +52,7 @@ fn bench_batch_reports_the_aggregate() {
     let (ms, tps) = (json["batch_ms_per_step"].as_f64().unwrap(), json["batch_tok_s"].as_f64().unwrap());
     assert!((tps - 3.0 * 1e3 / ms).abs() < 1e-6 * tps, "{ms} ms per step, {tps} tok/s");
     // Without --batch there is no batched figure.
-    let json: serde_json::Value = serde_json::from_str(stdout(&megagemma(&args)).lines().last().unwrap()).unwrap();
+    let json: serde_json::Value = serde_json::from_str(stdout(&bench_cpu(&d, &[])).lines().last().unwrap()).unwrap();
     assert!(json["batch_tok_s"].is_null() && json["batch"] == 1, "{json}");
 }
 
@@ -94,23 +83,7 @@ fn bench_errors_are_one_line() {
 fn bench_times_a_draft_round_with_the_assistant() {
     let d = fixtures_dir().join("ple_shared_dw");
     let a = fixtures_dir().join("assistants").join("centroid");
-    let out = megagemma(&[
-        "bench",
-        "--model",
-        d.to_str().unwrap(),
-        "--backend",
-        "cpu",
-        "--prompt-len",
-        "8",
-        "--tokens",
-        "6",
-        "--draft",
-        "mtp",
-        "--assistant",
-        a.to_str().unwrap(),
-        "--k",
-        "2",
-    ]);
+    let out = bench_cpu(&d, &["--draft", "mtp", "--assistant", a.to_str().unwrap(), "--k", "2"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let line = text.lines().find(|l| l.starts_with("draft")).unwrap_or_else(|| panic!("no draft line in:\n{text}"));
