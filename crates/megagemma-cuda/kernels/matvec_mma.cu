@@ -224,6 +224,81 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
+// A residual step run by the launch that produced its `o` (the `*_then_norm` entry points), for
+// passes of several tokens: once every block has written its rows, the last block to finish runs
+// `add_norm` (ops.cu) over the pass's tokens, so the pass needs no launch of its own for it. In a
+// one-token pass the next matvec folds the step into its inputs instead (`Residual`).
+struct AddNorm {
+  float* x;
+  const float* w1;
+  float* a;
+  const float* w2;
+  float scale;
+  float eps;
+  unsigned* counter;
+};
+
+// `add_norm_body` (ops.cu) of tokens 0 .. m − 1 (m ≤ 8) by one block of 256 threads: each token's
+// float4s f = tid + q·blockDim in ascending f, summed in f64 and combined in `block_reduce`'s tree,
+// so the bits of the separate kernel; the tokens' loads and reductions side by side (one barrier
+// round a statistic for all of them). `o` was written by other blocks of this launch: read through
+// L2 (`last_to_arrive`).
+__device__ __noinline__ void add_norm_rows(const AddNorm& an, const float* o, int m, int dim) {
+  __shared__ double sh[8][8];
+  const int n4 = dim / 4, bd = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // Block sums of the tokens' per-thread sums v[j], each as `block_sum_d` forms it.
+  auto block_sums = [&](double(&v)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = warp_reduce(v[j], SumOp());
+    __syncthreads();  // `sh` is no longer read
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 8; j++) sh[j][warp] = v[j];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      double t = sh[j][0];
+#pragma unroll
+      for (int w = 1; w < 8; w++) t = t + sh[j][w];
+      v[j] = t;
+    }
+  };
+  double ss[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) ss[j] = 0.0;
+  for (int f = threadIdx.x; f < n4; f += bd) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      if (j < m) ss[j] = sumsq4(ss[j], __ldcg((const float4*)(o + (u64)j * dim) + f));
+  }
+  block_sums(ss);
+  float r[8];
+#pragma unroll
+  for (int j = 0; j < 8; j++) r[j] = rms_scale(ss[j], dim, an.eps);
+#pragma unroll
+  for (int j = 0; j < 8; j++) ss[j] = 0.0;
+  for (int f = threadIdx.x; f < n4; f += bd) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      if (j >= m) continue;
+      float* xr = an.x + (u64)j * dim;
+      const float4 v = residual4(ld4(xr, f), __ldcg((const float4*)(o + (u64)j * dim) + f), r[j], ld4(an.w1, f), an.scale);
+      st4(xr, f, v);
+      ss[j] = sumsq4(ss[j], v);
+    }
+  }
+  if (!an.w2) return;
+  block_sums(ss);
+#pragma unroll
+  for (int j = 0; j < 8; j++) r[j] = rms_scale(ss[j], dim, an.eps);
+  for (int f = threadIdx.x; f < n4; f += bd) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      if (j < m) st4(an.a + (u64)j * dim, f, norm4(ld4(an.x + (u64)j * dim, f), r[j], ld4(an.w2, f)));
+  }
+}
+
 // Shared memory of one block, for the chunks [c0, c0 + n) of a slice (local chunk lc = c − c0):
 //   xf[(lc·2H + p)·32 + lane] = uint4: the B fragments of token pair p (tokens 2p, 2p+1) for lane
 //     (gid, tig): (b0, b1) of k-step 0, then of k-step 1. Column gid is plane gid of token 2p
@@ -782,10 +857,12 @@ struct MatParams {
 // matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
-template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams>
+// With TAIL the launch ends with the residual step `tail` over its output y0 (`add_norm_rows`).
+template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool TAIL = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
-                      unsigned* counters, const float* gate, int gstride, const Residual& res) {
+                      unsigned* counters, const float* gate, int gstride, const Residual& res,
+                      const AddNorm& tail = AddNorm{}) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const Split sp = decode_split(split);
   const int ks = sp.ks, tpb = sp.tpb;
@@ -878,6 +955,12 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     mma_block<H, UPC, GATED, RING>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                    partial, counters, ring, res, started, first_batch, keep, kept);
   }
+  if constexpr (TAIL) {
+    if (last_to_arrive(tail.counter, nbid, mma_last)) {
+      add_norm_rows(tail, y0, m, mats.get(0).rows);
+      if (threadIdx.x == 0) *tail.counter = 0u;  // for the next launch: the kernel boundary orders it
+    }
+  }
 }
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
@@ -904,6 +987,32 @@ MMA_ENTRY(matvec_q4t_4, 1, 1, false)
 MMA_ENTRY(matvec_q4t_8, 2, 1, false)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
+
+// One matrix (plain, or gated with `gate` non-null) followed by the residual step over its output
+// y (`AddNorm`: x, w1, scale, a, w2 — null for none —, eps; the counter is counters[MMA_TAIL_SLOT]):
+// the O, down and PLE projections of passes of 2–8 tokens (src/seq.rs, `matvec_then_norm`).
+// Separate entries, so the decode step's kernels carry none of it.
+#define MMA_TAIL_SLOT 65535
+#define MMA_NORM_ENTRY(NAME, H, UPC, GATED)                                                                   \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
+      NAME(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead, float* partial, \
+           unsigned* counters, const float* gate, int gstride, float* rx, const float* rw1, float rscale,       \
+           float* ra, const float* rw2, float reps) {                                                          \
+    mma_kernel<H, UPC, GATED, false, MatParams, true>(                                                         \
+        blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, split, parts, nblocks, ahead,    \
+        partial, counters, gate, gstride, Residual{},                                                          \
+        AddNorm{rx, rw1, ra, rw2, rscale, reps, counters + MMA_TAIL_SLOT});                                    \
+  }
+#ifndef MEGAKERNEL
+MMA_NORM_ENTRY(matvec_q4t_4_then_norm, 1, 1, false)
+MMA_NORM_ENTRY(matvec_q4t_8_then_norm, 2, 1, false)
+MMA_NORM_ENTRY(matvec_q4t_4_g32_then_norm, 1, 2, false)
+MMA_NORM_ENTRY(matvec_q4t_8_g32_then_norm, 2, 2, false)
+MMA_NORM_ENTRY(matvec_q4t_4_gated_then_norm, 1, 1, true)
+MMA_NORM_ENTRY(matvec_q4t_8_gated_then_norm, 2, 1, true)
+MMA_NORM_ENTRY(matvec_q4t_4_g32_gated_then_norm, 1, 2, true)
+MMA_NORM_ENTRY(matvec_q4t_8_g32_gated_then_norm, 2, 2, true)
+#endif
 // The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
 // chunks in the same order, so the same bits; the megakernel inlines it instead.
 #ifndef MEGAKERNEL
