@@ -238,64 +238,106 @@ struct AddNorm {
   unsigned* counter;
 };
 
-// `add_norm_body` (ops.cu) of tokens 0 .. m − 1 (m ≤ 8) by one block of 256 threads: each token's
-// float4s f = tid + q·blockDim in ascending f, summed in f64 and combined in `block_reduce`'s tree,
-// so the bits of the separate kernel; the tokens' loads and reductions side by side (one barrier
-// round a statistic for all of them). `o` was written by other blocks of this launch: read through
-// L2 (`last_to_arrive`).
-__device__ __noinline__ void add_norm_rows(const AddNorm& an, const float* o, int m, int dim) {
-  __shared__ double sh[8][8];
-  const int n4 = dim / 4, bd = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // Block sums of the tokens' per-thread sums v[j], each as `block_sum_d` forms it.
-  auto block_sums = [&](double(&v)[8]) {
+// `add_norm_body` (ops.cu) of tokens 0 .. m − 1 (m ≤ 8) by one block of 256 threads, four tokens
+// at a time: each token's float4s f = tid + q·blockDim (q < RES_F4), summed in f64 in ascending q
+// and combined in `block_reduce`'s tree, so the bits of the separate kernel. A group's rows of o
+// and x are copied into the launch's shared memory by cp.async (through L2: other blocks of this
+// launch wrote o; the input slices are no longer read), all in flight at once and without
+// registers, and every store comes after every load (w2 is loaded during the second reduction),
+// so a group costs one load round trip and two barrier rounds, as one token does in
+// `add_norm_body`. Each thread copies and reads back only its own float4s: no barrier between.
+// Shared memory for four rows of o and of x (the host sizes it).
+#define MMA_TAIL_GROUP 4
+__device__ __forceinline__ void add_norm_rows(const AddNorm& an, const float* o, int m, int dim) {
+  constexpr int G = MMA_TAIL_GROUP;
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __shared__ double sh[G][8];
+  const int n4 = dim / 4, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float4* os = (float4*)mma_smem;  // [G][n4]: the group's rows of o
+  float4* xs = os + G * n4;        // [G][n4]: of x, then of the new x
+  const unsigned os_addr = smem_addr(os), xs_addr = smem_addr(xs);
+  // Block sums of the group's per-thread sums v[j], each as `block_sum_d` forms it.
+  auto block_sums = [&](double(&v)[G]) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = warp_reduce(v[j], SumOp());
+    for (int j = 0; j < G; j++) v[j] = warp_reduce(v[j], SumOp());
     __syncthreads();  // `sh` is no longer read
     if (lane == 0) {
 #pragma unroll
-      for (int j = 0; j < 8; j++) sh[j][warp] = v[j];
+      for (int j = 0; j < G; j++) sh[j][warp] = v[j];
     }
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < G; j++) {
       double t = sh[j][0];
 #pragma unroll
       for (int w = 1; w < 8; w++) t = t + sh[j][w];
       v[j] = t;
     }
   };
-  double ss[8];
-#pragma unroll
-  for (int j = 0; j < 8; j++) ss[j] = 0.0;
-  for (int f = threadIdx.x; f < n4; f += bd) {
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-      if (j < m) ss[j] = sumsq4(ss[j], __ldcg((const float4*)(o + (u64)j * dim) + f));
-  }
-  block_sums(ss);
-  float r[8];
-#pragma unroll
-  for (int j = 0; j < 8; j++) r[j] = rms_scale(ss[j], dim, an.eps);
-#pragma unroll
-  for (int j = 0; j < 8; j++) ss[j] = 0.0;
-  for (int f = threadIdx.x; f < n4; f += bd) {
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      if (j >= m) continue;
-      float* xr = an.x + (u64)j * dim;
-      const float4 v = residual4(ld4(xr, f), __ldcg((const float4*)(o + (u64)j * dim) + f), r[j], ld4(an.w1, f), an.scale);
-      st4(xr, f, v);
-      ss[j] = sumsq4(ss[j], v);
+  for (int j0 = 0; j0 < m; j0 += G) {
+    const int g = min(G, m - j0);
+    for (int i = threadIdx.x; i < g * n4; i += blockDim.x) {
+      const int j = i / n4, f = i - j * n4;
+      const u64 at = (u64)(j0 + j) * dim + 4 * f;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(os_addr + i * 16), "l"(o + at) : "memory");
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(xs_addr + i * 16), "l"(an.x + at) : "memory");
     }
-  }
-  if (!an.w2) return;
-  block_sums(ss);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    float4 wv[RES_F4];
 #pragma unroll
-  for (int j = 0; j < 8; j++) r[j] = rms_scale(ss[j], dim, an.eps);
-  for (int f = threadIdx.x; f < n4; f += bd) {
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * blockDim.x;
+      wv[q] = f < n4 ? ld4(an.w1, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();  // the copies are a block's, indexed by row, not by this thread's float4s
+    double ss[G];
 #pragma unroll
-    for (int j = 0; j < 8; j++)
-      if (j < m) st4(an.a + (u64)j * dim, f, norm4(ld4(an.x + (u64)j * dim, f), r[j], ld4(an.w2, f)));
+    for (int j = 0; j < G; j++) {
+      ss[j] = 0.0;
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) {
+        const int f = threadIdx.x + q * blockDim.x;
+        if (f < n4 && j < g) ss[j] = sumsq4(ss[j], os[j * n4 + f]);
+      }
+    }
+    block_sums(ss);
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+      const float r = rms_scale(ss[j], dim, an.eps);
+      ss[j] = 0.0;
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) {
+        const int f = threadIdx.x + q * blockDim.x;
+        if (f >= n4 || j >= g) continue;
+        const float4 v = residual4(xs[j * n4 + f], os[j * n4 + f], r, wv[q], an.scale);
+        xs[j * n4 + f] = v;
+        ss[j] = sumsq4(ss[j], v);
+      }
+    }
+    if (an.w2) {
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) {
+        const int f = threadIdx.x + q * blockDim.x;
+        wv[q] = f < n4 ? ld4(an.w2, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      block_sums(ss);
+    }
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+      const float r2 = an.w2 ? rms_scale(ss[j], dim, an.eps) : 0.f;
+      if (j >= g) continue;
+      const u64 row = (u64)(j0 + j) * dim;
+#pragma unroll
+      for (int q = 0; q < RES_F4; q++) {
+        const int f = threadIdx.x + q * blockDim.x;
+        if (f >= n4) continue;
+        const float4 v = xs[j * n4 + f];
+        st4(an.x + row, f, v);
+        if (an.w2) st4(an.a + row, f, norm4(v, r2, wv[q]));
+      }
+    }
+    __syncthreads();  // the next group's copies overwrite `os` and `xs`
   }
 }
 

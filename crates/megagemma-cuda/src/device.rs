@@ -396,9 +396,10 @@ impl Gpu {
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
         // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums,
-        // the ring form its weights' rings too (up to 48 KB).
+        // the ring form its weights' rings too (up to 48 KB); the entries that end with a residual
+        // step reuse it for four rows of o and x (up to 96 KB).
         for name in MMA_KERNELS {
-            let kb = if name.contains("_ring") { 110 } else { 60 };
+            let kb = if name.contains("_ring") || name.ends_with("_then_norm") { 110 } else { 60 };
             funcs[name]
                 .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kb * 1024)
                 .map_err(|e| cuda_err("matvec smem", e))?;

@@ -41,6 +41,11 @@ fn mma_chunk_bytes(h: usize, upc: usize) -> usize {
 /// Floats of partial sums a split tensor-core matvec may write (column parts × tokens × rows).
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
+/// Rows the residual step at the end of a tensor-core launch (`add_norm_rows` in
+/// `kernels/matvec_mma.cu`) takes at a time, and the widest row it takes (`RES_F4` float4s of 256
+/// threads).
+const TAIL_GROUP: usize = 4;
+const TAIL_MAX_ROW: usize = 4 * 3 * 256;
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
@@ -1061,6 +1066,7 @@ impl CudaSeq {
             && !self.gpu().is_recording()
             && w.fmt == FMT_Q4T
             && w.rows as usize == self.model.plan.hidden
+            && self.model.plan.hidden <= TAIL_MAX_ROW
             && gate.is_none_or(|g| g.stride.is_multiple_of(4));
         if tail {
             self.matvec_mma(&[(w, y)], x, gate, t, None, Some(step))?;
@@ -1148,6 +1154,8 @@ impl CudaSeq {
             let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording() && then.is_none();
             let ring_bytes = if ring { mma_ring_bytes(upc as u32) } else { 0 };
             let smem = (slice * mma_chunk_bytes(h, upc)) as u32 + ring_bytes;
+            // The step at the end copies four rows of `o` and of `x` into the same shared memory.
+            let smem = if then.is_some() { smem.max((2 * TAIL_GROUP * w0.rows as usize * 4) as u32) } else { smem };
             let name = match then {
                 Some(_) => mma_norm_kernel(h, upc == 2, gate.is_some()),
                 None => mma_kernel(h, upc == 2, gate.is_some(), ring),
@@ -1773,6 +1781,12 @@ mod attention_split_tests {
     fn tail_counter_slot_matches_the_kernel() {
         let slot: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_SLOT").parse().unwrap();
         assert!(slot < super::MMA_COUNTERS && slot >= 262_144 / 16);
+        let group: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_GROUP").parse().unwrap();
+        assert_eq!(group, super::TAIL_GROUP);
+        let res_f4: usize = crate::compile::kernel_define("common.cuh", "RES_F4").parse().unwrap();
+        assert_eq!(super::TAIL_MAX_ROW, 4 * res_f4 * 256);
+        // Four rows of o and x fit the entries' shared-memory allowance (110 KB, src/device.rs).
+        assert!(2 * super::TAIL_GROUP * super::TAIL_MAX_ROW * 4 <= 110 * 1024);
     }
 
     fn kernel_define(name: &str) -> usize {
