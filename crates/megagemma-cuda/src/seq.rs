@@ -46,6 +46,8 @@ const MMA_COUNTERS: usize = 1 << 16;
 /// threads).
 const TAIL_GROUP: usize = 4;
 const TAIL_MAX_ROW: usize = 4 * 3 * 256;
+// Four rows of o and x fit the entries' shared-memory allowance (110 KB, src/device.rs).
+const _: () = assert!(2 * TAIL_GROUP * TAIL_MAX_ROW * 4 <= 110 * 1024);
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
@@ -1780,13 +1782,11 @@ mod attention_split_tests {
     #[test]
     fn tail_counter_slot_matches_the_kernel() {
         let slot: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_SLOT").parse().unwrap();
-        assert!(slot < super::MMA_COUNTERS && slot >= 262_144 / 16);
+        assert!((262_144 / 16..super::MMA_COUNTERS).contains(&slot));
         let group: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_GROUP").parse().unwrap();
         assert_eq!(group, super::TAIL_GROUP);
         let res_f4: usize = crate::compile::kernel_define("common.cuh", "RES_F4").parse().unwrap();
         assert_eq!(super::TAIL_MAX_ROW, 4 * res_f4 * 256);
-        // Four rows of o and x fit the entries' shared-memory allowance (110 KB, src/device.rs).
-        assert!(2 * super::TAIL_GROUP * super::TAIL_MAX_ROW * 4 <= 110 * 1024);
     }
 
     fn kernel_define(name: &str) -> usize {
