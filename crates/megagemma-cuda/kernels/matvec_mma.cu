@@ -224,123 +224,6 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
-// A residual step run by the launch that produced its `o` (the `*_then_norm` entry points), for
-// passes of several tokens: once every block has written its rows, the last block to finish runs
-// `add_norm` (ops.cu) over the pass's tokens, so the pass needs no launch of its own for it. In a
-// one-token pass the next matvec folds the step into its inputs instead (`Residual`).
-struct AddNorm {
-  float* x;
-  const float* w1;
-  float* a;
-  const float* w2;
-  float scale;
-  float eps;
-  unsigned* counter;
-};
-
-// `add_norm_body` (ops.cu) of tokens 0 .. m − 1 (m ≤ 8) by one block of 256 threads, four tokens
-// at a time: each token's float4s f = tid + q·blockDim (q < RES_F4), summed in f64 in ascending q
-// and combined in `block_reduce`'s tree, so the bits of the separate kernel. A group's rows of o
-// and x are copied into the launch's shared memory by cp.async (through L2: other blocks of this
-// launch wrote o; the input slices are no longer read), all in flight at once and without
-// registers, and every store comes after every load (w2 is loaded during the second reduction),
-// so a group costs one load round trip and two barrier rounds, as one token does in
-// `add_norm_body`. Each thread copies and reads back only its own float4s: no barrier between.
-// Shared memory for four rows of o and of x (the host sizes it).
-#define MMA_TAIL_GROUP 4
-__device__ __forceinline__ void add_norm_rows(const AddNorm& an, const float* o, int m, int dim) {
-  constexpr int G = MMA_TAIL_GROUP;
-  extern __shared__ __align__(16) unsigned char mma_smem[];
-  __shared__ double sh[G][8];
-  const int n4 = dim / 4, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float4* os = (float4*)mma_smem;  // [G][n4]: the group's rows of o
-  float4* xs = os + G * n4;        // [G][n4]: of x, then of the new x
-  const unsigned os_addr = smem_addr(os), xs_addr = smem_addr(xs);
-  // Block sums of the group's per-thread sums v[j], each as `block_sum_d` forms it.
-  auto block_sums = [&](double(&v)[G]) {
-#pragma unroll
-    for (int j = 0; j < G; j++) v[j] = warp_reduce(v[j], SumOp());
-    __syncthreads();  // `sh` is no longer read
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < G; j++) sh[j][warp] = v[j];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-      double t = sh[j][0];
-#pragma unroll
-      for (int w = 1; w < 8; w++) t = t + sh[j][w];
-      v[j] = t;
-    }
-  };
-  for (int j0 = 0; j0 < m; j0 += G) {
-    const int g = min(G, m - j0);
-    for (int i = threadIdx.x; i < g * n4; i += blockDim.x) {
-      const int j = i / n4, f = i - j * n4;
-      const u64 at = (u64)(j0 + j) * dim + 4 * f;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(os_addr + i * 16), "l"(o + at) : "memory");
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(xs_addr + i * 16), "l"(an.x + at) : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    float4 wv[RES_F4];
-#pragma unroll
-    for (int q = 0; q < RES_F4; q++) {
-      const int f = threadIdx.x + q * blockDim.x;
-      wv[q] = f < n4 ? ld4(an.w1, f) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();  // the copies are a block's, indexed by row, not by this thread's float4s
-    double ss[G];
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-      ss[j] = 0.0;
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) {
-        const int f = threadIdx.x + q * blockDim.x;
-        if (f < n4 && j < g) ss[j] = sumsq4(ss[j], os[j * n4 + f]);
-      }
-    }
-    block_sums(ss);
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-      const float r = rms_scale(ss[j], dim, an.eps);
-      ss[j] = 0.0;
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) {
-        const int f = threadIdx.x + q * blockDim.x;
-        if (f >= n4 || j >= g) continue;
-        const float4 v = residual4(xs[j * n4 + f], os[j * n4 + f], r, wv[q], an.scale);
-        xs[j * n4 + f] = v;
-        ss[j] = sumsq4(ss[j], v);
-      }
-    }
-    if (an.w2) {
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) {
-        const int f = threadIdx.x + q * blockDim.x;
-        wv[q] = f < n4 ? ld4(an.w2, f) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      block_sums(ss);
-    }
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-      const float r2 = an.w2 ? rms_scale(ss[j], dim, an.eps) : 0.f;
-      if (j >= g) continue;
-      const u64 row = (u64)(j0 + j) * dim;
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) {
-        const int f = threadIdx.x + q * blockDim.x;
-        if (f >= n4) continue;
-        const float4 v = xs[j * n4 + f];
-        st4(an.x + row, f, v);
-        if (an.w2) st4(an.a + row, f, norm4(v, r2, wv[q]));
-      }
-    }
-    __syncthreads();  // the next group's copies overwrite `os` and `xs`
-  }
-}
-
 // Shared memory of one block, for the chunks [c0, c0 + n) of a slice (local chunk lc = c − c0):
 //   xf[(lc·2H + p)·32 + lane] = uint4: the B fragments of token pair p (tokens 2p, 2p+1) for lane
 //     (gid, tig): (b0, b1) of k-step 0, then of k-step 1. Column gid is plane gid of token 2p
@@ -899,12 +782,10 @@ struct MatParams {
 // matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
-// With TAIL the launch ends with the residual step `tail` over its output y0 (`add_norm_rows`).
-template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool TAIL = false>
+template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
-                      unsigned* counters, const float* gate, int gstride, const Residual& res,
-                      const AddNorm& tail = AddNorm{}) {
+                      unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   const Split sp = decode_split(split);
   const int ks = sp.ks, tpb = sp.tpb;
@@ -997,12 +878,6 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     mma_block<H, UPC, GATED, RING>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                    partial, counters, ring, res, started, first_batch, keep, kept);
   }
-  if constexpr (TAIL) {
-    if (last_to_arrive(tail.counter, nbid, mma_last)) {
-      add_norm_rows(tail, y0, m, mats.get(0).rows);
-      if (threadIdx.x == 0) *tail.counter = 0u;  // for the next launch: the kernel boundary orders it
-    }
-  }
 }
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
@@ -1029,32 +904,6 @@ MMA_ENTRY(matvec_q4t_4, 1, 1, false)
 MMA_ENTRY(matvec_q4t_8, 2, 1, false)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
-
-// One matrix (plain, or gated with `gate` non-null) followed by the residual step over its output
-// y (`AddNorm`: x, w1, scale, a, w2 — null for none —, eps; the counter is counters[MMA_TAIL_SLOT]):
-// the O, down and PLE projections of passes of 2–8 tokens (src/seq.rs, `matvec_then_norm`).
-// Separate entries, so the decode step's kernels carry none of it.
-#define MMA_TAIL_SLOT 65535
-#define MMA_NORM_ENTRY(NAME, H, UPC, GATED)                                                                   \
-  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead, float* partial, \
-           unsigned* counters, const float* gate, int gstride, float* rx, const float* rw1, float rscale,       \
-           float* ra, const float* rw2, float reps) {                                                          \
-    mma_kernel<H, UPC, GATED, false, MatParams, true>(                                                         \
-        blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m, split, parts, nblocks, ahead,    \
-        partial, counters, gate, gstride, Residual{},                                                          \
-        AddNorm{rx, rw1, ra, rw2, rscale, reps, counters + MMA_TAIL_SLOT});                                    \
-  }
-#ifndef MEGAKERNEL
-MMA_NORM_ENTRY(matvec_q4t_4_then_norm, 1, 1, false)
-MMA_NORM_ENTRY(matvec_q4t_8_then_norm, 2, 1, false)
-MMA_NORM_ENTRY(matvec_q4t_4_g32_then_norm, 1, 2, false)
-MMA_NORM_ENTRY(matvec_q4t_8_g32_then_norm, 2, 2, false)
-MMA_NORM_ENTRY(matvec_q4t_4_gated_then_norm, 1, 1, true)
-MMA_NORM_ENTRY(matvec_q4t_8_gated_then_norm, 2, 1, true)
-MMA_NORM_ENTRY(matvec_q4t_4_g32_gated_then_norm, 1, 2, true)
-MMA_NORM_ENTRY(matvec_q4t_8_g32_gated_then_norm, 2, 2, true)
-#endif
 // The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
 // chunks in the same order, so the same bits; the megakernel inlines it instead.
 #ifndef MEGAKERNEL

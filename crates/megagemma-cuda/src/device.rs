@@ -50,9 +50,8 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of
 /// ≥ 64 columns or of 32, plain or gated — indexed `(tokens / 4 − 1) + 2·g32 + 4·gated`; then
 /// the cp.async-ring form of the four-token ones (`MEGAGEMMA_CUDA_MMA_RING=1`), indexed
-/// `8 + g32 + 2·gated` ([`mma_kernel`]); then the entries that end with a residual step, indexed
-/// `12 + (tokens / 4 − 1) + 2·g32 + 4·gated` ([`mma_norm_kernel`]).
-pub const MMA_KERNELS: [&str; 20] = [
+/// `8 + g32 + 2·gated` ([`mma_kernel`]).
+pub const MMA_KERNELS: [&str; 12] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -65,21 +64,7 @@ pub const MMA_KERNELS: [&str; 20] = [
     "matvec_q4t_4_g32_ring",
     "matvec_q4t_4_ring_gated",
     "matvec_q4t_4_g32_ring_gated",
-    "matvec_q4t_4_then_norm",
-    "matvec_q4t_8_then_norm",
-    "matvec_q4t_4_g32_then_norm",
-    "matvec_q4t_8_g32_then_norm",
-    "matvec_q4t_4_gated_then_norm",
-    "matvec_q4t_8_gated_then_norm",
-    "matvec_q4t_4_g32_gated_then_norm",
-    "matvec_q4t_8_g32_gated_then_norm",
 ];
-
-/// The tensor-core matvec entry for one matrix followed by the residual step over its output
-/// (`*_then_norm`): `h` groups of four tokens, groups of 32 columns or not, gated or not.
-pub fn mma_norm_kernel(h: usize, g32: bool, gated: bool) -> &'static str {
-    MMA_KERNELS[12 + (h - 1) + 2 * usize::from(g32) + 4 * usize::from(gated)]
-}
 
 /// The tensor-core matvec entry for `h` groups of four tokens, groups of 32 columns or not, gated
 /// or not, in the ring form or not (which only the four-token entries have).
@@ -396,10 +381,9 @@ impl Gpu {
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
             .map_err(|e| cuda_err("attention smem", e))?;
         // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums,
-        // the ring form its weights' rings too (up to 48 KB); the entries that end with a residual
-        // step reuse it for four rows of o and x (up to 96 KB).
+        // the ring form its weights' rings too (up to 48 KB).
         for name in MMA_KERNELS {
-            let kb = if name.contains("_ring") || name.ends_with("_then_norm") { 110 } else { 60 };
+            let kb = if name.contains("_ring") { 110 } else { 60 };
             funcs[name]
                 .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kb * 1024)
                 .map_err(|e| cuda_err("matvec smem", e))?;
@@ -663,7 +647,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{mma_kernel, mma_norm_kernel, MMA_KERNELS};
+    use super::{mma_kernel, MMA_KERNELS};
 
     /// Every (token groups, g32, gated, ring) names the entry of that shape, and the ring form
     /// falls back to the register form where it has no entry (eight tokens).
@@ -679,16 +663,6 @@ mod tests {
                         assert_eq!(name.ends_with("_gated"), gated, "{name}");
                         assert_eq!(name.contains("_ring"), ring && h == 1, "{name}");
                     }
-                }
-            }
-        }
-        for h in 1..=2 {
-            for g32 in [false, true] {
-                for gated in [false, true] {
-                    let name = mma_norm_kernel(h, g32, gated);
-                    let plain = mma_kernel(h, g32, gated, false);
-                    let expected = format!("{}_then_norm", plain);
-                    assert_eq!(name, expected);
                 }
             }
         }

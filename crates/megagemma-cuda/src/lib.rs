@@ -17,8 +17,7 @@
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`
 //! (tokens per prefill pass), `MEGAGEMMA_CUDA_DECODE=graph|megakernel`, `MEGAGEMMA_CUDA_MK_TRACE=FILE`
 //! (the megakernel's per-block trace of each step), `MEGAGEMMA_CUDA_FOLD_NORMS=0` (residual steps as
-//! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_TAIL_NORMS=0` (in passes
-//! of 2–8 tokens, residual steps as their own kernels rather than run by the launch before them), `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` (Q/K/V
+//! their own kernels rather than folded into the next matvec), `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` (Q/K/V
 //! norms and RoPE inside the attention kernel of short passes: default in the megakernel only; same
 //! results), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
 //! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the

@@ -5,9 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{
-    cuda_err, mma_kernel, mma_norm_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T,
-};
+use crate::device::{cuda_err, mma_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T};
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
@@ -41,13 +39,6 @@ fn mma_chunk_bytes(h: usize, upc: usize) -> usize {
 /// Floats of partial sums a split tensor-core matvec may write (column parts × tokens × rows).
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
-/// Rows the residual step at the end of a tensor-core launch (`add_norm_rows` in
-/// `kernels/matvec_mma.cu`) takes at a time, and the widest row it takes (`RES_F4` float4s of 256
-/// threads).
-const TAIL_GROUP: usize = 4;
-const TAIL_MAX_ROW: usize = 4 * 3 * 256;
-// Four rows of o and x fit the entries' shared-memory allowance (110 KB, src/device.rs).
-const _: () = assert!(2 * TAIL_GROUP * TAIL_MAX_ROW * 4 <= 110 * 1024);
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
@@ -422,10 +413,6 @@ pub struct CudaSeq {
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
-    /// In passes of 2–8 tokens, run each residual step at the end of the tensor-core launch that
-    /// produced its `o` (`matvec_then_norm`; `MEGAGEMMA_CUDA_TAIL_NORMS=0`: as `add_norm` launches;
-    /// same results).
-    tail_norms: bool,
     /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
     /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
     /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
@@ -522,7 +509,6 @@ impl CudaSeq {
             batched: Default::default(),
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
-            tail_norms: std::env::var("MEGAGEMMA_CUDA_TAIL_NORMS").map_or(true, |v| v != "0"),
             keep_hidden: false,
             hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
             has_hidden: false,
@@ -1047,37 +1033,6 @@ impl CudaSeq {
         self.matvec_impl(w, x, Some(gate), y, t)
     }
 
-    /// `y = W·x` (gated as `matvec_gated` when `gate` is given), then the residual step `step` whose
-    /// `o` is `y`: in passes of 2–8 tokens by the same launch when it is one tensor-core launch
-    /// (its last block runs the step: one launch fewer per step, `*_then_norm` in
-    /// `kernels/matvec_mma.cu`); otherwise the step is returned, still pending, for the next matvec
-    /// to fold (single-token passes) or to run first.
-    fn matvec_then_norm(
-        &self,
-        w: &DevMat,
-        x: u64,
-        gate: Option<Gate>,
-        y: u64,
-        t: usize,
-        step: PendingNorm,
-    ) -> Result<Option<PendingNorm>> {
-        debug_assert_eq!(step.o, y);
-        let tail = self.tail_norms
-            && (2..=MATVEC_COLS).contains(&t)
-            && !self.long_pass(t)
-            && !self.gpu().is_recording()
-            && w.fmt == FMT_Q4T
-            && w.rows as usize == self.model.plan.hidden
-            && self.model.plan.hidden <= TAIL_MAX_ROW
-            && gate.is_none_or(|g| g.stride.is_multiple_of(4));
-        if tail {
-            self.matvec_mma(&[(w, y)], x, gate, t, None, Some(step))?;
-            return Ok(None);
-        }
-        self.matvec_impl(w, x, gate, y, t)?;
-        Ok(Some(step))
-    }
-
     /// Whether `w` takes the 4-bit many-rows-per-warp kernel (16-aligned rows).
     fn q4_fast(w: &DevMat) -> bool {
         w.fmt == FMT_Q4 && (w.cols as usize).is_multiple_of(16)
@@ -1125,7 +1080,6 @@ impl CudaSeq {
         gate: Option<Gate>,
         t: usize,
         res: Option<(PendingNorm, usize)>,
-        then: Option<PendingNorm>,
     ) -> Result<()> {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
@@ -1153,15 +1107,10 @@ impl CudaSeq {
             let slice = chunks.min(MMA_SLICE_BYTES / mma_chunk_bytes(h, upc));
             // The ring form is for launched passes only: a megakernel's stage table records the
             // register form's names (it inlines the ring itself).
-            let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording() && then.is_none();
+            let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording();
             let ring_bytes = if ring { mma_ring_bytes(upc as u32) } else { 0 };
             let smem = (slice * mma_chunk_bytes(h, upc)) as u32 + ring_bytes;
-            // The step at the end copies four rows of `o` and of `x` into the same shared memory.
-            let smem = if then.is_some() { smem.max((2 * TAIL_GROUP * w0.rows as usize * 4) as u32) } else { smem };
-            let name = match then {
-                Some(_) => mma_norm_kernel(h, upc == 2, gate.is_some()),
-                None => mma_kernel(h, upc == 2, gate.is_some(), ring),
-            };
+            let name = mma_kernel(h, upc == 2, gate.is_some(), ring);
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
             // Both entry points take (columns, warps per tile, column parts, virtual blocks, blocks
@@ -1176,33 +1125,14 @@ impl CudaSeq {
                 partial,
                 counters,
             ];
-            let gate_args = |g: Option<Gate>| match g {
-                Some(g) => [Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)],
-                None => [Arg::Ptr(0), Arg::I32(0)],
-            };
-            let head: [Arg; 10] = join([Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))], split);
-            match (then, gate) {
-                (Some(p), _) => {
-                    // One launch (t ≤ 8, checked by `matvec_then_norm`) whose last block runs the
-                    // step over all its tokens' rows, as `add_norm` would.
-                    debug_assert!(t <= MATVEC_COLS && mats.len() == 1 && p.o == y0);
-                    let args: [Arg; 12] = join(head, gate_args(gate));
-                    let step = [
-                        Arg::Ptr(self.xcur()),
-                        Arg::Ptr(p.w1),
-                        Arg::F32(p.scale),
-                        Arg::Ptr(self.s.a.ptr),
-                        Arg::Ptr(p.w2),
-                        Arg::F32(self.model.plan.eps),
-                    ];
-                    let args: [Arg; 18] = join(args, step);
+            match gate {
+                Some(g) => {
+                    let gate = [Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)];
+                    let head: [Arg; 10] = join([Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))], split);
+                    let args: [Arg; 12] = join(head, gate);
                     self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
-                (None, Some(_)) => {
-                    let args: [Arg; 12] = join(head, gate_args(gate));
-                    self.gpu().launch(name, grid, 256, smem, &args)?;
-                }
-                (None, None) => {
+                None => {
                     let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
                     let (w2, y2) = mats.get(2).copied().unwrap_or((w0, 0));
                     let head = [
@@ -1293,7 +1223,7 @@ impl CudaSeq {
         // and the code it adds made E4B decode 7.7% slower): every block then rebuilds each
         // token's inputs from x, o and both norm weights, where `add_norm` writes them once.
         if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
-            self.matvec_mma(mats, 0, None, t, Some((p, row0)), None)?;
+            self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
         }
@@ -1309,7 +1239,7 @@ impl CudaSeq {
         }
         let cols = mats[0].0.cols;
         if self.one_mma_launch(mats) {
-            return self.matvec_mma(mats, x, None, t, None, None);
+            return self.matvec_mma(mats, x, None, t, None);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
             return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
@@ -1357,11 +1287,11 @@ impl CudaSeq {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t, None, None),
-                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, None),
+                None => self.matvec_mma(&[(w, y)], x, None, t, None),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None),
                 Some(g) => {
                     self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t, None, None)
+                    self.matvec_mma(&[(w, y)], x, None, t, None)
                 }
             };
         }
@@ -1454,7 +1384,7 @@ impl CudaSeq {
         let mut pending = None;
         for (i, (lp, lw)) in plan.layers.iter().zip(&w.layers).enumerate() {
             let next_norm = w.layers.get(i + 1).map_or(w.final_norm, |l| l.input_norm);
-            pending = self.layer(lp, lw, next_norm, t, pending)?;
+            pending = Some(self.layer(lp, lw, next_norm, t, pending)?);
         }
 
         // §2.4 LM head on the final-normed wanted positions, softcap, argmax.
@@ -1482,7 +1412,7 @@ impl CudaSeq {
 
     /// One decoder layer over `t` tokens; on entry `s.a` holds `x`'s input norm, or `pending` the
     /// residual step that gives it; returns the layer's last residual step (whose norm with
-    /// `next_norm` is the next input) when it is not run yet (`matvec_then_norm`).
+    /// `next_norm` is the next input), not run yet.
     fn layer(
         &self,
         lp: &LayerPlan,
@@ -1490,7 +1420,7 @@ impl CudaSeq {
         next_norm: u64,
         t: usize,
         pending: Option<PendingNorm>,
-    ) -> Result<Option<PendingNorm>> {
+    ) -> Result<PendingNorm> {
         let m = &*self.model;
         let (plan, s) = (&m.plan, &self.s);
         let (h, hd, eps) = (plan.hidden, lp.head_dim, plan.eps);
@@ -1567,43 +1497,32 @@ impl CudaSeq {
         }
 
         // O projection; the post-attention norm and residual, then the pre-feed-forward norm
-        // (folded into the feed-forward's first matvec, or run by the O launch).
+        // (folded into the feed-forward's first matvec).
+        self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
         let post_attn = PendingNorm { o: s.o.ptr, w1: lw.post_attn_norm, scale: 1.0, w2: lw.pre_ffn_norm };
-        let post_attn = self.matvec_then_norm(&lw.o, s.att.ptr, None, s.o.ptr, t, post_attn)?;
 
-        // 16–19: feed-forward (dense MLP, plus the MoE branch), then the post-feed-forward step:
-        // the PLE gate reads its residual itself (no norm); without PLE it is the layer's last.
-        let post_ffn = PendingNorm { o: s.f.ptr, w1: lw.post_ffn_norm, scale: 1.0, w2: 0 };
-        let post_ffn = match lw.ple {
-            Some(_) => post_ffn,
-            None => PendingNorm { scale: lw.layer_scalar, w2: next_norm, ..post_ffn },
-        };
-        self.matvec_after(&[(&lw.gate, s.g.ptr), (&lw.up, s.u.ptr)], s.a.ptr, post_attn, 0, t)?;
-        let gate = Gate { ptr: s.u.ptr, stride: lw.gate.rows as usize };
-        let post_ffn = match &lw.moe {
-            // The MoE branch adds to `f` after the down projection.
-            Some(moe) => {
-                self.matvec_gated(&lw.down, s.g.ptr, gate, s.f.ptr, t)?;
-                self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
-                self.moe(moe, t)?;
-                self.elementwise("add", t * h, &[Arg::Ptr(s.f.ptr), Arg::Ptr(s.e.ptr), Arg::U64((t * h) as u64)])?;
-                Some(post_ffn)
-            }
-            None => self.matvec_then_norm(&lw.down, s.g.ptr, Some(gate), s.f.ptr, t, post_ffn)?,
-        };
+        // 16–19: feed-forward (dense MLP, plus the MoE branch).
+        self.mlp(&lw.gate, &lw.up, &lw.down, post_attn, s.f.ptr, t)?;
+        if let Some(moe) = &lw.moe {
+            self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
+            self.moe(moe, t)?;
+            self.elementwise("add", t * h, &[Arg::Ptr(s.f.ptr), Arg::Ptr(s.e.ptr), Arg::U64((t * h) as u64)])?;
+        }
 
         // 20–25: per-layer embedding injection, the per-layer scalar, the next norm.
-        match &lw.ple {
+        let post_ffn = PendingNorm { o: s.f.ptr, w1: lw.post_ffn_norm, scale: 1.0, w2: 0 };
+        Ok(match &lw.ple {
             Some(ple) => {
                 let p = plan.ple_dim;
                 let lpw = plan.layers.len() * p;
-                self.matvec_after(&[(&ple.gate, s.pg.ptr)], self.xcur(), post_ffn, 0, t)?;
+                // The PLE gate reads the residual after the feed-forward step itself (no norm).
+                self.matvec_after(&[(&ple.gate, s.pg.ptr)], self.xcur(), Some(post_ffn), 0, t)?;
                 let gate = Gate { ptr: s.pli.at(f32s(lp.index * p)), stride: lpw };
-                let last = PendingNorm { o: s.o.ptr, w1: ple.post_norm, scale: lw.layer_scalar, w2: next_norm };
-                self.matvec_then_norm(&ple.proj, s.pg.ptr, Some(gate), s.o.ptr, t, last)
+                self.matvec_gated(&ple.proj, s.pg.ptr, gate, s.o.ptr, t)?;
+                PendingNorm { o: s.o.ptr, w1: ple.post_norm, scale: lw.layer_scalar, w2: next_norm }
             }
-            None => Ok(post_ffn),
-        }
+            None => PendingNorm { scale: lw.layer_scalar, w2: next_norm, ..post_ffn },
+        })
     }
 
     /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
@@ -1711,6 +1630,12 @@ impl CudaSeq {
 
     /// `out = down(gelu(gate·a) · up·a)` for `t` columns, `a` the input the pending residual
     /// step gives.
+    fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, pending: PendingNorm, out: u64, t: usize) -> Result<()> {
+        let s = &self.s;
+        self.matvec_after(&[(gate, s.g.ptr), (up, s.u.ptr)], s.a.ptr, Some(pending), 0, t)?;
+        self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
+    }
+
     /// MoE branch into `s.e`: route, run every expert on the pre-normed input, combine the top-k
     /// in routing order, `post_feedforward_layernorm_2`.
     fn moe(&self, moe: &DevMoe, t: usize) -> Result<()> {
@@ -1777,18 +1702,6 @@ mod attention_split_tests {
     use crate::device::ATT_SPLIT_KEYS;
 
     /// The value of `#define NAME v` in attention.cu.
-    /// The launch-ending residual step's counter is the kernel's slot, inside a sequence's
-    /// counters and past every tile group's (the LM head of a 262,144-token vocabulary has 16,384).
-    #[test]
-    fn tail_counter_slot_matches_the_kernel() {
-        let slot: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_SLOT").parse().unwrap();
-        assert!((262_144 / 16..super::MMA_COUNTERS).contains(&slot));
-        let group: usize = crate::compile::kernel_define("matvec_mma.cu", "MMA_TAIL_GROUP").parse().unwrap();
-        assert_eq!(group, super::TAIL_GROUP);
-        let res_f4: usize = crate::compile::kernel_define("common.cuh", "RES_F4").parse().unwrap();
-        assert_eq!(super::TAIL_MAX_ROW, 4 * res_f4 * 256);
-    }
-
     fn kernel_define(name: &str) -> usize {
         crate::compile::kernel_define("attention.cu", name).parse().expect(name)
     }
