@@ -261,16 +261,7 @@ impl Backend for CudaBackend {
         let Some(asst) = &self.assistant else {
             return Err(Error::invalid_input("no MTP assistant is loaded (give --assistant DIR)"));
         };
-        let vocab = self.model.plan().vocab_size;
         let s = self.seqs.get_mut(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
-        if !s.has_hidden {
-            return Err(Error::invalid_input(format!(
-                "sequence {seq} has no hidden state to draft from: run a pass after creating or truncating it"
-            )));
-        }
-        if token as usize >= vocab {
-            return Err(Error::invalid_input(format!("token id {token} is out of range")));
-        }
         let (ids, logits) = s.draft(asst, token, k, with_probs)?;
         let probs = logits
             .into_iter()

@@ -13,10 +13,10 @@ use crate::seq::{f32s, AttColumnDesc, AttIo, AttentionNorms, CudaSeq, Gate, KvVi
 use crate::synthetic::{random_layer, SYNTHETIC_GROUP};
 use crate::weights::{place_in_arena, place_layer, DevLayer, Placer};
 use megagemma_model::assistant::config::{AssistantConfig, HeadKind};
-use megagemma_model::assistant::{AssistantModel, AssistantPlan, DraftQuery};
+use megagemma_model::assistant::{scatter_centroid_logits, AssistantModel, AssistantPlan, DraftQuery};
 use megagemma_model::config::AttnKind;
 use megagemma_model::plan::LayerPlan;
-use megagemma_model::{bail, Result};
+use megagemma_model::{bail, Error, Result};
 use std::sync::Arc;
 
 /// Most drafts one round makes.
@@ -216,15 +216,6 @@ impl CudaAssistant {
         };
         Ok(CudaAssistant { model: model.clone(), plan, w, _arena: arena, s })
     }
-
-    pub fn plan(&self) -> &AssistantPlan {
-        &self.plan
-    }
-
-    /// Bytes of the assistant's weights on the device.
-    pub fn device_weight_bytes(&self) -> usize {
-        self._arena.bytes
-    }
 }
 
 /// Every assistant tensor: the matvecs' matrices in their layout; the centroid head's rows
@@ -312,10 +303,15 @@ impl CudaSeq {
             bail!("{k} drafts in one round: the CUDA drafter makes 1 to {MAX_DRAFT}");
         }
         if !self.has_hidden {
-            bail!("this sequence has no hidden state to draft from: run a pass after creating or truncating it");
+            return Err(Error::invalid_input(
+                "this sequence has no hidden state to draft from: run a pass after creating or truncating it",
+            ));
         }
         if token as usize >= plan.vocab_size {
-            bail!("draft: token id {token} is out of range (vocab_size is {})", plan.vocab_size);
+            return Err(Error::invalid_input(format!(
+                "draft: token id {token} is out of range (vocab_size is {})",
+                plan.vocab_size
+            )));
         }
         let p = self.len();
         if p == 0 {
@@ -411,18 +407,32 @@ impl CudaSeq {
         let z_hidden = s.z.ptr + f32s(hb) as u64;
         self.elementwise("copy", hb, &[Arg::Ptr(z_hidden), Arg::Ptr(g), Arg::U64(hb as u64)])?;
         self.matvec(&w.pre_projection, s.z.ptr, s.x.ptr, 1)?;
+        // Each layer ends with its residual step and the next input norm in one `add_norm`: the
+        // next layer's, and after the last the final norm, into `hn`.
+        let first_norm = w.layers.first().map_or(w.final_norm, |l| l.input_norm);
+        self.draft_norm(ap, if w.layers.is_empty() { s.hn.ptr } else { s.a.ptr }, s.x.ptr, first_norm, h)?;
         for (l, (lp, lw)) in ap.layers.iter().zip(&w.layers).enumerate() {
-            self.draft_layer(asst, l, lp, lw)?;
+            let (next_norm, out) = match w.layers.get(l + 1) {
+                Some(next) => (next.input_norm, s.a.ptr),
+                None => (w.final_norm, s.hn.ptr),
+            };
+            self.draft_layer(asst, l, lp, lw, next_norm, out)?;
         }
-        self.draft_norm(ap, s.hn.ptr, s.x.ptr, w.final_norm, h, false)?;
         self.draft_head(asst, ids(j + 1))
     }
 
-    /// One query-only layer on `s.x` (the reference's `layer`).
-    fn draft_layer(&self, asst: &CudaAssistant, l: usize, lp: &LayerPlan, lw: &DevLayer) -> Result<()> {
+    /// One query-only layer (the reference's `layer`) on `s.x`, whose input norm is in `s.a`;
+    /// ends with `out` = the norm of the new `s.x` by `next_norm`.
+    fn draft_layer(
+        &self,
+        asst: &CudaAssistant,
+        l: usize,
+        lp: &LayerPlan,
+        lw: &DevLayer,
+        next_norm: u64,
+        out: u64,
+    ) -> Result<()> {
         let (ap, s) = (&asst.plan, &asst.s);
-        let h = ap.hidden;
-        self.draft_norm(ap, s.a.ptr, s.x.ptr, lw.input_norm, h, false)?;
         self.matvec(&lw.q, s.a.ptr, s.q.ptr, 1)?;
         let args = [
             Arg::Ptr(s.q.ptr),
@@ -455,24 +465,34 @@ impl CudaSeq {
         let col = s.round.at(RoundInputs::COLS + l * std::mem::size_of::<AttColumnDesc>());
         self.launch_attention(lp, KvView::default(), 1, &AttentionNorms::none(), col, &io)?;
         self.matvec(&lw.o, s.att.ptr, s.o.ptr, 1)?;
-        self.draft_norm(ap, s.x.ptr, s.o.ptr, lw.post_attn_norm, h, true)?;
-        self.draft_norm(ap, s.a.ptr, s.x.ptr, lw.pre_ffn_norm, h, false)?;
-        self.matvec(&lw.gate, s.a.ptr, s.g.ptr, 1)?;
-        self.matvec(&lw.up, s.a.ptr, s.u.ptr, 1)?;
+        self.draft_add_norm(asst, s.o.ptr, lw.post_attn_norm, 1.0, s.a.ptr, lw.pre_ffn_norm)?;
+        self.matvec_many(&[(&lw.gate, s.g.ptr), (&lw.up, s.u.ptr)], s.a.ptr, 1)?;
         self.matvec_gated(&lw.down, s.g.ptr, Gate { ptr: s.u.ptr, stride: lw.gate.rows as usize }, s.f.ptr, 1)?;
-        self.draft_norm(ap, s.x.ptr, s.f.ptr, lw.post_ffn_norm, h, true)?;
-        if lw.layer_scalar != 1.0 {
-            let args = [Arg::Ptr(s.x.ptr), Arg::F32(lw.layer_scalar), Arg::U64(h as u64)];
-            self.elementwise("scale", h, &args)?;
-        }
-        Ok(())
+        self.draft_add_norm(asst, s.f.ptr, lw.post_ffn_norm, lw.layer_scalar, out, next_norm)
     }
 
-    /// RMSNorm with the assistant's epsilon: `y = x̂·w`, or `y += x̂·w` (`add`).
-    fn draft_norm(&self, ap: &AssistantPlan, y: u64, x: u64, w: u64, dim: usize, add: bool) -> Result<()> {
-        let args =
-            [Arg::Ptr(y), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(dim as i32), Arg::F32(ap.eps), Arg::I32(add as i32)];
+    /// RMSNorm of `x` into `y` with the assistant's epsilon: `y = x̂·w`.
+    fn draft_norm(&self, ap: &AssistantPlan, y: u64, x: u64, w: u64, dim: usize) -> Result<()> {
+        let args = [Arg::Ptr(y), Arg::Ptr(x), Arg::Ptr(w), Arg::I32(dim as i32), Arg::F32(ap.eps), Arg::I32(0)];
         self.gpu().launch("rms_norm", 1, 256, 0, &args)
+    }
+
+    /// The residual step on the drafter's stream `s.x` (`add_norm` in kernels/ops.cu): `x = (x +
+    /// norm(o)·w1)·scale`, then `a = norm(x)·w2` — the post-norm, the residual add, the layer
+    /// scalar and the next norm in one launch.
+    fn draft_add_norm(&self, asst: &CudaAssistant, o: u64, w1: u64, scale: f32, a: u64, w2: u64) -> Result<()> {
+        let ap = &asst.plan;
+        let args = [
+            Arg::Ptr(asst.s.x.ptr),
+            Arg::Ptr(o),
+            Arg::Ptr(w1),
+            Arg::F32(scale),
+            Arg::Ptr(a),
+            Arg::Ptr(w2),
+            Arg::I32(ap.hidden as i32),
+            Arg::F32(ap.eps),
+        ];
+        self.gpu().launch("add_norm", 1, 256, 0, &args)
     }
 
     /// The head's greedy token from `hn` into `out`: the argmax of the dense head's logits (no
@@ -537,11 +557,8 @@ impl CudaSeq {
                 let (mut ids, mut scores) = (vec![0u32; n], vec![0f32; n]);
                 gpu.download(&mut ids, s.cand.ptr)?;
                 gpu.download(&mut scores, s.scores.ptr)?;
-                let fill = scores.iter().copied().fold(f32::INFINITY, f32::min) - 1.0;
-                let mut l = vec![fill; v];
-                for (&id, &sc) in ids.iter().zip(&scores) {
-                    l[id as usize] = sc;
-                }
+                let mut l = vec![0f32; v];
+                scatter_centroid_logits(&ids, &scores, &mut l);
                 Ok(l)
             }
         }

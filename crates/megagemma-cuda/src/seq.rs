@@ -545,12 +545,10 @@ impl CudaSeq {
             return Ok(());
         }
         let t = t.next_multiple_of(64).min(MAX_CHUNK);
-        let gpu = &self.model.gpu;
-        gpu.sync()?;
-        self.decode_graph = [None, None];
-        self.batch_graphs.iter_mut().for_each(|g| *g = None);
-        self.megakernels.clear();
+        self.model.gpu.sync()?;
+        self.forget_recordings();
         self.draft_graphs.clear();
+        let gpu = &self.model.gpu;
         self.s = Scratch::new(&self.model, t, self.max_len)?;
         for c in self.caches.iter_mut().flatten() {
             c.staged_k = gpu.alloc_zeros(f32s(t * c.width))?;
@@ -607,10 +605,15 @@ impl CudaSeq {
     pub fn set_keep_hidden(&mut self, on: bool) {
         if on != self.keep_hidden {
             self.keep_hidden = on;
-            self.decode_graph = [None, None];
-            self.batch_graphs.iter_mut().for_each(|g| *g = None);
-            self.megakernels.clear();
+            self.forget_recordings();
         }
+    }
+
+    /// Drops the captured pass graphs and megakernel tables: captured again on next use.
+    fn forget_recordings(&mut self) {
+        self.decode_graph = [None, None];
+        self.batch_graphs.iter_mut().for_each(|g| *g = None);
+        self.megakernels.clear();
     }
 
     /// After a commit that makes position `i` of the last pass the newest: its hidden state
@@ -1233,7 +1236,7 @@ impl CudaSeq {
 
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
     /// per eight columns when all are 4-bit in the same layout, else one matvec each.
-    fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
+    pub(crate) fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
         if self.long_pass(t) && self.gemm(mats, x, None, t)? {
             return Ok(());
         }

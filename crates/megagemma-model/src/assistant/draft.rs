@@ -284,12 +284,19 @@ fn full_logits(asst: &AssistantModel, hn: &[f32], out: &mut [f32]) {
         None => matmul(asst.weights.head.as_ref(), hn, out),
         Some(c) => {
             let (ids, scores) = centroid_scores(asst, c, hn);
-            let fill = scores.iter().copied().fold(f32::INFINITY, f32::min) - 1.0;
-            out.fill(fill);
-            for (&id, &s) in ids.iter().zip(&scores) {
-                out[id as usize] = s;
-            }
+            scatter_centroid_logits(&ids, &scores, out);
         }
+    }
+}
+
+/// The centroid head's vocabulary-sized logits from its candidates' (`ids`, `scores`): every other
+/// token gets the smallest candidate logit minus 1, as transformers fills them. Shared with the
+/// device drafter, whose candidates come back from the GPU.
+pub fn scatter_centroid_logits(ids: &[u32], scores: &[f32], out: &mut [f32]) {
+    let fill = scores.iter().copied().fold(f32::INFINITY, f32::min) - 1.0;
+    out.fill(fill);
+    for (&id, &s) in ids.iter().zip(scores) {
+        out[id as usize] = s;
     }
 }
 

@@ -19,7 +19,7 @@ use config::{load_assistant_config, AssistantConfig};
 use std::path::Path;
 use weights::{load_assistant_weights, AssistantWeights};
 
-pub use draft::{draft, draft_with, TargetKv};
+pub use draft::{draft, draft_with, scatter_centroid_logits, TargetKv};
 
 /// An assistant loaded for one target: which target layers it reads, its weights.
 pub struct AssistantModel {
