@@ -124,6 +124,12 @@ pub const MMA_PART_CHUNKS: usize = 40;
 pub struct Q4Stream {
     pub blocks_per_sm: usize,
     pub ahead: usize,
+    /// Virtual blocks ahead the tensor-core matvec asks L2 for in passes of several tokens
+    /// (`MEGAGEMMA_CUDA_MMA_AHEAD`, default 0). Twenty-fourth session (H200, E4B graph, two rounds):
+    /// 1 ahead against none, verify of 2 / 3 / 4 / 5 / 8 tokens 3.09 / 3.58 / 3.82 / 4.68 / 5.63 ms
+    /// against 2.94 / 3.45 / 3.69 / 4.58 / 5.54, four sequences in one pass 3.71–3.74 against
+    /// 3.58, E2B's 3-token verify 2.37 against 2.28: the requests only compete with the stream.
+    pub mma_ahead: usize,
     /// The tensor-core matvec's split aims for at most this many virtual blocks per grid slot
     /// (`MEGAGEMMA_CUDA_MMA_WAVES`; `CudaSeq::mma_split`).
     pub mma_waves: usize,
@@ -177,6 +183,7 @@ impl Q4Stream {
             // 4.36 (one wave: the next kernel's blocks find no free SM slot until it ends).
             blocks_per_sm: var("MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM", 4).max(1),
             ahead: var("MEGAGEMMA_CUDA_Q4_AHEAD", 1),
+            mma_ahead: var("MEGAGEMMA_CUDA_MMA_AHEAD", 0),
             // One wave: measured with 16-key attention splits, above ATT_SPLIT_KEYS (2 waves:
             // the seventh session's baseline; 3: slower in both paths).
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),

@@ -13,7 +13,9 @@
 //! (CUBIN cache), `MEGAGEMMA_CUDA_CUBINS` (CUBINs prebuilt without a GPU by the `prebuild_cubins` example),
 //! `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
-//! (4-bit matvec grid and L2 look-ahead of passes of several tokens; no result depends on them), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
+//! (the CUDA-core 4-bit matvecs' grid and L2 look-ahead; no result depends on them),
+//! `MEGAGEMMA_CUDA_MMA_AHEAD` (the tensor-core matvec's L2 look-ahead in passes of several tokens,
+//! default 0), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`
 //! (tokens per prefill pass), `MEGAGEMMA_CUDA_DECODE=graph|megakernel`, `MEGAGEMMA_CUDA_MK_TRACE=FILE`
 //! (the megakernel's per-block trace of each step), `MEGAGEMMA_CUDA_FOLD_NORMS=0` (residual steps as

@@ -1091,15 +1091,16 @@ impl CudaSeq {
         let nb: Vec<usize> = tiles.iter().map(|&t| split.matrix_blocks(t)).collect();
         let nblocks: usize = nb.iter().sum();
         let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
-        // L2 requests for the next virtual block (`MEGAGEMMA_CUDA_Q4_AHEAD`) only in passes of
-        // several tokens, and only while a launch runs at most two rounds of virtual blocks.
-        // Single-token passes load their first weights into registers before the wait, and without
-        // the requests they are faster (fourteenth session: megakernel E4B -4%, E2B -2.6%, graph
-        // E2B -0.7%, E4B +-0), while a 5-column verify pass is 1-2% slower without them. The LM
-        // head's 2,048 virtual blocks (E4B) asked a round ahead are ~54 MB, more than L2 holds, and
+        // L2 requests for the next virtual block (`MEGAGEMMA_CUDA_MMA_AHEAD`, default none) only
+        // in passes of several tokens, and only while a launch runs at most two rounds of virtual
+        // blocks. Single-token passes load their first weights into registers before the wait,
+        // and without the requests they are faster (fourteenth session: megakernel E4B -4%, E2B
+        // -2.6%, graph E2B -0.7%, E4B +-0); since the twenty-fourth session passes of several
+        // tokens go without them too (verify 2-4% faster, `Q4Stream::mma_ahead`). The LM head's
+        // 2,048 virtual blocks (E4B) asked a round ahead are ~54 MB, more than L2 holds, and
         // evicted lines were read twice (Nsight Compute: 561 MB read for its 419, 155 µs; with
         // none 419 MB, 119 µs).
-        let ahead = if t == 1 || nblocks > 2 * grid as usize { 0 } else { self.gpu().q4_stream.ahead as i32 };
+        let ahead = if t == 1 || nblocks > 2 * grid as usize { 0 } else { self.gpu().q4_stream.mma_ahead as i32 };
         let chunks = cols.div_ceil(64);
         let upc = if w0.gs == 32 { 2 } else { 1 };
         let (partial, counters) = (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr));
