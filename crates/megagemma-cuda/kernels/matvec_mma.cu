@@ -313,6 +313,65 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
   }
 }
 
+// The inputs of passes of several tokens prepared once, in global memory, for every plain matvec
+// that reads them (`add_norm_prep`): per 64-column chunk c of the whole row, the B fragments of the
+// slice layout at `prep + c·1024·H` (chunks·1024·H bytes), then the sums and exponents of its xs
+// rows at `chunks·1024·H + c·MMA_XS_FLOATS` floats — `build_inputs`' layout with the slice starting
+// at chunk 0, so a slice [c0, c0 + n) is two contiguous copies.
+__device__ __forceinline__ u64 prep_xs_offset(int H, int chunks) { return (u64)chunks * 1024 * H; }
+
+template <int H, int UPC>
+__device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned char* prep, int chunks, int c0, int n) {
+  const uint4* src = (const uint4*)(prep + (u64)c0 * 1024 * H);
+  for (int i = threadIdx.x; i < n * 64 * H; i += blockDim.x) xf[i] = __ldcg(src + i);
+  const float4* ssrc = (const float4*)(prep + prep_xs_offset(H, chunks)) + (u64)c0 * MMA_XS_FLOATS(H, UPC) / 4;
+  float4* sdst = (float4*)xs;
+  for (int i = threadIdx.x; i < n * MMA_XS_FLOATS(H, UPC) / 4; i += blockDim.x) sdst[i] = __ldcg(ssrc + i);
+}
+
+// Token j's part of the prepared inputs (see `copy_inputs`) from its row `x` of `cols`: the digit
+// planes, unit sums and exponent of `build_inputs` with the same operations on the same lanes (a
+// chunk's 16 float4s are one half-warp's), so a matvec that copies them computes the bits of one
+// that builds them. Called by every thread of one block.
+template <int H, int UPC>
+__device__ __forceinline__ void prep_inputs(unsigned char* prep, const float* x, int j, int cols) {
+  constexpr int P = 2 * H, XW = 8 * H;
+  const int chunks = (cols + 63) / 64, per_token = chunks * 16;
+  unsigned* words = (unsigned*)prep;
+  float* xsg = (float*)(prep + prep_xs_offset(H, chunks));
+  for (int base = threadIdx.x & ~31; base < per_token; base += blockDim.x) {
+    const int e = base + (threadIdx.x & 31), k = 4 * e;
+    const bool in = e < per_token;
+    float w[4] = {0.f, 0.f, 0.f, 0.f};
+    if (in && k < cols) {
+      const float4 t = __ldcg((const float4*)(x + (u64)j * cols + k));
+      w[0] = t.x, w[1] = t.y, w[2] = t.z, w[3] = t.w;
+    }
+    const int lc = e >> 4, f4 = e & 15;
+    float amax = fmaxf(fmaxf(fabsf(w[0]), fabsf(w[1])), fmaxf(fabsf(w[2]), fabsf(w[3])));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int E = chunk_exponent(amax);
+    unsigned planes[4];
+    planes4(w, exp2i(E), planes);
+    if (in) {
+      unsigned* frag = words + ((lc * P + (j >> 1)) * 32 + 16 * (j & 1) + (f4 & 3)) * 4 + (f4 >> 3) * 2 + ((f4 >> 2) & 1);
+#pragma unroll
+      for (int p = 0; p < 4; p++) frag[16 * p] = planes[p];
+    }
+    float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
+#pragma unroll
+    for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+    float* row = xsg + (u64)lc * MMA_XS_FLOATS(H, UPC);
+    if (in && f4 % (16 / UPC) == 0) {
+      const int u = f4 / (16 / UPC);
+      row[u * XW + j] = sum;
+      row[u * XW + 4 * H + j] = 0.f;
+    }
+    if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E - 4);
+  }
+}
+
 // log2 of the group size (32, 64 or 128): group indices by shifts, not divisions.
 __device__ __forceinline__ int gs_shift(const Mat& W) { return 31 - __clz(W.gs); }
 
@@ -683,7 +742,7 @@ __shared__ float mma_rstat[2][8];
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
 // `partial` and the last of the group's blocks to finish adds them in part order (a counter per
 // group, reset by that block), so no result depends on timing.
-template <int H, int UPC, bool GATED, bool RING>
+template <int H, int UPC, bool GATED, bool RING, bool PREP = false>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, Split sp, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
@@ -706,7 +765,10 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     const int n = min(slice_chunks, range.y - c0);
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
       __syncthreads();  // its fragments are no longer read
-      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
+      if constexpr (PREP)
+        copy_inputs<H, UPC>(xf, xs, (const unsigned char*)x, (W.cols + 63) / 64, c0, n);
+      else
+        build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
 #if defined(MK_MARK) && defined(MEGAKERNEL)
       mk_mark(2);  // the megakernel's trace experiment: the inputs are built
@@ -782,7 +844,8 @@ struct MatParams {
 // matrices only with parts = 1). With `gate` non-null the input is gelu(x)·gate (row stride
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
-template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams>
+// With PREP, `x` is the inputs prepared in the slices' layout (`prep_inputs`), copied, not built.
+template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
@@ -875,8 +938,8 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       prefetch_block(W, tpb, parts, local);
     }
     const int local = pick(vb, W, y);
-    mma_block<H, UPC, GATED, RING>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                   partial, counters, ring, res, started, first_batch, keep, kept);
+    mma_block<H, UPC, GATED, RING, PREP>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
+                                         partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
 
@@ -904,6 +967,35 @@ MMA_ENTRY(matvec_q4t_4, 1, 1, false)
 MMA_ENTRY(matvec_q4t_8, 2, 1, false)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
+
+// Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it
+// (as `add_norm` in ops.cu, one block per token) and prepares its output — the normed input, or
+// the new residual when w2 is null — for the plain matvecs after it, whose `*_prep` entries copy
+// their slices of it (`copy_inputs`) instead of building them in every block. Separate entries, so
+// the decode step's kernels carry none of it.
+#ifndef MEGAKERNEL
+#define MMA_PREP_ENTRY(NAME, SUFFIX, H, UPC)                                                                  \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
+      NAME##_prep(Mat W0, Mat W1, Mat W2, const unsigned char* prep, float* y0, float* y1, float* y2, int nb0,  \
+                  int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,                 \
+                  unsigned* counters) {                                                                        \
+    mma_kernel<H, UPC, false, false, MatParams, true>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2},            \
+                                                      (const float*)prep, y0, y1, y2, nb0, nb1, m, split,       \
+                                                      parts, nblocks, ahead, partial, counters, nullptr, 0,     \
+                                                      Residual{});                                              \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256) add_norm_prep##SUFFIX(                                     \
+      float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale, float* a,             \
+      const float* __restrict__ w2, int dim, float eps, unsigned char* prep) {                                 \
+    add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps);                                              \
+    __syncthreads(); /* the block's rows of a (or x) are written */                                            \
+    prep_inputs<H, UPC>(prep, w2 ? a : x, blockIdx.x, dim);                                                   \
+  }
+MMA_PREP_ENTRY(matvec_q4t_4, _4, 1, 1)
+MMA_PREP_ENTRY(matvec_q4t_8, _8, 2, 1)
+MMA_PREP_ENTRY(matvec_q4t_4_g32, _4_g32, 1, 2)
+MMA_PREP_ENTRY(matvec_q4t_8_g32, _8_g32, 2, 2)
+#endif
 // The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
 // chunks in the same order, so the same bits; the megakernel inlines it instead.
 #ifndef MEGAKERNEL

@@ -67,69 +67,7 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
                                          int T, float eps) { qkv_norm_rope_body(blockIdx.x, q, wq, nq, k, wk, nk, v, nv, inv_freq, hd, pos, T, eps); }
 
-// End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
-// per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
-// A thread's elements are the float4s f = tid + q·blockDim (`residual4` and friends in common.cuh;
-// `dim` % 4 == 0), kept in registers for rows of up to 4·RES_F4·blockDim elements: o and x are
-// loaded together right after `pdl_start()` (w1 is asked of L2 before it), so the row costs one
-// load round trip and two block reductions. Wider rows (31B) re-read them, summing in the same order.
-// `residual_stats` (matvec_mma.cu) computes the same step folded into the next matvec: same bits.
-STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
-                         float* a, const float* __restrict__ w2, int dim, float eps) {
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) prefetch_l2(w1 + i);
-  pdl_start();
-  const u64 base = (u64)vb * dim;
-  const int n4 = dim / 4, bd = blockDim.x;
-  float* xr = x + base;
-  const float* orow = o + base;
-  const bool in_regs = n4 <= RES_F4 * bd;
-  float4 ov[RES_F4], xv[RES_F4];
-  double ss = 0.0;
-  if (in_regs) {
-#pragma unroll
-    for (int q = 0; q < RES_F4; q++) {
-      const int f = threadIdx.x + q * bd;
-      ov[q] = f < n4 ? ld4(orow, f) : make_float4(0.f, 0.f, 0.f, 0.f);
-      xv[q] = f < n4 ? ld4(xr, f) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int q = 0; q < RES_F4; q++)
-      if (threadIdx.x + q * bd < n4) ss = sumsq4(ss, ov[q]);
-  } else {
-    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
-  }
-  ss = block_sum_d(ss);
-  const float r = rms_scale(ss, dim, eps);
-  double ss2 = 0.0;
-  if (in_regs) {
-#pragma unroll
-    for (int q = 0; q < RES_F4; q++) {
-      const int f = threadIdx.x + q * bd;
-      if (f >= n4) continue;
-      xv[q] = residual4(xv[q], ov[q], r, ld4(w1, f), scale);
-      st4(xr, f, xv[q]);
-      ss2 = sumsq4(ss2, xv[q]);
-    }
-  } else {
-    for (int f = threadIdx.x; f < n4; f += bd) {
-      const float4 v = residual4(ld4(xr, f), ld4(orow, f), r, ld4(w1, f), scale);
-      st4(xr, f, v);
-      ss2 = sumsq4(ss2, v);
-    }
-  }
-  if (!w2) return;
-  ss2 = block_sum_d(ss2);
-  const float r2 = rms_scale(ss2, dim, eps);
-  if (in_regs) {
-#pragma unroll
-    for (int q = 0; q < RES_F4; q++) {
-      const int f = threadIdx.x + q * bd;
-      if (f < n4) st4(a + base, f, norm4(xv[q], r2, ld4(w2, f)));
-    }
-  } else {
-    for (int f = threadIdx.x; f < n4; f += bd) st4(a + base, f, norm4(ld4(xr, f), r2, ld4(w2, f)));
-  }
-}
+// `add_norm_body` is in common.cuh (the prepared-input variant in matvec_mma.cu runs it too).
 extern "C" __global__ void __launch_bounds__(256) add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
                                     float* a, const float* __restrict__ w2, int dim, float eps) { add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps); }
 

@@ -50,8 +50,10 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of
 /// ≥ 64 columns or of 32, plain or gated — indexed `(tokens / 4 − 1) + 2·g32 + 4·gated`; then
 /// the cp.async-ring form of the four-token ones (`MEGAGEMMA_CUDA_MMA_RING=1`), indexed
-/// `8 + g32 + 2·gated` ([`mma_kernel`]).
-pub const MMA_KERNELS: [&str; 12] = [
+/// `8 + g32 + 2·gated` ([`mma_kernel`]); then the plain entries that copy prepared inputs and the
+/// residual steps that prepare them, indexed `12 + (tokens / 4 − 1) + 2·g32` and `16 + …`
+/// ([`mma_prep_kernels`]).
+pub const MMA_KERNELS: [&str; 20] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -64,7 +66,22 @@ pub const MMA_KERNELS: [&str; 12] = [
     "matvec_q4t_4_g32_ring",
     "matvec_q4t_4_ring_gated",
     "matvec_q4t_4_g32_ring_gated",
+    "matvec_q4t_4_prep",
+    "matvec_q4t_8_prep",
+    "matvec_q4t_4_g32_prep",
+    "matvec_q4t_8_g32_prep",
+    "add_norm_prep_4",
+    "add_norm_prep_8",
+    "add_norm_prep_4_g32",
+    "add_norm_prep_8_g32",
 ];
+
+/// For `h` groups of four tokens and groups of 32 columns or not: the residual step that also
+/// prepares the next plain matvecs' inputs, and the plain tensor-core entry that copies them.
+pub fn mma_prep_kernels(h: usize, g32: bool) -> (&'static str, &'static str) {
+    let i = (h - 1) + 2 * usize::from(g32);
+    (MMA_KERNELS[16 + i], MMA_KERNELS[12 + i])
+}
 
 /// The tensor-core matvec entry for `h` groups of four tokens, groups of 32 columns or not, gated
 /// or not, in the ring form or not (which only the four-token entries have).
@@ -654,7 +671,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{mma_kernel, MMA_KERNELS};
+    use super::{mma_kernel, mma_prep_kernels, MMA_KERNELS};
 
     /// Every (token groups, g32, gated, ring) names the entry of that shape, and the ring form
     /// falls back to the register form where it has no entry (eight tokens).
@@ -671,6 +688,14 @@ mod tests {
                         assert_eq!(name.contains("_ring"), ring && h == 1, "{name}");
                     }
                 }
+            }
+        }
+        for h in 1..=2 {
+            for g32 in [false, true] {
+                let (step, mv) = mma_prep_kernels(h, g32);
+                assert_eq!(mv, format!("{}_prep", mma_kernel(h, g32, false, false)));
+                let shape = mma_kernel(h, g32, false, false).trim_start_matches("matvec_q4t");
+                assert_eq!(step, format!("add_norm_prep{shape}"));
             }
         }
         let mut all: Vec<&str> = MMA_KERNELS.to_vec();

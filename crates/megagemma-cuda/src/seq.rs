@@ -5,7 +5,9 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::device::{cuda_err, mma_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T};
+use crate::device::{
+    cuda_err, mma_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T,
+};
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
@@ -211,6 +213,9 @@ pub(crate) struct Scratch {
     /// Per-part sums of split matvecs (`MMA_PARTIAL_FLOATS`) and their per-tile-group arrival
     /// counters (`MMA_COUNTERS`, zero between launches).
     mma_partial: DevBuf,
+    /// Inputs of passes of 2–8 tokens prepared once by their residual step for the plain
+    /// tensor-core matvecs after it (`prep_inputs` in kernels/matvec_mma.cu): hidden-wide rows.
+    mma_prep: DevBuf,
     mma_counters: DevBuf,
     /// Attention split along the keys: per-split partial outputs, (max, sum) pairs and per-query
     /// arrival counters (zero between launches).
@@ -357,6 +362,7 @@ impl Scratch {
             hid: gpu.alloc_zeros(f32s(out * h))?,
             partial: gpu.alloc_zeros(out * ARGMAX_SPLIT * 8)?,
             mma_partial: gpu.alloc_zeros(f32s(MMA_PARTIAL_FLOATS))?,
+            mma_prep: gpu.alloc_zeros(model.plan.hidden.div_ceil(64) * mma_chunk_bytes(2, 2))?,
             att_o: gpu.alloc_zeros(f32s(att_floats))?,
             att_ml: gpu.alloc_zeros(f32s(2 * att_floats / min_hd))?,
             att_counters: gpu.alloc_zeros(4 * out * max_heads)?,
@@ -413,6 +419,10 @@ pub struct CudaSeq {
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
+    /// In passes of 2–8 tokens, residual steps also prepare the inputs of the plain tensor-core
+    /// matvecs after them, which copy instead of building them (`MEGAGEMMA_CUDA_PREP_INPUTS=0`:
+    /// never; same results).
+    prep_inputs: bool,
     /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
     /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
     /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
@@ -509,6 +519,7 @@ impl CudaSeq {
             batched: Default::default(),
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
+            prep_inputs: std::env::var("MEGAGEMMA_CUDA_PREP_INPUTS").map_or(true, |v| v != "0"),
             keep_hidden: false,
             hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
             has_hidden: false,
@@ -1083,6 +1094,7 @@ impl CudaSeq {
         gate: Option<Gate>,
         t: usize,
         res: Option<(PendingNorm, usize)>,
+        prep: bool,
     ) -> Result<()> {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
@@ -1111,10 +1123,13 @@ impl CudaSeq {
             let slice = chunks.min(MMA_SLICE_BYTES / mma_chunk_bytes(h, upc));
             // The ring form is for launched passes only: a megakernel's stage table records the
             // register form's names (it inlines the ring itself).
-            let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording();
+            let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording() && !prep;
             let ring_bytes = if ring { mma_ring_bytes(upc as u32) } else { 0 };
             let smem = (slice * mma_chunk_bytes(h, upc)) as u32 + ring_bytes;
-            let name = mma_kernel(h, upc == 2, gate.is_some(), ring);
+            let name = match prep {
+                true => mma_prep_kernels(h, upc == 2).1,
+                false => mma_kernel(h, upc == 2, gate.is_some(), ring),
+            };
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
             // Both entry points take (columns, warps per tile, column parts, virtual blocks, blocks
@@ -1151,8 +1166,13 @@ impl CudaSeq {
                         Arg::I32(nb.get(1).copied().unwrap_or(0) as i32),
                     ];
                     let args: [Arg; 16] = join(head, split);
-                    let args: [Arg; 23] = join(args, self.residual_args(res, c0, cols));
-                    self.gpu().launch(name, grid, 256, smem, &args)?;
+                    if prep {
+                        // `x` is the prepared inputs of the whole pass (one launch: t ≤ 8).
+                        self.gpu().launch(name, grid, 256, smem, &args)?;
+                    } else {
+                        let args: [Arg; 23] = join(args, self.residual_args(res, c0, cols));
+                        self.gpu().launch(name, grid, 256, smem, &args)?;
+                    }
                 }
             }
         }
@@ -1227,9 +1247,25 @@ impl CudaSeq {
         // and the code it adds made E4B decode 7.7% slower): every block then rebuilds each
         // token's inputs from x, o and both norm weights, where `add_norm` writes them once.
         if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
-            self.matvec_mma(mats, 0, None, t, Some((p, row0)))?;
+            self.matvec_mma(mats, 0, None, t, Some((p, row0)), false)?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
+        }
+        // Several tokens (one launch of each): the step prepares the inputs once, one block per
+        // token, and the matvec copies them instead of building them in each of its blocks.
+        let prep = self.prep_inputs
+            && row0 == 0
+            && (2..=MATVEC_COLS).contains(&t)
+            && !self.long_pass(t)
+            && !self.gpu().is_recording()
+            && self.one_mma_launch(mats)
+            && mats[0].0.cols as usize == h;
+        if prep {
+            let (step, _) = mma_prep_kernels(t.div_ceil(4), mats[0].0.gs == 32);
+            let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
+            let args: [Arg; 9] = join(args, [Arg::Ptr(self.s.mma_prep.ptr)]);
+            self.gpu().launch(step, t as u32, 256, 0, &args)?;
+            return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
         self.add_norm(p.o, p.w1, p.scale, p.w2, row0 + t)?;
         self.matvec_many(mats, x, t)
@@ -1243,7 +1279,7 @@ impl CudaSeq {
         }
         let cols = mats[0].0.cols;
         if self.one_mma_launch(mats) {
-            return self.matvec_mma(mats, x, None, t, None);
+            return self.matvec_mma(mats, x, None, t, None, false);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
             return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
@@ -1291,11 +1327,11 @@ impl CudaSeq {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t, None),
-                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None),
+                None => self.matvec_mma(&[(w, y)], x, None, t, None, false),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, false),
                 Some(g) => {
                     self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t, None)
+                    self.matvec_mma(&[(w, y)], x, None, t, None, false)
                 }
             };
         }
@@ -1531,21 +1567,24 @@ impl CudaSeq {
 
     /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
     fn add_norm(&self, o: u64, w1: u64, scale: f32, w2: u64, t: usize) -> Result<()> {
+        let args = self.add_norm_args(o, w1, scale, w2);
+        // 256 threads per row (every decode-step kernel has blocks of 256, as the megakernel runs them).
+        self.gpu().launch("add_norm", t as u32, 256, 0, &args)
+    }
+
+    /// `add_norm`'s arguments (the `add_norm_prep_*` entries take the prepared inputs' buffer after them).
+    fn add_norm_args(&self, o: u64, w1: u64, scale: f32, w2: u64) -> [Arg; 8] {
         let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
-        let s = &self.s;
-        let args = [
+        [
             Arg::Ptr(self.xcur()),
             Arg::Ptr(o),
             Arg::Ptr(w1),
             Arg::F32(scale),
-            Arg::Ptr(s.a.ptr),
+            Arg::Ptr(self.s.a.ptr),
             Arg::Ptr(w2),
             Arg::I32(h as i32),
             Arg::F32(eps),
-        ];
-        // 256 threads per row (every decode-step kernel has blocks of 256, as the megakernel runs them).
-        let block = 256;
-        self.gpu().launch("add_norm", t as u32, block as u32, 0, &args)
+        ]
     }
 
     /// Attention of the pass's `t` tokens over this sequence's cache, or in a batched step of
