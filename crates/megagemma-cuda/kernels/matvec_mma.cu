@@ -320,10 +320,14 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
 // at chunk 0, so a slice [c0, c0 + n) is two contiguous copies.
 __device__ __forceinline__ u64 prep_xs_offset(int H, int chunks) { return (u64)chunks * 1024 * H; }
 
+// Only the token pairs below m: a chunk's fragments are 2·H pairs of 32 uint4s, pair by pair.
 template <int H, int UPC>
-__device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned char* prep, int chunks, int c0, int n) {
+__device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned char* prep, int chunks, int c0, int n,
+                                            int m) {
   const uint4* src = (const uint4*)(prep + (u64)c0 * 1024 * H);
-  for (int i = threadIdx.x; i < n * 64 * H; i += blockDim.x) xf[i] = __ldcg(src + i);
+  const int live = 32 * ((m + 1) >> 1);  // uint4s of a chunk's live pairs
+  for (int i = threadIdx.x; i < n * 64 * H; i += blockDim.x)
+    if ((i & (64 * H - 1)) < live) xf[i] = __ldcg(src + i);
   const float4* ssrc = (const float4*)(prep + prep_xs_offset(H, chunks)) + (u64)c0 * MMA_XS_FLOATS(H, UPC) / 4;
   float4* sdst = (float4*)xs;
   for (int i = threadIdx.x; i < n * MMA_XS_FLOATS(H, UPC) / 4; i += blockDim.x) sdst[i] = __ldcg(ssrc + i);
@@ -766,7 +770,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
       __syncthreads();  // its fragments are no longer read
       if constexpr (PREP)
-        copy_inputs<H, UPC>(xf, xs, (const unsigned char*)x, (W.cols + 63) / 64, c0, n);
+        copy_inputs<H, UPC>(xf, xs, (const unsigned char*)x, (W.cols + 63) / 64, c0, n, m);
       else
         build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
