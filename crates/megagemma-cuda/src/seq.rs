@@ -423,11 +423,6 @@ pub struct CudaSeq {
     /// matvecs after them, which copy instead of building them (`MEGAGEMMA_CUDA_PREP_INPUTS=0`:
     /// never; same results).
     prep_inputs: bool,
-    /// Fewest tokens of a pass that prepares them (`MEGAGEMMA_CUDA_PREP_MIN_TOKENS`, 2–8, default
-    /// 2). Twenty-fourth session (H200, E4B graph, `gpu_check verifycost`, two rounds, prepared /
-    /// built): 2 tokens 3.05–3.07 / 2.94–2.97 ms, 3 tokens 3.44–3.46 / 3.45–3.49, 4 tokens
-    /// 3.54–3.55 / 3.69–3.74 — so 3 is the likely default, to be run on the H200 first.
-    prep_min_tokens: usize,
     /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
     /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
     /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
@@ -525,7 +520,6 @@ impl CudaSeq {
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
             prep_inputs: std::env::var("MEGAGEMMA_CUDA_PREP_INPUTS").map_or(true, |v| v != "0"),
-            prep_min_tokens: crate::device::env_count("MEGAGEMMA_CUDA_PREP_MIN_TOKENS", 2..=MATVEC_COLS, 2),
             keep_hidden: false,
             hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
             has_hidden: false,
@@ -1261,7 +1255,7 @@ impl CudaSeq {
         // token, and the matvec copies them instead of building them in each of its blocks.
         let prep = self.prep_inputs
             && row0 == 0
-            && (self.prep_min_tokens..=MATVEC_COLS).contains(&t)
+            && (2..=MATVEC_COLS).contains(&t)
             && !self.long_pass(t)
             && !self.gpu().is_recording()
             && self.one_mma_launch(mats)
