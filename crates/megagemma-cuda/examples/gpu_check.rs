@@ -22,8 +22,8 @@
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
 use megagemma_cuda::check::{
-    batch_matches_lone, compare_greedy, drafts_match, fixture_cases, fixture_dirs, fixture_models, long_prompt,
-    megakernel_broken_schedule, megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS,
+    assistant_fixture, batch_matches_lone, compare_greedy, drafts_match, fixture_cases, fixture_dirs, fixture_models,
+    long_prompt, megakernel_broken_schedule, megakernel_matches_graph, verify_columns, MK_VERIFY_TOKENS, REL_L2_MAX,
 };
 use megagemma_cuda::{CudaModel, CudaSeq, Decode, Want};
 use megagemma_model::Result;
@@ -370,12 +370,7 @@ fn drafts_check(dirs: &[String]) -> Result<bool> {
     };
     let mut ok = true;
     for dir in dirs {
-        let text = std::fs::read_to_string(dir.join("expected.json"))
-            .map_err(|e| megagemma_model::Error::msg(format!("{}: {e}", dir.display())))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| megagemma_model::Error::msg(e.to_string()))?;
-        let target_dir = PathBuf::from(v["target"].as_str().unwrap_or("tests/fixtures/ple_shared_dw"));
-        let k = v["draft_tokens"].as_u64().unwrap_or(3) as usize;
+        let (target_dir, k) = assistant_fixture(&dir)?;
         for quant in [QuantMode::Stored, QuantMode::Q4] {
             let model = Arc::new(megagemma_model::Model::load_with(&target_dir, quant)?);
             let asst = Arc::new(AssistantModel::load(&dir, &model, quant)?);
@@ -395,7 +390,7 @@ fn drafts_check(dirs: &[String]) -> Result<bool> {
                     r.acceptance,
                     if r.ok() { "ok" } else { "FAIL" }
                 );
-                if !r.probs_ids_equal || r.probs_rel_l2 > 1e-3 {
+                if !r.probs_ids_equal || r.probs_rel_l2 > REL_L2_MAX {
                     println!(
                         "  round with probabilities: ids equal {}, max rel L2 {:.2e}",
                         r.probs_ids_equal, r.probs_rel_l2

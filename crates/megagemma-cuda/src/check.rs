@@ -42,12 +42,16 @@ pub fn fixture_models(dir: &Path) -> Result<Vec<(String, Model)>> {
     Ok(out)
 }
 
-/// `(name, prompt ids)` of each case of a fixture's `expected.json`.
-pub fn fixture_cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
+/// A fixture's `expected.json`, parsed.
+fn expected_json(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("expected.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::msg(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| Error::msg(format!("{}: {e}", path.display())))
+}
+
+/// `(name, prompt ids)` of each case of a fixture's `expected.json`.
+pub fn fixture_cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
+    let v = expected_json(dir)?;
     let mut out = Vec::new();
     for c in v["cases"].as_array().into_iter().flatten() {
         let ids: Vec<u32> =
@@ -57,6 +61,13 @@ pub fn fixture_cases(dir: &Path) -> Result<Vec<(String, Vec<u32>)>> {
         }
     }
     Ok(out)
+}
+
+/// An assistant fixture's target directory and drafts per round, from its `expected.json`.
+pub fn assistant_fixture(dir: &Path) -> Result<(PathBuf, usize)> {
+    let v = expected_json(dir)?;
+    let target = PathBuf::from(v["target"].as_str().unwrap_or("tests/fixtures/ple_shared_dw"));
+    Ok((target, v["draft_tokens"].as_u64().unwrap_or(3) as usize))
 }
 
 /// `prompt` extended to `len` tokens with deterministic in-vocabulary ids: a prompt long enough for

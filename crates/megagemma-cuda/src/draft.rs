@@ -9,7 +9,7 @@
 
 use crate::device::{Arg, DevBuf, DevMat};
 use crate::model::CudaModel;
-use crate::seq::{f32s, AttColumnDesc, AttIo, AttentionNorms, CudaSeq, Gate, KvView, ARGMAX_SPLIT};
+use crate::seq::{f32s, AttColumnDesc, AttIo, AttentionNorms, CudaSeq, Gate, KvView, ARGMAX_SPLIT, ATT_MAX_SPLITS};
 use crate::synthetic::{random_layer, SYNTHETIC_GROUP};
 use crate::weights::{place_in_arena, place_layer, DevLayer, Placer};
 use megagemma_model::assistant::config::{AssistantConfig, HeadKind};
@@ -23,8 +23,6 @@ use std::sync::Arc;
 pub const MAX_DRAFT: usize = 16;
 /// Most centroids the centroid head may have (`MAX_CENTROIDS` in kernels/draft.cu).
 const MAX_CENTROIDS: usize = 4096;
-/// Most key splits of the attention kernel (`ATT_MAX_SPLITS`): sizes the drafter's split scratch.
-const ATT_MAX_SPLITS: usize = 64;
 
 /// The centroid head's centroids and token ordering (the head's rows are `DevAssistant::head`,
 /// row-major: only the chosen members' rows are read).
@@ -568,6 +566,13 @@ impl CudaSeq {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The host's cap on centroids is the size of the kernel's sort buffer.
+    #[test]
+    fn centroid_limit_matches_the_kernel() {
+        let define = crate::compile::kernel_define("draft.cu", "MAX_CENTROIDS");
+        assert_eq!(define.parse::<usize>().expect("MAX_CENTROIDS"), MAX_CENTROIDS);
+    }
 
     /// The round's bytes hold the token, the position and each column exactly where the kernels
     /// read them: the column as `struct AttColumn` (kernels/attention.cu) lays it out in memory.

@@ -277,6 +277,10 @@ fn attention_keys(lp: &LayerPlan, max_len: usize) -> usize {
     lp.window.map_or(max_len, |w| w.min(max_len))
 }
 
+/// Most key splits of a query in a short pass (`ATT_MAX_SPLITS` in kernels/attention.cu): sizes
+/// every attention's split scratch, the MTP drafter's too.
+pub(crate) const ATT_MAX_SPLITS: usize = 64;
+
 /// How the attention kernel splits a query's keys over blocks (`kernels/attention.cu`: splits of at
 /// least `split_keys` keys, at most `ATT_MAX_SPLITS` of them in passes of up to `ATT_FEW_TOKENS`
 /// tokens, `ATT_LONG_SPLITS` in longer ones). `split_keys` is an argument of the kernel: the host
@@ -290,7 +294,7 @@ struct AttentionSplit {
 
 impl AttentionSplit {
     const FEW_TOKENS: usize = 8;
-    const MAX_SPLITS: usize = 64;
+    const MAX_SPLITS: usize = ATT_MAX_SPLITS;
     const LONG_SPLITS: usize = 4;
 
     /// Most splits a query of a `t`-token pass gets (`att_splits`' cap).
