@@ -41,6 +41,14 @@ fn mma_chunk_bytes(h: usize, upc: usize) -> usize {
 /// Floats of partial sums a split tensor-core matvec may write (column parts × tokens × rows).
 const MMA_PARTIAL_FLOATS: usize = 1 << 21;
 const MMA_COUNTERS: usize = 1 << 16;
+/// Fewest tokens of a pass whose residual steps prepare the next matvecs' inputs (`prep_inputs`).
+/// Twenty-fourth session (H200, E4B graph, `gpu_check verifycost`, two rounds, prepared / built):
+/// verify of 2 tokens 3.05–3.07 / 2.94–2.97 ms (the step's own build then costs more than the
+/// matvecs save), of 3 3.44–3.46 / 3.45–3.49, of 4 3.54–3.55 / 3.69–3.74; four sequences in one
+/// pass 3.44–3.46 / 3.59–3.60 ms. Twenty-fifth session, this threshold against 2 (same call, two
+/// rounds): two sequences in one pass 2.844–2.855 against 2.948–2.949 ms, 3-column verify (`bench
+/// --draft oracle --k 2`) 3.572–3.585 against 3.570–3.593 ms.
+const PREP_MIN_TOKENS: usize = 3;
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
@@ -423,7 +431,7 @@ pub struct CudaSeq {
     /// Fold residual steps into the next tensor-core matvec (`MEGAGEMMA_CUDA_FOLD_NORMS=0`: never;
     /// the arithmetic, and so every result, is the same either way).
     fold_norms: bool,
-    /// In passes of 2–8 tokens, residual steps also prepare the inputs of the plain tensor-core
+    /// In passes of 3–8 tokens, residual steps also prepare the inputs of the plain tensor-core
     /// matvecs after them, which copy instead of building them (`MEGAGEMMA_CUDA_PREP_INPUTS=0`:
     /// never; same results).
     prep_inputs: bool,
@@ -1255,11 +1263,11 @@ impl CudaSeq {
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
         }
-        // Several tokens (one launch of each): the step prepares the inputs once, one block per
-        // token, and the matvec copies them instead of building them in each of its blocks.
+        // Three to eight tokens (one launch of each): the step prepares the inputs once, one block
+        // per token, and the matvec copies them instead of building them in each of its blocks.
         let prep = self.prep_inputs
             && row0 == 0
-            && (2..=MATVEC_COLS).contains(&t)
+            && (PREP_MIN_TOKENS..=MATVEC_COLS).contains(&t)
             && !self.long_pass(t)
             && !self.gpu().is_recording()
             && self.one_mma_launch(mats)
