@@ -235,7 +235,7 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
 // With GATED the input is gelu(x)·gate (the GeGLU and PLE gates fused in; `gstride` % 4 == 0);
 // with `res.o` set, the residual step and norm before the matvec (`Residual`; stats in rstat).
 // Every value depends only on its own token's inputs, never on m.
-template <int H, int UPC, bool GATED>
+template <int H, int UPC, bool GATED, bool ONE = false>
 __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* __restrict__ x,
                                              const float* __restrict__ gate, int gstride, int cols, int m, int c0,
                                              int n, const Residual& res, const float rstat[2][8],
@@ -255,7 +255,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
 #pragma unroll
     for (int r = 0; r < R; r++) {
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
-      const int j = div_token(e), k = c0 * 64 + 4 * (e - j * per_token);
+      const int j = ONE ? 0 : div_token(e), k = c0 * 64 + 4 * (e - j * per_token);
       v[r][0] = v[r][1] = v[r][2] = v[r][3] = 0.f;
       if (e < total && k < cols) {  // cols % 32 == 0: the four elements are all inside
         const float4 t = !GATED && res.o ? residual_inputs(res, j, k, cols, rstat, r < RES_F4 && from_keep,
@@ -281,7 +281,7 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
       if (base + r * (int)blockDim.x >= total) break;
       const int e = base + r * blockDim.x + (threadIdx.x & 31);
       const bool in = e < total;
-      const int je = div_token(e), j = in ? je : 0, k4 = e - je * per_token;
+      const int je = ONE ? 0 : div_token(e), j = in ? je : 0, k4 = e - je * per_token;
       const int lc = k4 >> 4, f4 = k4 & 15;  // local chunk, float4 within it
       const float* w = v[r];
       // A chunk's 16 float4s are one half-warp's (per_token and base are multiples of 16).
@@ -746,7 +746,7 @@ __shared__ float mma_rstat[2][8];
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
 // `partial` and the last of the group's blocks to finish adds them in part order (a counter per
 // group, reset by that block), so no result depends on timing.
-template <int H, int UPC, bool GATED, bool RING, bool PREP = false>
+template <int H, int UPC, bool GATED, bool RING, bool PREP = false, bool ONE = false>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, Split sp, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
@@ -772,7 +772,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
       if constexpr (PREP)
         copy_inputs<H, UPC>(xf, xs, (const unsigned char*)x, (W.cols + 63) / 64, c0, n, m);
       else
-        build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
+        build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
 #if defined(MK_MARK) && defined(MEGAKERNEL)
       mk_mark(2);  // the megakernel's trace experiment: the inputs are built
@@ -849,11 +849,13 @@ struct MatParams {
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
 // With PREP, `x` is the inputs prepared in the slices' layout (`prep_inputs`), copied, not built.
-template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false>
+template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false,
+          bool ONE = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
+  if constexpr (ONE) m = 1;  // a single-token entry: every m-dependent branch folds away
   const Split sp = decode_split(split);
   const int ks = sp.ks, tpb = sp.tpb;
   const int chunks = (mats.get(0).cols + 63) / 64;
@@ -942,7 +944,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       prefetch_block(W, tpb, parts, local);
     }
     const int local = pick(vb, W, y);
-    mma_block<H, UPC, GATED, RING, PREP>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
+    mma_block<H, UPC, GATED, RING, PREP, ONE>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                          partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
@@ -967,10 +969,33 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
                                    split, parts, nblocks, ahead, partial, counters, gate, gstride, Residual{}); \
   }
 
+// Single-token entries (decode steps): `m` is 1 at compile time (MEGAGEMMA_CUDA_MMA_ONE=0: the
+// four-token entries with m = 1 instead). The same functions, so the same bits.
+#define MMA_ONE_ENTRY(NAME, UPC)                                                                              \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
+      NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
+           int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
+           const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
+    mma_kernel<1, UPC, false, false, MatParams, false, true>(                                                 \
+        blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, split, parts, nblocks, ahead, \
+        partial, counters, nullptr, 0, Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                     \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
+      NAME##_gated(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead,        \
+                   float* partial, unsigned* counters, const float* gate, int gstride) {                      \
+    mma_kernel<1, UPC, true, false, MatParams, false, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, \
+                                                          y, nblocks, 0, m, split, parts, nblocks, ahead,      \
+                                                          partial, counters, gate, gstride, Residual{});      \
+  }
+
 MMA_ENTRY(matvec_q4t_4, 1, 1, false)
 MMA_ENTRY(matvec_q4t_8, 2, 1, false)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
+#ifndef MEGAKERNEL
+MMA_ONE_ENTRY(matvec_q4t_1, 1)
+MMA_ONE_ENTRY(matvec_q4t_1_g32, 2)
+#endif
 
 // Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it
 // (as `add_norm` in ops.cu, one block per token) and prepares its output — the normed input, or

@@ -52,8 +52,9 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
 /// the cp.async-ring form of the four-token ones (`MEGAGEMMA_CUDA_MMA_RING=1`), indexed
 /// `8 + g32 + 2·gated` ([`mma_kernel`]); then the plain entries that copy prepared inputs and the
 /// residual steps that prepare them, indexed `12 + (tokens / 4 − 1) + 2·g32` and `16 + …`
-/// ([`mma_prep_kernels`]).
-pub const MMA_KERNELS: [&str; 20] = [
+/// ([`mma_prep_kernels`]); then the single-token entries, indexed `20 + g32 + 2·gated`
+/// ([`mma_one_kernel`]).
+pub const MMA_KERNELS: [&str; 24] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -74,7 +75,17 @@ pub const MMA_KERNELS: [&str; 20] = [
     "add_norm_prep_8",
     "add_norm_prep_4_g32",
     "add_norm_prep_8_g32",
+    "matvec_q4t_1",
+    "matvec_q4t_1_g32",
+    "matvec_q4t_1_gated",
+    "matvec_q4t_1_g32_gated",
 ];
+
+/// The tensor-core matvec entry of single-token passes (decode steps): the four-token entry's code
+/// with one token at compile time (`MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token entry instead).
+pub fn mma_one_kernel(g32: bool, gated: bool) -> &'static str {
+    MMA_KERNELS[20 + usize::from(g32) + 2 * usize::from(gated)]
+}
 
 /// For `h` groups of four tokens and groups of 32 columns or not: the residual step that also
 /// prepares the next plain matvecs' inputs, and the plain tensor-core entry that copies them.
@@ -163,6 +174,9 @@ pub struct Q4Stream {
     /// Which launches of fewer virtual blocks than a round take fewer tiles per virtual block
     /// (`MEGAGEMMA_CUDA_MMA_FILL=0|1|2`, default 1; `MmaFill`). No result depends on it.
     pub mma_fill: MmaFill,
+    /// Single-token launched passes use the single-token entries (`mma_one_kernel`;
+    /// `MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token ones with m = 1; same bits).
+    pub mma_one: bool,
 }
 
 /// Which tensor-core matvec launches that fit in less than a round of virtual blocks are spread
@@ -209,6 +223,7 @@ impl Q4Stream {
             mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", defined_mma_blocks_per_sm().unwrap_or(2)).max(1),
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
+            mma_one: std::env::var("MEGAGEMMA_CUDA_MMA_ONE").map_or(true, |v| v != "0"),
             mma_fill: match env_count("MEGAGEMMA_CUDA_MMA_FILL", 0..=2, 1) {
                 0 => MmaFill::Off,
                 1 => MmaFill::OneWarpTiles,
@@ -671,7 +686,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{mma_kernel, mma_prep_kernels, MMA_KERNELS};
+    use super::{mma_kernel, mma_one_kernel, mma_prep_kernels, MMA_KERNELS};
 
     /// Every (token groups, g32, gated, ring) names the entry of that shape, and the ring form
     /// falls back to the register form where it has no entry (eight tokens).
@@ -696,6 +711,12 @@ mod tests {
                 assert_eq!(mv, format!("{}_prep", mma_kernel(h, g32, false, false)));
                 let shape = mma_kernel(h, g32, false, false).trim_start_matches("matvec_q4t");
                 assert_eq!(step, format!("add_norm_prep{shape}"));
+            }
+        }
+        for g32 in [false, true] {
+            for gated in [false, true] {
+                let four = mma_kernel(1, g32, gated, false);
+                assert_eq!(mma_one_kernel(g32, gated), four.replacen("matvec_q4t_4", "matvec_q4t_1", 1));
             }
         }
         let mut all: Vec<&str> = MMA_KERNELS.to_vec();

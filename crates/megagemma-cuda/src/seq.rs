@@ -6,7 +6,8 @@
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
 use crate::device::{
-    cuda_err, mma_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4, FMT_Q4T,
+    cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, MmaFill, FMT_Q4,
+    FMT_Q4T,
 };
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
@@ -1138,9 +1139,13 @@ impl CudaSeq {
             let ring = self.gpu().q4_stream.mma_ring && h == 1 && !self.gpu().is_recording() && !prep;
             let ring_bytes = if ring { mma_ring_bytes(upc as u32) } else { 0 };
             let smem = (slice * mma_chunk_bytes(h, upc)) as u32 + ring_bytes;
-            let name = match prep {
-                true => mma_prep_kernels(h, upc == 2).1,
-                false => mma_kernel(h, upc == 2, gate.is_some(), ring),
+            // Single-token launches run the entries built for one token (not recorded into a
+            // megakernel's stage table, which dispatches the four-token names).
+            let one = self.gpu().q4_stream.mma_one && m == 1 && !ring && !prep && !self.gpu().is_recording();
+            let name = match (prep, one) {
+                (true, _) => mma_prep_kernels(h, upc == 2).1,
+                (false, true) => mma_one_kernel(upc == 2, gate.is_some()),
+                (false, false) => mma_kernel(h, upc == 2, gate.is_some(), ring),
             };
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
             let xp = x + f32s(c0 * cols) as u64;
