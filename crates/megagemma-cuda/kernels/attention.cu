@@ -95,6 +95,9 @@ __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2
 // range ends at its own token's key writes that token's normed row to ks/vs, for the K/V commit
 // and the layers that share this cache (they run later and read ks/vs with `fused` = ATT_FUSED_Q).
 // Every block that needs a row computes it with the same function as `qkv_norm_rope`: same bits.
+// HD > 0: the head dim at compile time; ONE: a one-token pass of one sequence (a decode step: T = 1,
+// no column table). Both only fold constants: the same operations in the same order, the same bits.
+template <int HD = 0, bool ONE = false>
 STAGE void attention_body(const int vb, const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
           float* ks, float* vs, float* __restrict__ out, int heads,
           int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
@@ -108,12 +111,14 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   // The positions and the committed cache rows were written before this pass began (positions
   // upload, K/V commit): both may be read before `pdl_start()`, and the rows are pulled into L2
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
+  if constexpr (HD > 0) hd = HD;
+  if constexpr (ONE) T = 1;
   const int split = vb % grid_splits, query = vb / grid_splits;
-  const int t = query / heads, head = query % heads;
+  const int t = ONE ? 0 : query / heads, head = ONE ? query : query % heads;
   // tl: the token's index in its own sequence's pass (its staged row); raw0: that pass's first
   // row of kr/vr. A batched column is token 0 of a one-token pass whose raw row is column t.
   int p0, tl = t, raw0 = 0;
-  if (cols) {
+  if (!ONE && cols) {
     const AttColumn c = cols[t];
     kc = c.kc, vc = c.vc, ks = c.ks, vs = c.vs, ring = c.ring, p0 = c.pos;
     tl = 0, raw0 = t;
@@ -143,11 +148,14 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   float* kn = part + ATT_WARPS * hd;
   float* vn = kn + ns * hd;
   float* scores = vn + ns * hd;
-  // The range's committed keys come first (positions before p0): rows of the cache.
+  // The range's committed keys come first (positions before p0): rows of the cache. A ring's
+  // slots of keys k0 + jj: from k0's slot, wrapping once at most (the committed keys of a window
+  // are at most `ring`), without a division per key.
   const int committed = max(0, min(k0 + nk, p0) - k0);
+  const int slot0 = ring > 0 ? k0 % ring : k0;
   auto cached_row = [&](const float* cache, int jj) {
-    const int j = k0 + jj;
-    return cache + (u64)(ring > 0 ? j % ring : j) * kvw + kvh * hd;
+    const int s = slot0 + jj;
+    return cache + (u64)(ring > 0 && s >= ring ? s - ring : s) * kvw + kvh * hd;
   };
   {
     // Every committed key and value row asked of L2 before the wait.
@@ -283,3 +291,22 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) att
   attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits,
                  part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr, cols);
 }
+
+// Decode steps' entries (`attention_1_256`, `attention_1_512`): one token of one sequence, the head
+// dim at compile time (MEGAGEMMA_CUDA_ATT_ONE=0: the general entry instead; same bits).
+#ifndef MEGAKERNEL
+#define ATT_ONE_ENTRY(HD)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) attention_1_##HD(                  \
+      const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* ks,          \
+      float* vs, float* __restrict__ out, int heads, int kv_heads, int hd, const int* __restrict__ pos_ptr,        \
+      int window, int ring, float scale, int T, int grid_splits, float* part_o, float2* part_ml,                  \
+      unsigned* counters, int split_keys, int fused, const float* __restrict__ wq, const float* __restrict__ wk,   \
+      const float* __restrict__ inv_freq, float eps, const float* __restrict__ kr, const float* __restrict__ vr,  \
+      const AttColumn* __restrict__ cols) {                                                                        \
+    attention_body<HD, true>(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring,       \
+                             scale, T, grid_splits, part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, \
+                             eps, kr, vr, cols);                                                                   \
+  }
+ATT_ONE_ENTRY(256)
+ATT_ONE_ENTRY(512)
+#endif

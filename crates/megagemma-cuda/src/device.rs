@@ -38,7 +38,7 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
             "argmax_final",
         ],
     ),
-    ("attention.cu", &["attention"]),
+    ("attention.cu", &["attention", "attention_1_256", "attention_1_512"]),
     (
         "prefill.cu",
         &["widen_rows", "widen_tiles", "split_inputs", "swap_rows", "split_queries", "kv_gather", "masked_softmax"],
@@ -113,12 +113,14 @@ pub(crate) fn mma_ring_bytes(upc: u32) -> u32 {
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
 /// stream serialization, so each may start (and prefetch its weights) while the kernel before it
 /// finishes.
-pub(crate) const PDL_KERNELS: [&str; 18] = [
+pub(crate) const PDL_KERNELS: [&str; 20] = [
     "matvec_experts",
     "matvec",
     "matvec_q4",
     "matvec_q4_gated",
     "attention",
+    "attention_1_256",
+    "attention_1_512",
     "embed_gather",
     "rms_norm",
     "qkv_norm_rope",
@@ -336,6 +338,10 @@ pub struct Gpu {
     /// [`ATT_SPLIT_KEYS`]); the split is part of the arithmetic (summation order), the same for
     /// decode and verify.
     pub att_split_keys: usize,
+    /// One-token passes of one sequence run the attention entries built for them, with the head
+    /// dim at compile time (`attention_1_256`, `attention_1_512`; `MEGAGEMMA_CUDA_ATT_ONE=0`: the
+    /// general entry; the same bits).
+    pub att_one: bool,
     /// Whether passes of up to eight tokens norm and rotate Q/K/V inside the attention kernel
     /// instead of a `qkv_norm_rope` stage (the same bits either way). By default (`None`) only in
     /// the megakernel's stage table, where a stage costs a grid-wide wait (E4B −2%); in the graph
@@ -416,9 +422,11 @@ impl Gpu {
             }
         }
         // Attention keeps one score per key in shared memory: allow up to 200 KB (50k keys).
-        funcs["attention"]
-            .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
-            .map_err(|e| cuda_err("attention smem", e))?;
+        for name in ["attention", "attention_1_256", "attention_1_512"] {
+            funcs[name]
+                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 200 * 1024)
+                .map_err(|e| cuda_err("attention smem", e))?;
+        }
         // The tensor-core matvecs keep a slice of input fragments (up to 48 KB) beside 4 KB of sums,
         // the ring form its weights' rings too (up to 48 KB).
         for name in MMA_KERNELS {
@@ -444,6 +452,7 @@ impl Gpu {
             pdl,
             q4_stream: Q4Stream::from_env(),
             att_split_keys: env_count("MEGAGEMMA_CUDA_ATT_SPLIT_KEYS", 1..=4096, ATT_SPLIT_KEYS),
+            att_one: std::env::var("MEGAGEMMA_CUDA_ATT_ONE").map_or(true, |v| v != "0"),
             fuse_norms: std::env::var("MEGAGEMMA_CUDA_FUSE_NORMS").ok().and_then(|v| match v.as_str() {
                 "0" => Some(false),
                 "1" => Some(true),

@@ -1685,7 +1685,15 @@ impl CudaSeq {
             Arg::Ptr(cols),
         ];
         let grid = (t * lp.num_heads * split.grid_splits) as u32;
-        self.gpu().launch("attention", grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
+        // A decode step (one token, no column table) runs the entry built for its head dim; a
+        // megakernel's stage table dispatches the general one.
+        let one = self.gpu().att_one && t == 1 && cols == 0 && !self.gpu().is_recording();
+        let name = match (one, lp.head_dim) {
+            (true, 256) => "attention_1_256",
+            (true, 512) => "attention_1_512",
+            _ => "attention",
+        };
+        self.gpu().launch(name, grid, (ATTENTION_WARPS * 32) as u32, smem as u32, &args)
     }
 
     /// `out = down(gelu(gate·a) · up·a)` for `t` columns, `a` the input the pending residual
