@@ -48,7 +48,7 @@ NORM_AFTER_WAIT = (
     "  pdl_start();\n  float* row = h + (u64)b * hd;",
     "  pdl_start();\n  return;\n  float* row = h + (u64)b * hd;",
 )
-BUILD_INPUTS = "      build_inputs<H, UPC, GATED>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
+BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
 # name -> (what it removes, [(file, text, replacement)])
 ABLATIONS = {
