@@ -850,14 +850,13 @@ struct MatParams {
 // before `pdl_start()`.
 // With PREP, `x` is the inputs prepared in the slices' layout (`prep_inputs`), copied, not built.
 template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false,
-          bool ONE = false, bool KS1 = false>
+          bool ONE = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   if constexpr (ONE) m = 1;  // a single-token entry: every m-dependent branch folds away
-  Split sp = decode_split(split);
-  if constexpr (KS1) sp.ks = 1;  // one warp per tile: the tile's cross-warp sums fold away
+  const Split sp = decode_split(split);
   const int ks = sp.ks, tpb = sp.tpb;
   const int chunks = (mats.get(0).cols + 63) / 64;
   const int slice_chunks = min(chunks, MMA_SLICE_BYTES / MMA_CHUNK_BYTES(H, UPC));
@@ -971,21 +970,20 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   }
 
 // Single-token entries (decode steps): `m` is 1 at compile time (MEGAGEMMA_CUDA_MMA_ONE=0: the
-// four-token entries with m = 1 instead), and with KS1 the warps per tile too. The same functions,
-// so the same bits.
-#define MMA_ONE_ENTRY(NAME, UPC, KS1)                                                                         \
+// four-token entries with m = 1 instead). The same functions, so the same bits.
+#define MMA_ONE_ENTRY(NAME, UPC)                                                                              \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
            int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
            const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
-    mma_kernel<1, UPC, false, false, MatParams, false, true, KS1>(                                            \
+    mma_kernel<1, UPC, false, false, MatParams, false, true>(                                                 \
         blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, split, parts, nblocks, ahead, \
         partial, counters, nullptr, 0, Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                     \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead,        \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<1, UPC, true, false, MatParams, false, true, KS1>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, \
+    mma_kernel<1, UPC, true, false, MatParams, false, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, \
                                                           y, nblocks, 0, m, split, parts, nblocks, ahead,      \
                                                           partial, counters, gate, gstride, Residual{});      \
   }
@@ -995,11 +993,8 @@ MMA_ENTRY(matvec_q4t_8, 2, 1, false)
 MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
 MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
 #ifndef MEGAKERNEL
-MMA_ONE_ENTRY(matvec_q4t_1, 1, false)
-MMA_ONE_ENTRY(matvec_q4t_1_g32, 2, false)
-// Launches of one warp per tile (gate+up, down, the LM head): ks = 1 at compile time as well.
-MMA_ONE_ENTRY(matvec_q4t_1k, 1, true)
-MMA_ONE_ENTRY(matvec_q4t_1k_g32, 2, true)
+MMA_ONE_ENTRY(matvec_q4t_1, 1)
+MMA_ONE_ENTRY(matvec_q4t_1_g32, 2)
 #endif
 
 // Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it

@@ -52,9 +52,9 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
 /// the cp.async-ring form of the four-token ones (`MEGAGEMMA_CUDA_MMA_RING=1`), indexed
 /// `8 + g32 + 2·gated` ([`mma_kernel`]); then the plain entries that copy prepared inputs and the
 /// residual steps that prepare them, indexed `12 + (tokens / 4 − 1) + 2·g32` and `16 + …`
-/// ([`mma_prep_kernels`]); then the single-token entries, indexed `20 + g32 + 2·gated + 4·ks1`
+/// ([`mma_prep_kernels`]); then the single-token entries, indexed `20 + g32 + 2·gated`
 /// ([`mma_one_kernel`]).
-pub const MMA_KERNELS: [&str; 28] = [
+pub const MMA_KERNELS: [&str; 24] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -79,17 +79,12 @@ pub const MMA_KERNELS: [&str; 28] = [
     "matvec_q4t_1_g32",
     "matvec_q4t_1_gated",
     "matvec_q4t_1_g32_gated",
-    "matvec_q4t_1k",
-    "matvec_q4t_1k_g32",
-    "matvec_q4t_1k_gated",
-    "matvec_q4t_1k_g32_gated",
 ];
 
 /// The tensor-core matvec entry of single-token passes (decode steps): the four-token entry's code
-/// with one token at compile time (`MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token entry instead);
-/// `ks1`: a split of one warp per tile, also at compile time (`MEGAGEMMA_CUDA_MMA_KS1=0`: never).
-pub fn mma_one_kernel(g32: bool, gated: bool, ks1: bool) -> &'static str {
-    MMA_KERNELS[20 + usize::from(g32) + 2 * usize::from(gated) + 4 * usize::from(ks1)]
+/// with one token at compile time (`MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token entry instead).
+pub fn mma_one_kernel(g32: bool, gated: bool) -> &'static str {
+    MMA_KERNELS[20 + usize::from(g32) + 2 * usize::from(gated)]
 }
 
 /// For `h` groups of four tokens and groups of 32 columns or not: the residual step that also
@@ -184,9 +179,6 @@ pub struct Q4Stream {
     /// Single-token launched passes use the single-token entries (`mma_one_kernel`;
     /// `MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token ones with m = 1; same bits).
     pub mma_one: bool,
-    /// Of those, launches of one warp per tile run the entries with that split at compile time
-    /// (`MEGAGEMMA_CUDA_MMA_KS1=0`: never; same bits).
-    pub mma_ks1: bool,
 }
 
 /// Which tensor-core matvec launches that fit in less than a round of virtual blocks are spread
@@ -234,7 +226,6 @@ impl Q4Stream {
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
             mma_one: std::env::var("MEGAGEMMA_CUDA_MMA_ONE").map_or(true, |v| v != "0"),
-            mma_ks1: std::env::var("MEGAGEMMA_CUDA_MMA_KS1").map_or(true, |v| v != "0"),
             mma_fill: match env_count("MEGAGEMMA_CUDA_MMA_FILL", 0..=2, 1) {
                 0 => MmaFill::Off,
                 1 => MmaFill::OneWarpTiles,
@@ -734,8 +725,7 @@ mod tests {
         for g32 in [false, true] {
             for gated in [false, true] {
                 let four = mma_kernel(1, g32, gated, false);
-                assert_eq!(mma_one_kernel(g32, gated, false), four.replacen("matvec_q4t_4", "matvec_q4t_1", 1));
-                assert_eq!(mma_one_kernel(g32, gated, true), four.replacen("matvec_q4t_4", "matvec_q4t_1k", 1));
+                assert_eq!(mma_one_kernel(g32, gated), four.replacen("matvec_q4t_4", "matvec_q4t_1", 1));
             }
         }
         let mut all: Vec<&str> = MMA_KERNELS.to_vec();

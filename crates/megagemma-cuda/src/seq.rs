@@ -1144,9 +1144,7 @@ impl CudaSeq {
             let one = self.gpu().q4_stream.mma_one && m == 1 && !ring && !prep && !self.gpu().is_recording();
             let name = match (prep, one) {
                 (true, _) => mma_prep_kernels(h, upc == 2).1,
-                (false, true) => {
-                    mma_one_kernel(upc == 2, gate.is_some(), split.ks == 1 && self.gpu().q4_stream.mma_ks1)
-                }
+                (false, true) => mma_one_kernel(upc == 2, gate.is_some()),
                 (false, false) => mma_kernel(h, upc == 2, gate.is_some(), ring),
             };
             let yp = |y: u64, w: &DevMat| if y == 0 { 0 } else { y + f32s(c0 * w.rows as usize) as u64 };
