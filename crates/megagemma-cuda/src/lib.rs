@@ -33,7 +33,8 @@
 //! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
 //! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
 //! `MEGAGEMMA_CUDA_MMA_ONE=0` (single-token launches run the four-token tensor-core entries with
-//! one token instead of the entries built for one; same results),
+//! one token instead of the entries built for one; same results), `MEGAGEMMA_CUDA_ATT_ONE=0` (decode steps
+//! run the general attention entry instead of the one built for one token and its head dim; same results),
 //! `MEGAGEMMA_CUDA_DEFINES=NAME[=VALUE],...` (or `;`-separated: kernel experiments compiled in on
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
