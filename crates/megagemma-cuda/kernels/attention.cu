@@ -282,31 +282,23 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
               [&](int s, int d) { return __ldcg(&part_o[(first + s) * hd + d]); });
   if (threadIdx.x == 0) counters[query] = 0u;
 }
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) attention(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-          float* ks, float* vs, float* __restrict__ out, int heads,
-          int kv_heads, int hd, const int* __restrict__ pos_ptr, int window, int ring, float scale, int T,
-          int grid_splits, float* part_o, float2* part_ml, unsigned* counters, int split_keys, int fused,
-          const float* __restrict__ wq, const float* __restrict__ wk, const float* __restrict__ inv_freq, float eps,
-          const float* __restrict__ kr, const float* __restrict__ vr, const AttColumn* __restrict__ cols) {
-  attention_body(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, T, grid_splits,
-                 part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps, kr, vr, cols);
-}
-
-// Decode steps' entries (`attention_1_256`, `attention_1_512`): one token of one sequence, the head
-// dim at compile time (MEGAGEMMA_CUDA_ATT_ONE=0: the general entry instead; same bits).
-#ifndef MEGAKERNEL
-#define ATT_ONE_ENTRY(HD)                                                                                          \
-  extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) attention_1_##HD(                  \
+// Entries: `attention` for every pass; `attention_1_256` / `attention_1_512` for decode steps — one
+// token of one sequence, the head dim at compile time (MEGAGEMMA_CUDA_ATT_ONE=0: the general entry
+// instead; same bits).
+#define ATT_ENTRY(NAME, HD, ONE)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, ATT_MIN_BLOCKS) NAME(                               \
       const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* ks,          \
       float* vs, float* __restrict__ out, int heads, int kv_heads, int hd, const int* __restrict__ pos_ptr,        \
       int window, int ring, float scale, int T, int grid_splits, float* part_o, float2* part_ml,                  \
       unsigned* counters, int split_keys, int fused, const float* __restrict__ wq, const float* __restrict__ wk,   \
       const float* __restrict__ inv_freq, float eps, const float* __restrict__ kr, const float* __restrict__ vr,  \
       const AttColumn* __restrict__ cols) {                                                                        \
-    attention_body<HD, true>(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring,       \
-                             scale, T, grid_splits, part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, \
-                             eps, kr, vr, cols);                                                                   \
+    attention_body<HD, ONE>(blockIdx.x, q, kc, vc, ks, vs, out, heads, kv_heads, hd, pos_ptr, window, ring, scale, \
+                            T, grid_splits, part_o, part_ml, counters, split_keys, fused, wq, wk, inv_freq, eps,   \
+                            kr, vr, cols);                                                                         \
   }
-ATT_ONE_ENTRY(256)
-ATT_ONE_ENTRY(512)
+ATT_ENTRY(attention, 0, false)
+#ifndef MEGAKERNEL
+ATT_ENTRY(attention_1_256, 256, true)
+ATT_ENTRY(attention_1_512, 512, true)
 #endif

@@ -224,6 +224,41 @@ __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, in
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
 
+// One float4 of token j's input, elements 4·f4 … 4·f4 + 3 of local chunk lc (`in`: a real element;
+// lanes past the end still join the shuffles with zeros), into the slice layout of `build_inputs`:
+// B fragments at `words`, unit sums and the exponent row at `xs` (chunk lc's rows at lc·MMA_XS_FLOATS,
+// indexed in `Index`). The chunk's largest |x| and the unit sums come from the half-warp that holds
+// the chunk's 16 float4s, so whole warps call it.
+template <int H, int UPC, class Index = int>
+__device__ __forceinline__ void float4_inputs(unsigned* words, float* xs, const float w[4], int j, int lc, int f4,
+                                              bool in) {
+  constexpr int P = 2 * H, XW = 8 * H;
+  float amax = fmaxf(fmaxf(fabsf(w[0]), fabsf(w[1])), fmaxf(fabsf(w[2]), fabsf(w[3])));
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const int E = chunk_exponent(amax);
+  unsigned planes[4];
+  planes4(w, exp2i(E), planes);
+  if (in) {
+    // Elements 4·f4 .. 4·f4+3: k-step f4 / 8, register (f4 / 4) % 2, lane tig f4 % 4 of the
+    // columns 4·(j % 2) + plane; plane p is 4 lanes (16 words) after plane p − 1.
+    unsigned* frag = words + ((lc * P + (j >> 1)) * 32 + 16 * (j & 1) + (f4 & 3)) * 4 + (f4 >> 3) * 2 + ((f4 >> 2) & 1);
+#pragma unroll
+    for (int p = 0; p < 4; p++) frag[16 * p] = planes[p];
+  }
+  // Σ x of the unit: 16 / UPC neighbouring lanes hold its float4s (units never straddle a warp).
+  float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
+#pragma unroll
+  for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+  float* row = xs + (Index)lc * MMA_XS_FLOATS(H, UPC);
+  if (in && f4 % (16 / UPC) == 0) {
+    const int u = f4 / (16 / UPC);
+    row[u * XW + j] = sum;
+    row[u * XW + 4 * H + j] = 0.f;
+  }
+  if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E - 4);
+}
+
 // Shared memory of one block, for the chunks [c0, c0 + n) of a slice (local chunk lc = c − c0):
 //   xf[(lc·2H + p)·32 + lane] = uint4: the B fragments of token pair p (tokens 2p, 2p+1) for lane
 //     (gid, tig): (b0, b1) of k-step 0, then of k-step 1. Column gid is plane gid of token 2p
@@ -241,7 +276,6 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
                                              int n, const Residual& res, const float rstat[2][8],
                                              const float4 (&keep)[RES_F4], bool kept) {
   constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
-  constexpr int P = 2 * H, XW = 8 * H;  // token pairs; width of a row of xs
   unsigned* words = (unsigned*)xf;
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
@@ -283,32 +317,8 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
       const bool in = e < total;
       const int je = ONE ? 0 : div_token(e), j = in ? je : 0, k4 = e - je * per_token;
       const int lc = k4 >> 4, f4 = k4 & 15;  // local chunk, float4 within it
-      const float* w = v[r];
       // A chunk's 16 float4s are one half-warp's (per_token and base are multiples of 16).
-      float amax = fmaxf(fmaxf(fabsf(w[0]), fabsf(w[1])), fmaxf(fabsf(w[2]), fabsf(w[3])));
-#pragma unroll
-      for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const int E = chunk_exponent(amax);
-      unsigned planes[4];
-      planes4(w, exp2i(E), planes);
-      if (in) {
-        // Elements 4·f4 .. 4·f4+3: k-step f4 / 8, register (f4 / 4) % 2, lane tig f4 % 4 of the
-        // columns 4·(j % 2) + plane; plane p is 4 lanes (16 words) after plane p − 1.
-        unsigned* frag = words + ((lc * P + (j >> 1)) * 32 + 16 * (j & 1) + (f4 & 3)) * 4 + (f4 >> 3) * 2 + ((f4 >> 2) & 1);
-#pragma unroll
-        for (int p = 0; p < 4; p++) frag[16 * p] = planes[p];
-      }
-      // Σ x of the unit: 16 / UPC neighbouring lanes hold its float4s (units never straddle a warp).
-      float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
-#pragma unroll
-      for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
-      float* row = xs + lc * MMA_XS_FLOATS(H, UPC);
-      if (in && f4 % (16 / UPC) == 0) {
-        const int u = f4 / (16 / UPC);
-        row[u * XW + j] = sum;
-        row[u * XW + 4 * H + j] = 0.f;
-      }
-      if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E - 4);
+      float4_inputs<H, UPC>(words, xs, v[r], j, lc, f4, in);
     }
   }
 }
@@ -339,7 +349,6 @@ __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned
 // that builds them. Called by every thread of one block.
 template <int H, int UPC>
 __device__ __forceinline__ void prep_inputs(unsigned char* prep, const float* x, int j, int cols) {
-  constexpr int P = 2 * H, XW = 8 * H;
   const int chunks = (cols + 63) / 64, per_token = chunks * 16;
   unsigned* words = (unsigned*)prep;
   float* xsg = (float*)(prep + prep_xs_offset(H, chunks));
@@ -351,28 +360,7 @@ __device__ __forceinline__ void prep_inputs(unsigned char* prep, const float* x,
       const float4 t = __ldcg((const float4*)(x + (u64)j * cols + k));
       w[0] = t.x, w[1] = t.y, w[2] = t.z, w[3] = t.w;
     }
-    const int lc = e >> 4, f4 = e & 15;
-    float amax = fmaxf(fmaxf(fabsf(w[0]), fabsf(w[1])), fmaxf(fabsf(w[2]), fabsf(w[3])));
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int E = chunk_exponent(amax);
-    unsigned planes[4];
-    planes4(w, exp2i(E), planes);
-    if (in) {
-      unsigned* frag = words + ((lc * P + (j >> 1)) * 32 + 16 * (j & 1) + (f4 & 3)) * 4 + (f4 >> 3) * 2 + ((f4 >> 2) & 1);
-#pragma unroll
-      for (int p = 0; p < 4; p++) frag[16 * p] = planes[p];
-    }
-    float sum = __fadd_rn(__fadd_rn(w[0], w[1]), __fadd_rn(w[2], w[3]));
-#pragma unroll
-    for (int o = 1; o < 16 / UPC; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
-    float* row = xsg + (u64)lc * MMA_XS_FLOATS(H, UPC);
-    if (in && f4 % (16 / UPC) == 0) {
-      const int u = f4 / (16 / UPC);
-      row[u * XW + j] = sum;
-      row[u * XW + 4 * H + j] = 0.f;
-    }
-    if (in && f4 == 0) row[UPC * XW + j] = exp2i(-E - 4);
+    float4_inputs<H, UPC, u64>(words, xsg, w, j, e >> 4, e & 15, in);
   }
 }
 
@@ -951,50 +939,34 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
 
 // Entry points: H = token groups of four (m ≤ 4 or m ≤ 8), UPC = scale units per 64-column chunk
 // (1 for groups of ≥ 64 columns, 2 for groups of 32), RING: the weights through the cp.async ring
-// (`ring_slice`) instead of register batches (`tile_slice`), one token group only. The plain ones
-// end with a `Residual` (rx … reps; ro null: none).
-#define MMA_ENTRY(NAME, H, UPC, RING)                                                                         \
+// (`ring_slice`) instead of register batches (`tile_slice`), one token group only; ONE: a single
+// token, `m` = 1 at compile time (decode steps; MEGAGEMMA_CUDA_MMA_ONE=0 runs the four-token entries
+// with m = 1 instead — the same functions, so the same bits). The plain ones end with a `Residual`
+// (rx … reps; ro null: none).
+#define MMA_ENTRY(NAME, H, UPC, RING, ONE)                                                                    \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
            int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
            const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
-    mma_kernel<H, UPC, false, RING>(blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m,  \
-                                    split, parts, nblocks, ahead, partial, counters, nullptr, 0,              \
-                                    Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                        \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME##_gated(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead,        \
-                   float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<H, UPC, true, RING>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, nblocks, 0, m,       \
-                                   split, parts, nblocks, ahead, partial, counters, gate, gstride, Residual{}); \
-  }
-
-// Single-token entries (decode steps): `m` is 1 at compile time (MEGAGEMMA_CUDA_MMA_ONE=0: the
-// four-token entries with m = 1 instead). The same functions, so the same bits.
-#define MMA_ONE_ENTRY(NAME, UPC)                                                                              \
-  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
-           int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
-           const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps) {     \
-    mma_kernel<1, UPC, false, false, MatParams, false, true>(                                                 \
+    mma_kernel<H, UPC, false, RING, MatParams, false, ONE>(                                                   \
         blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, split, parts, nblocks, ahead, \
         partial, counters, nullptr, 0, Residual{rx, ro, rw1, rw2, rx_out, rscale, reps});                     \
   }                                                                                                            \
   extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
       NAME##_gated(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead,        \
                    float* partial, unsigned* counters, const float* gate, int gstride) {                      \
-    mma_kernel<1, UPC, true, false, MatParams, false, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, \
-                                                          y, nblocks, 0, m, split, parts, nblocks, ahead,      \
-                                                          partial, counters, gate, gstride, Residual{});      \
+    mma_kernel<H, UPC, true, RING, MatParams, false, ONE>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, y, y, \
+                                                        nblocks, 0, m, split, parts, nblocks, ahead, partial,  \
+                                                        counters, gate, gstride, Residual{});                 \
   }
 
-MMA_ENTRY(matvec_q4t_4, 1, 1, false)
-MMA_ENTRY(matvec_q4t_8, 2, 1, false)
-MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false)
-MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false)
+MMA_ENTRY(matvec_q4t_4, 1, 1, false, false)
+MMA_ENTRY(matvec_q4t_8, 2, 1, false, false)
+MMA_ENTRY(matvec_q4t_4_g32, 1, 2, false, false)
+MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false, false)
 #ifndef MEGAKERNEL
-MMA_ONE_ENTRY(matvec_q4t_1, 1)
-MMA_ONE_ENTRY(matvec_q4t_1_g32, 2)
+MMA_ENTRY(matvec_q4t_1, 1, 1, false, true)
+MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
 #endif
 
 // Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it
@@ -1028,6 +1000,6 @@ MMA_PREP_ENTRY(matvec_q4t_8_g32, _8_g32, 2, 2)
 // The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
 // chunks in the same order, so the same bits; the megakernel inlines it instead.
 #ifndef MEGAKERNEL
-MMA_ENTRY(matvec_q4t_4_ring, 1, 1, true)
-MMA_ENTRY(matvec_q4t_4_g32_ring, 1, 2, true)
+MMA_ENTRY(matvec_q4t_4_ring, 1, 1, true, false)
+MMA_ENTRY(matvec_q4t_4_g32_ring, 1, 2, true, false)
 #endif

@@ -222,7 +222,7 @@ pub(crate) struct Scratch {
     /// Per-part sums of split matvecs (`MMA_PARTIAL_FLOATS`) and their per-tile-group arrival
     /// counters (`MMA_COUNTERS`, zero between launches).
     mma_partial: DevBuf,
-    /// Inputs of passes of 2–8 tokens prepared once by their residual step for the plain
+    /// Inputs of passes of 3–8 tokens prepared once by their residual step for the plain
     /// tensor-core matvecs after it (`prep_inputs` in kernels/matvec_mma.cu): hidden-wide rows.
     mma_prep: DevBuf,
     mma_counters: DevBuf,
