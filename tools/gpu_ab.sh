@@ -7,7 +7,7 @@
 #   tools/gpu_ab.sh .gpu base waves3:MEGAGEMMA_CUDA_MMA_WAVES=3 att16:MEGAGEMMA_CUDA_ATT_SPLIT_KEYS=16 \
 #     k64:MEGAGEMMA_KERNELS=.gpu/k/variant main@.gpu/main
 # Each (round, model, decode mode, variant) runs `megagemma bench --synthetic MODEL --quant q4
-# --backend cuda --prompt-len 64 --tokens 128 --decode MODE` and prints one line. MODELS (default
+# --backend cuda --prompt-len 64 --tokens TOKENS --decode MODE` (TOKENS default 128) and prints one line. MODELS (default
 # "e4b"), DECODES (default "graph megakernel") and ROUNDS (default 2) choose the grid; variants
 # alternate within each round. BENCH_ARGS adds bench arguments to every run (e.g. "--batch 4" or
 # "--draft oracle --acceptance 0.8 --k 2"); their batch, verify and speculative lines are kept. A kernel variant compiles on first use (NVRTC: over a minute for
@@ -37,7 +37,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       for variant in "$@"; do
         parse_variant "$variant"
         line=$(env "${envs[@]}" timeout 240 "$bin/megagemma" bench --synthetic "$model" --quant q4 --backend cuda \
-          --prompt-len 64 --tokens 128 --decode "$mode" ${BENCH_ARGS:-} 2>&1 \
+          --prompt-len 64 --tokens "${TOKENS:-128}" --decode "$mode" ${BENCH_ARGS:-} 2>&1 \
           | grep -E '^decode|^launches|^batch|^verify|^speculative|rror' | tr -s ' ' | tr '\n' ' ')
         printf 'round %s %-4s %-10s %-12s %s\n' "$round" "$model" "$mode" "$label" "${line:-no output (timed out?)}"
       done

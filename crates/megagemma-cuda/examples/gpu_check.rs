@@ -328,7 +328,7 @@ fn verify_cost(name: &str, cols: usize) -> Result<bool> {
     const PASSES: usize = 20;
     let cm = CudaModel::synthetic(name, "q4")?;
     let vocab = cm.plan().vocab_size as u32;
-    let mut seq = CudaSeq::new(&cm, 256)?;
+    let mut seq = CudaSeq::new(&cm, 320)?;
     let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 1000) % vocab).collect();
     let mut tok = seq.prefill(&prompt, false)?.argmax;
     let block: Vec<u32> = (0..cols as u32).map(|i| prompt[i as usize]).collect();
@@ -348,6 +348,22 @@ fn verify_cost(name: &str, cols: usize) -> Result<bool> {
         tok = seq.step(tok, false)?.argmax;
     }
     report("decode step", t.elapsed().as_secs_f64());
+    // The same step's graph replayed back to back (no host round trip between steps).
+    let t = Instant::now();
+    seq.replay_last_step(PASSES)?;
+    report("decode step replayed back to back", t.elapsed().as_secs_f64());
+    // Pipelined greedy steps (each step's token from the one before, one step queued ahead), after
+    // one untimed step that captures the second graph.
+    seq.decode_greedy(tok, 1, &mut |t| {
+        tok = t;
+        true
+    })?;
+    let t = Instant::now();
+    seq.decode_greedy(tok, PASSES, &mut |t| {
+        tok = t;
+        true
+    })?;
+    report("pipelined greedy steps", t.elapsed().as_secs_f64());
     let t = Instant::now();
     for _ in 0..PASSES {
         seq.forward(&block, want)?;

@@ -49,20 +49,29 @@ __device__ __forceinline__ int att_splits(int n, int T, int split_keys) {
   return min(cap, (n + split_keys - 1) / split_keys);
 }
 
+// Split loads the combine keeps in flight per thread in decode steps (`attention_1_*`; a define
+// for experiments). Twenty-sixth session, E4B at 256 tokens: 8 (every entry's before) 2.220 ms,
+// 16 2.213, 32 2.217; the general entry keeps 8 (16 made a 5-column verify 0.6% slower: spills).
+#ifndef ATT_COMBINE_LOADS
+#define ATT_COMBINE_LOADS 16
+#endif
+
 // A query's splits combined in split order: m = max m_s, w_s = e^(m_s − m), l = Σ Σe_s·w_s, out =
 // Σ (Σe·v)_s·w_s / l. ml(s) gives split s's (m, Σe), part(s, d) its Σe·v at dim d. (The loaders are
 // parameters because a cluster combine, measured ±0 and removed in the fifteenth session, had its own;
 // with one caller left plain pointers would do, but that form compiles to different SASS — the
 // megakernel inlines this — so it waits for a session that can time it.) Every split's (m, Σe) is
-// loaded at once into shared memory and each thread's Σe·v terms eight at a time, so the combine
-// waits for a few L2 round trips, not three per split.
-template <class Ml, class Part>
+// loaded at once into shared memory, m is a warp maximum (the same value in any order), and each
+// thread's Σe·v terms come LOADS at a time, so the combine waits for a few L2 round trips (the sums
+// keep split order: the same bits whatever LOADS is).
+template <int LOADS, class Ml, class Part>
 __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2* att_ml, float* att_w, Ml ml,
                                             Part part) {
   if ((int)threadIdx.x < nsplit) att_ml[threadIdx.x] = ml(threadIdx.x);
   __syncthreads();
   float m = NEG_INF;
-  for (int s = 0; s < nsplit; s++) m = fmaxf(m, att_ml[s].x);
+  for (int s = threadIdx.x & 31; s < nsplit; s += 32) m = fmaxf(m, att_ml[s].x);
+  m = warp_reduce(m, MaxOp());
   if ((int)threadIdx.x < nsplit) att_w[threadIdx.x] = expf(att_ml[threadIdx.x].x - m);
   __syncthreads();
   float l = 0.f;
@@ -70,12 +79,12 @@ __device__ __forceinline__ void att_combine(int nsplit, int hd, float* o, float2
   const float inv = 1.f / l;
   for (int d = threadIdx.x; d < hd; d += blockDim.x) {
     float acc_d = 0.f;
-    for (int s0 = 0; s0 < nsplit; s0 += 8) {
-      float v[8];
+    for (int s0 = 0; s0 < nsplit; s0 += LOADS) {
+      float v[LOADS];
 #pragma unroll
-      for (int i = 0; i < 8; i++) v[i] = s0 + i < nsplit ? part(s0 + i, d) : 0.f;
+      for (int i = 0; i < LOADS; i++) v[i] = s0 + i < nsplit ? part(s0 + i, d) : 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; i++)
+      for (int i = 0; i < LOADS; i++)
         if (s0 + i < nsplit) acc_d = fmaf(v[i], att_w[s0 + i], acc_d);
     }
     o[d] = __fmul_rn(acc_d, inv);
@@ -278,7 +287,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   if (threadIdx.x == 0) part_ml[slot] = make_float2(mx, sum);
   if (!last_to_arrive(&counters[query], nsplit, last)) return;
   const u64 first = (u64)query * grid_splits;
-  att_combine(nsplit, hd, o, att_ml, att_w, [&](int s) { return __ldcg(&part_ml[first + s]); },
+  att_combine<ONE ? ATT_COMBINE_LOADS : 8>(nsplit, hd, o, att_ml, att_w, [&](int s) { return __ldcg(&part_ml[first + s]); },
               [&](int s, int d) { return __ldcg(&part_o[(first + s) * hd + d]); });
   if (threadIdx.x == 0) counters[query] = 0u;
 }

@@ -172,7 +172,8 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
                      P(const AttColumn*, 26));
       break;
     case 23:  // kv_commit_step
-      kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1));
+      kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1), P(unsigned*, 2), P(const unsigned*, 3),
+                          P(u64*, 4), I(5));
       break;
 // The tensor-core matvecs of one token (ids 15 and 17 plain, 19 and 21 gated; UPC scale units
 // per 64 columns), inlined in their cp.async-ring form (`ring_slice` in matvec_mma.cu). Stages of

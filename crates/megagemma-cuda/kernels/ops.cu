@@ -176,15 +176,22 @@ struct KvLayer {
   int width, ring;
 };
 
-// Row i of layer-half b (layer b / 2, K or V by b's low bit).
-__device__ __forceinline__ void kv_commit_row(const KvLayer* __restrict__ layers, int b, int i, int accepted, int p0) {
+// Row i of layer-half b (layer b / 2, K or V by b's low bit). With `undo`, a ring's row that this
+// one replaces is first kept in staged row 1 (`kv_restore` puts it back).
+__device__ __forceinline__ void kv_commit_row(const KvLayer* __restrict__ layers, int b, int i, int accepted, int p0,
+                                              bool undo = false) {
   const KvLayer L = layers[b >> 1];
   if (L.ring > 0 && i < accepted - L.ring) return;
   float* cache = (float*)((b & 1) ? L.v : L.k);
-  const float* staged = (const float*)((b & 1) ? L.staged_v : L.staged_k);
+  float* staged = (float*)((b & 1) ? L.staged_v : L.staged_k);
   const int pos = p0 + i;
   const u64 slot = L.ring > 0 ? (u64)(pos % L.ring) : (u64)pos;
-  for (int c = threadIdx.x; c < L.width; c += blockDim.x) cache[slot * L.width + c] = staged[(u64)i * L.width + c];
+  undo = undo && L.ring > 0;
+  for (int c = threadIdx.x; c < L.width; c += blockDim.x) {
+    const float old = undo ? cache[slot * L.width + c] : 0.f;
+    cache[slot * L.width + c] = staged[(u64)i * L.width + c];
+    if (undo) staged[L.width + c] = old;
+  }
 }
 
 extern "C" __global__ void kv_commit(const KvLayer* __restrict__ layers, int accepted, int p0) {
@@ -193,15 +200,40 @@ extern "C" __global__ void kv_commit(const KvLayer* __restrict__ layers, int acc
 
 // The last stage of a decode step that commits its own row (one launch per token): the single
 // staged row, at the position the step ran (meta[0], as every stage reads it), after every
-// stage before it. Grid: layers·2 blocks.
-STAGE void kv_commit_step_body(int b, const KvLayer* __restrict__ layers, const int* __restrict__ meta) {
+// stage before it, keeping the ring rows it replaces (`kv_commit_row`'s undo). It also hands the
+// step's argmax on, for decode steps queued before the host has read it (`CudaSeq::decode_greedy`):
+// next = (position + 1, argmax) — the next step's meta, in the sequence's other meta buffer — and
+// log[position & log_mask] = (position + 1) << 32 | argmax, one 8-byte store into host memory mapped
+// for the device, which the host polls for its position's tag. Grid: layers·2 blocks.
+STAGE void kv_commit_step_body(int b, const KvLayer* __restrict__ layers, const int* __restrict__ meta,
+                               unsigned* next, const unsigned* __restrict__ ids, u64* log, int log_mask) {
   const int p0 = meta[0];
   pdl_start();
-  kv_commit_row(layers, b, 0, 1, p0);
+  if (b == 0 && threadIdx.x == 0) {
+    const unsigned id = ids[0];
+    next[0] = (unsigned)p0 + 1u;
+    next[1] = id;
+    *(volatile u64*)&log[p0 & log_mask] = (u64)(p0 + 1) << 32 | id;
+  }
+  kv_commit_row(layers, b, 0, 1, p0, true);
 }
 
-extern "C" __global__ void kv_commit_step(const KvLayer* __restrict__ layers, const int* __restrict__ meta) {
-  kv_commit_step_body(blockIdx.x, layers, meta);
+extern "C" __global__ void kv_commit_step(const KvLayer* __restrict__ layers, const int* __restrict__ meta,
+                                          unsigned* next, const unsigned* __restrict__ ids, u64* log,
+                                          int log_mask) {
+  kv_commit_step_body(blockIdx.x, layers, meta, next, ids, log, log_mask);
+}
+
+// Takes back a decode step queued ahead of the host (`CudaSeq::decode_greedy`) that committed
+// its row at position `pos`: each ring layer's replaced row, kept in staged row 1, goes back to
+// its slot (a full cache's row past the sequence's length is simply unused). Grid: layers·2.
+extern "C" __global__ void kv_restore(const KvLayer* __restrict__ layers, int pos) {
+  const KvLayer L = layers[blockIdx.x >> 1];
+  if (L.ring == 0) return;
+  float* cache = (float*)((blockIdx.x & 1) ? L.v : L.k);
+  const float* staged = (const float*)((blockIdx.x & 1) ? L.staged_v : L.staged_k);
+  const u64 slot = (u64)(pos % L.ring);
+  for (int c = threadIdx.x; c < L.width; c += blockDim.x) cache[slot * L.width + c] = staged[L.width + c];
 }
 
 // A batched step's commits: sequence c's staged row 0 (its `KvLayer` table tables[c]) at its

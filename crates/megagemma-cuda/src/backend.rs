@@ -235,6 +235,33 @@ impl Backend for CudaBackend {
         Ok(outs)
     }
 
+    fn decode_greedy(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        max: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        self.check(seq, std::slice::from_ref(&token))?;
+        // Steps past the context stop at its end, as `decode` in a loop would (a capacity error
+        // once the caller wants more).
+        let room = self.max_context.saturating_sub(self.seqs.get(&seq).map_or(0, |s| s.len()));
+        let before = self.model.launches();
+        let steps = self.seq_mut(seq)?.decode_greedy(token, max.min(room), &mut *on_token);
+        self.step_launches += self.model.launches() - before;
+        let steps = steps?;
+        self.step_tokens += steps as u64;
+        self.stats.passes += steps as u64;
+        if steps == room && max > room {
+            return Err(Error::capacity(format!(
+                "sequence {seq} would hold {} positions, more than the context of {} (use a larger --ctx)",
+                self.max_context + 1,
+                self.max_context
+            )));
+        }
+        Ok(steps)
+    }
+
     fn verify(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<Vec<PosOut>> {
         self.check(seq, tokens)?;
         if tokens.len() > MAX_VERIFY {

@@ -368,6 +368,69 @@ pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result
     Ok(ForkReport { steps: steps - 1, identical, ids_equal_fresh: fresh == ids })
 }
 
+/// Pipelined greedy decoding (`CudaSeq::decode_greedy`) against `step` in a loop.
+pub struct PipelineReport {
+    pub steps: usize,
+    /// One `decode_greedy` call of every step gave the loop's ids.
+    pub one_call_equal: bool,
+    /// Calls stopped by the caller after 1, 2, 3, 1, … tokens (each taking back the step queued
+    /// ahead), each continuing from the last id, gave the loop's ids.
+    pub pieces_equal: bool,
+    /// After the pieces, the committed cache rows equal the loop's, bit for bit (the rings' rows
+    /// that a step taken back had replaced were restored).
+    pub cache_equal: bool,
+}
+
+impl PipelineReport {
+    pub fn ok(&self) -> bool {
+        self.one_call_equal && self.pieces_equal && self.cache_equal
+    }
+}
+
+/// Prefills `prompt` on three sequences and decodes `steps` greedy tokens on each: `step` in a
+/// loop, one pipelined call, and pipelined calls stopped early by the caller.
+pub fn pipeline_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<PipelineReport> {
+    let max_len = prompt.len() + steps + 2;
+    let mut looped = CudaSeq::new(cm, max_len)?;
+    let first = looped.prefill(prompt, false)?.argmax;
+    let mut ids = vec![];
+    let mut tok = first;
+    for _ in 0..steps {
+        tok = looped.step(tok, false)?.argmax;
+        ids.push(tok);
+    }
+
+    let mut one = CudaSeq::new(cm, max_len)?;
+    let tok = one.prefill(prompt, false)?.argmax;
+    let mut one_ids = vec![];
+    one.decode_greedy(tok, steps, &mut |t| {
+        one_ids.push(t);
+        true
+    })?;
+
+    let mut pieces = CudaSeq::new(cm, max_len)?;
+    let mut tok = pieces.prefill(prompt, false)?.argmax;
+    let mut piece_ids: Vec<u32> = vec![];
+    let mut piece = 0;
+    while piece_ids.len() < steps {
+        let want = (piece % 3 + 1).min(steps - piece_ids.len());
+        let mut got = 0;
+        pieces.decode_greedy(tok, steps - piece_ids.len(), &mut |t| {
+            piece_ids.push(t);
+            got += 1;
+            got < want
+        })?;
+        tok = *piece_ids.last().expect("a step ran");
+        piece += 1;
+    }
+    Ok(PipelineReport {
+        steps,
+        one_call_equal: one_ids == ids,
+        pieces_equal: piece_ids == ids,
+        cache_equal: pieces.len() == looped.len() && pieces.committed_rows()? == looped.committed_rows()?,
+    })
+}
+
 /// The MTP drafter on CUDA against the CPU backend's, on one target and assistant.
 pub struct DraftReport {
     /// Draft rounds, and those whose k ids equal the CPU's.

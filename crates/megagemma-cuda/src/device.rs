@@ -33,6 +33,7 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
             "moe_combine",
             "kv_commit",
             "kv_commit_step",
+            "kv_restore",
             "kv_commit_columns",
             "softcap_argmax_partial",
             "argmax_final",
@@ -322,6 +323,59 @@ impl Drop for Gpu {
     }
 }
 
+/// Page-locked host memory that kernels write through a mapped device pointer: what a decode step
+/// hands the host (its argmax, `kv_commit_step`) arrives without a copy or an event on the stream,
+/// and the host polls for it.
+pub struct HostLog {
+    host: *mut u64,
+    /// The device's address of the same memory.
+    pub dev: u64,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by this value and only read through `read`.
+unsafe impl Send for HostLog {}
+
+impl HostLog {
+    /// `len` zeroed u64 slots.
+    pub fn new(gpu: &Gpu, len: usize) -> Result<HostLog> {
+        gpu.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        // SAFETY: a fresh allocation of `len` u32s, zeroed before use; its device address comes
+        // from the driver.
+        unsafe {
+            let host = result::malloc_host(len * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+                .map_err(|e| cuda_err("mapped host allocation", e))? as *mut u64;
+            std::ptr::write_bytes(host, 0, len);
+            let mut dev: sys::CUdeviceptr = 0;
+            sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
+                .result()
+                .map_err(|e| cuda_err("mapped host pointer", e))?;
+            Ok(HostLog { host, dev, len })
+        }
+    }
+
+    /// Slot `i` (mod the length) as the device last wrote it.
+    pub fn read(&self, i: usize) -> u64 {
+        // SAFETY: in bounds and aligned; volatile, since the device writes it behind the compiler's back.
+        unsafe { std::ptr::read_volatile(self.host.add(i % self.len)) }
+    }
+
+    /// Clears slot `i` (mod the length).
+    pub fn clear(&self, i: usize) {
+        // SAFETY: as `read`.
+        unsafe { std::ptr::write_volatile(self.host.add(i % self.len), 0) }
+    }
+}
+
+impl Drop for HostLog {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `malloc_host` in `new`, freed once.
+        unsafe {
+            let _ = result::free_host(self.host as *mut c_void);
+        }
+    }
+}
+
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -520,6 +574,16 @@ impl Gpu {
         // SAFETY: the caller sized both allocations for `bytes`; both live on this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
             .map_err(|e| cuda_err("device copy", e))
+    }
+
+    /// Whether all work queued on the stream has finished (an error if some of it failed).
+    pub fn stream_done(&self) -> Result<bool> {
+        // SAFETY: a query of this context's live stream.
+        match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+            sys::cudaError_enum::CUDA_SUCCESS => Ok(true),
+            sys::cudaError_enum::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(cuda_err("stream query", e)),
+        }
     }
 
     pub fn sync(&self) -> Result<()> {

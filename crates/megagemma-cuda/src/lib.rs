@@ -11,7 +11,8 @@
 //! `tests/gpu_forward.rs` run with `--include-ignored`. Environment: `MEGAGEMMA_CUDA_LIB_DIR`
 //! (where libnvrtc is), `MEGAGEMMA_KERNELS` (read `.cu` files from a folder), `MEGAGEMMA_CACHE`
 //! (CUBIN cache), `MEGAGEMMA_CUDA_CUBINS` (CUBINs prebuilt without a GPU by the `prebuild_cubins` example),
-//! `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
+//! `MEGAGEMMA_CUDA_GRAPHS=0`, `MEGAGEMMA_CUDA_PIPELINE=0` (greedy decoding waits for each token before
+//! queuing the next step; same ids), `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
 //! (the CUDA-core 4-bit matvecs' grid and L2 look-ahead; no result depends on them),
 //! `MEGAGEMMA_CUDA_PREP_INPUTS=0` (passes of 3–8 tokens build every matvec input in each block

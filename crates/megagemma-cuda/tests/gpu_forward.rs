@@ -176,3 +176,24 @@ fn mtp_drafts_equal_the_cpu_drafter() {
         );
     }
 }
+
+/// Pipelined greedy decoding gives `step`'s ids and cache, also when the caller stops it early
+/// (the step queued ahead taken back), across sliding-window wraps.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn pipelined_decoding_equals_steps() {
+    for (label, cm, prompt) in uploaded_fixtures() {
+        let long = long_prompt(&prompt, cm.plan().vocab_size, 100);
+        for p in [prompt, long] {
+            let r = check::pipeline_matches(&cm, &p, 40).expect("pipelined decoding");
+            assert!(
+                r.ok(),
+                "{label} ({} tokens): one call {}, pieces {}, cache {}",
+                p.len(),
+                r.one_call_equal,
+                r.pieces_equal,
+                r.cache_equal
+            );
+        }
+    }
+}

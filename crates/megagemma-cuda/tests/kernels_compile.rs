@@ -46,9 +46,11 @@ fn compile_report(file: &str, opts: &[String], label: &str) -> Result<Vec<Kernel
 /// verify 3% slower, 3 slower at 8k (docs/perf-notes.md, twentieth and twenty-second sessions).
 /// Twenty-fifth session: the ring slot kept from k0 (no division per key) made it 84, and the
 /// decode entry for head dim 512 spills 16; both measured faster with them (E4B −1.1% from the
-/// slot alone, −3.3% with the decode entries; perf-notes, "Twenty-fifth session"). More fails.
+/// slot alone, −3.3% with the decode entries; perf-notes, "Twenty-fifth session"). Twenty-sixth
+/// session: the combine's warp maximum and 16 split loads in flight in the decode entries made them
+/// 92 and 40 (E4B at 256 tokens 2.220 → 2.213 ms; a 5-column verify ±0). More fails.
 const MEASURED_SPILLS: &[(&str, &str, u32)] =
-    &[("attention.cu", "attention", 84), ("attention.cu", "attention_1_512", 16)];
+    &[("attention.cu", "attention", 92), ("attention.cu", "attention_1_512", 40)];
 
 #[test]
 fn kernels_compile() {

@@ -121,6 +121,28 @@ pub trait Backend: Send {
         out.pop().ok_or_else(|| Error::msg("backend returned no output for a decode step"))
     }
 
+    /// Greedy decoding of `seq` from `token` (its next input): up to `max` decode steps, each
+    /// committed, `on_token` given each step's argmax in order and returning whether to go on.
+    /// Returns the steps committed. The ids and the sequence's state are those of `decode` in a
+    /// loop; a backend may queue a step before the host has read the previous one's token (the
+    /// CUDA graph path does, and takes that step back when `on_token` stops).
+    fn decode_greedy(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        max: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        let mut tok = token;
+        for i in 0..max {
+            tok = self.decode(seq, tok, Want::Argmax)?.argmax;
+            if !on_token(tok) {
+                return Ok(i + 1);
+            }
+        }
+        Ok(max)
+    }
+
     /// Whether an MTP assistant is loaded beside the target.
     fn has_drafter(&self) -> bool {
         false

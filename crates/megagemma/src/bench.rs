@@ -160,10 +160,17 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
     let t0 = Instant::now();
     let mut tok = b.prefill(seq, &prompt, Want::Argmax)?.argmax;
     let prefill_s = t0.elapsed().as_secs_f64();
+    // Greedy decoding as `run` does it (steps queued ahead of the host where the backend can),
+    // after one untimed step: graphs are captured per sequence, on its first step.
+    b.decode_greedy(seq, tok, 1, &mut |t| {
+        tok = t;
+        true
+    })?;
     let t1 = Instant::now();
-    for _ in 0..args.tokens {
-        tok = b.decode(seq, tok, Want::Argmax)?.argmax;
-    }
+    b.decode_greedy(seq, tok, args.tokens, &mut |t| {
+        tok = t;
+        true
+    })?;
     let decode_ms = t1.elapsed().as_secs_f64() * 1e3 / args.tokens as f64;
 
     // Verify passes of k + 1 columns, each discarded (commit 0) so the position stays put.

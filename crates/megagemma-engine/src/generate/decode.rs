@@ -1,6 +1,6 @@
 //! Plain decoding: prefill, then one token per decode step (M = 1).
 
-use super::stop::StopRule;
+use super::stop::{FinishReason, StopRule};
 use super::{GenerateParams, Generation};
 use crate::sampling::Sampler;
 use anyhow::Result;
@@ -48,6 +48,18 @@ pub fn run(
         out.ids.push(tok);
         if let Some(reason) = stop.emit(tok, on_token(tok)) {
             out.finish_reason = reason;
+            break;
+        }
+        if want == Want::Argmax && sampler.params().is_greedy() {
+            // The rest in one call, so a backend can queue each step before the host has read
+            // the previous one's token.
+            let mut finish = None;
+            backend.decode_greedy(seq, tok, stop.remaining(), &mut |t| {
+                out.ids.push(t);
+                finish = stop.emit(t, on_token(t));
+                finish.is_none()
+            })?;
+            out.finish_reason = finish.unwrap_or(FinishReason::Length);
             break;
         }
         step = backend.decode(seq, tok, want)?;
