@@ -389,6 +389,9 @@ impl Scheduler {
         if self.drafter.is_some() && self.active.len() == 1 && !self.active[0].needs_logits() && self.speculate() {
             return;
         }
+        if self.decode_alone() {
+            return;
+        }
         let want = if self.active.iter().any(Choice::needs_logits) { Want::Logits } else { Want::Argmax };
         let batch: Vec<(SeqId, u32)> = self.active.iter().map(|c| (c.seq, c.next)).collect();
         for c in &mut self.active {
@@ -413,6 +416,39 @@ impl Scheduler {
             }
         }
         self.release_finished();
+    }
+
+    /// A lone greedy sequence without drafting decodes through `Backend::decode_greedy` (the CUDA
+    /// graph path queues each step before the previous token is read) until it finishes, another
+    /// request arrives, its client goes away or the server drains; then stepping goes on as
+    /// before. False when the scheduler should step normally.
+    fn decode_alone(&mut self) -> bool {
+        let alone = self.active.len() == 1 && self.waiting.is_empty() && self.prefilling.is_empty();
+        if !alone || self.drafter.is_some() || self.active[0].needs_logits() {
+            return false;
+        }
+        let mut c = self.active.pop().expect("one active sequence");
+        let left = c.max_tokens.saturating_sub(c.generated);
+        let Scheduler { backend, tokenizer, stop_ids, metrics, rx, waiting, draining, .. } = self;
+        let mut last = Instant::now();
+        let ran = backend.decode_greedy(c.seq, c.next, left, &mut |tok| {
+            c.tokens.push(c.next);
+            metrics.record_decode_step(1, last.elapsed().as_secs_f64());
+            last = Instant::now();
+            let out = PosOut { argmax: tok, logits: vec![], top_logprobs: vec![] };
+            accept_token(tokenizer, stop_ids, metrics, &mut c, &out);
+            while let Ok(job) = rx.try_recv() {
+                waiting.push_back(job);
+            }
+            !c.finished && waiting.is_empty() && !c.events.is_closed() && !draining.load(Ordering::Relaxed)
+        });
+        if let Err(e) = ran {
+            let _ = c.events.send(Event::Failed(ApiError::from_model(&e)));
+            c.finished = true;
+        }
+        self.active.push(c);
+        self.release_finished();
+        true
     }
 
     /// Lossless speculation for the only running sequence: draft (the MTP assistant from the
@@ -471,86 +507,9 @@ impl Scheduler {
     }
 
     /// Takes the token a position's output gives, streams its text, and decides whether the
-    /// choice is done.
+    /// choice is done (`accept_token`).
     fn accept(&mut self, c: &mut Choice, out: &PosOut) {
-        let tok = if c.sampler.params().is_greedy() {
-            out.argmax
-        } else {
-            match c.sampler.sample(&out.logits) {
-                Ok(t) => t,
-                Err(e) => {
-                    let _ = c.events.send(Event::Failed(ApiError::internal(e.to_string())));
-                    c.finished = true;
-                    return;
-                }
-            }
-        };
-        c.generated += 1;
-        c.next = tok;
-        self.metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        if let Some(arrived) = c.arrived.take() {
-            self.metrics.record_ttft(arrived.elapsed().as_secs_f64());
-        }
-        let logprob = c.logprobs.map(|n| self.token_logprob(&out.logits, tok, n));
-        let eos = !c.ignore_eos && self.stop_ids.contains(&tok);
-        let mut text = String::new();
-        let mut reasoning = String::new();
-        let mut stopped = false;
-        if !eos {
-            match c.thoughts.as_mut().map_or(Part::Answer, |t| t.route(tok)) {
-                Part::Answer => {
-                    if let Ok(Some(piece)) = c.detok.step(tok) {
-                        let r = c.stop_text.push(&piece);
-                        text = r.text;
-                        stopped = r.stopped;
-                    }
-                }
-                Part::Thought => {
-                    if let Ok(Some(piece)) = c.thought_detok.step(tok) {
-                        reasoning = piece;
-                    }
-                }
-                Part::Marker => {
-                    // Opening or closing the channel: what the thought decoder holds is done.
-                    if let Ok(Some(rest)) = c.thought_detok.flush() {
-                        reasoning = rest;
-                    }
-                    c.thought_detok = self.tokenizer.stream_decoder(true);
-                }
-            }
-        }
-        let reason = if eos || stopped {
-            Some(FinishReason::Stop)
-        } else if c.generated >= c.max_tokens {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        if reason == Some(FinishReason::Length) || (eos && !stopped) {
-            // Flush what the detokenizer and the stop matcher still hold.
-            if let Ok(Some(rest)) = c.detok.flush() {
-                let r = c.stop_text.push(&rest);
-                text.push_str(&r.text);
-            }
-            text.push_str(&c.stop_text.finish());
-            if let Ok(Some(rest)) = c.thought_detok.flush() {
-                reasoning.push_str(&rest);
-            }
-        }
-        let _ = c.events.send(Event::Token { index: c.index, text, reasoning, id: tok, logprob });
-        if reason.is_some() {
-            c.reason = reason;
-            c.finished = true;
-        }
-    }
-
-    fn token_logprob(&self, logits: &[f32], tok: u32, n: usize) -> TokenLogprob {
-        let text = |id: u32| self.tokenizer.decode(&[id], false).unwrap_or_default();
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let log_z = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
-        let logprob = logits.get(tok as usize).map_or(f32::NEG_INFINITY, |&l| (l as f64 - log_z) as f32);
-        let top = top_logprobs(logits, n).into_iter().map(|(id, lp)| (text(id), lp)).collect();
-        TokenLogprob { token: text(tok), logprob, top }
+        accept_token(&self.tokenizer, &self.stop_ids, &self.metrics, c, out);
     }
 
     /// Frees the sequences of clients that went away.
@@ -662,4 +621,88 @@ fn log_server_error(e: &ApiError) {
     if e.status.is_server_error() {
         eprintln!("error: request failed: {}", e.message);
     }
+}
+
+/// Takes the token a position's output gives, streams its text, and decides whether the choice is
+/// done.
+fn accept_token(tokenizer: &Tokenizer, stop_ids: &[u32], metrics: &Metrics, c: &mut Choice, out: &PosOut) {
+    let tok = if c.sampler.params().is_greedy() {
+        out.argmax
+    } else {
+        match c.sampler.sample(&out.logits) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = c.events.send(Event::Failed(ApiError::internal(e.to_string())));
+                c.finished = true;
+                return;
+            }
+        }
+    };
+    c.generated += 1;
+    c.next = tok;
+    metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+    if let Some(arrived) = c.arrived.take() {
+        metrics.record_ttft(arrived.elapsed().as_secs_f64());
+    }
+    let logprob = c.logprobs.map(|n| token_logprob(tokenizer, &out.logits, tok, n));
+    let eos = !c.ignore_eos && stop_ids.contains(&tok);
+    let mut text = String::new();
+    let mut reasoning = String::new();
+    let mut stopped = false;
+    if !eos {
+        match c.thoughts.as_mut().map_or(Part::Answer, |t| t.route(tok)) {
+            Part::Answer => {
+                if let Ok(Some(piece)) = c.detok.step(tok) {
+                    let r = c.stop_text.push(&piece);
+                    text = r.text;
+                    stopped = r.stopped;
+                }
+            }
+            Part::Thought => {
+                if let Ok(Some(piece)) = c.thought_detok.step(tok) {
+                    reasoning = piece;
+                }
+            }
+            Part::Marker => {
+                // Opening or closing the channel: what the thought decoder holds is done.
+                if let Ok(Some(rest)) = c.thought_detok.flush() {
+                    reasoning = rest;
+                }
+                c.thought_detok = tokenizer.stream_decoder(true);
+            }
+        }
+    }
+    let reason = if eos || stopped {
+        Some(FinishReason::Stop)
+    } else if c.generated >= c.max_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    if reason == Some(FinishReason::Length) || (eos && !stopped) {
+        // Flush what the detokenizer and the stop matcher still hold.
+        if let Ok(Some(rest)) = c.detok.flush() {
+            let r = c.stop_text.push(&rest);
+            text.push_str(&r.text);
+        }
+        text.push_str(&c.stop_text.finish());
+        if let Ok(Some(rest)) = c.thought_detok.flush() {
+            reasoning.push_str(&rest);
+        }
+    }
+    let _ = c.events.send(Event::Token { index: c.index, text, reasoning, id: tok, logprob });
+    if reason.is_some() {
+        c.reason = reason;
+        c.finished = true;
+    }
+}
+
+/// The chosen token's log-probability and the `n` most likely, with their text.
+fn token_logprob(tokenizer: &Tokenizer, logits: &[f32], tok: u32, n: usize) -> TokenLogprob {
+    let text = |id: u32| tokenizer.decode(&[id], false).unwrap_or_default();
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_z = max + logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln();
+    let logprob = logits.get(tok as usize).map_or(f32::NEG_INFINITY, |&l| (l as f64 - log_z) as f32);
+    let top = top_logprobs(logits, n).into_iter().map(|(id, lp)| (text(id), lp)).collect();
+    TokenLogprob { token: text(tok), logprob, top }
 }
