@@ -387,11 +387,17 @@ impl PipelineReport {
     }
 }
 
-/// Prefills `prompt` on three sequences and decodes `steps` greedy tokens on each: `step` in a
-/// loop, one pipelined call, and pipelined calls stopped early by the caller.
-pub fn pipeline_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result<PipelineReport> {
+/// Prefills `prompt` on three sequences and decodes `steps` greedy tokens on each, every step
+/// through `decode` (graph or megakernel): `step` in a loop, one pipelined call, and pipelined
+/// calls stopped early by the caller.
+pub fn pipeline_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize, decode: Decode) -> Result<PipelineReport> {
     let max_len = prompt.len() + steps + 2;
-    let mut looped = CudaSeq::new(cm, max_len)?;
+    let new_seq = || -> Result<CudaSeq> {
+        let mut s = CudaSeq::new(cm, max_len)?;
+        s.set_decode(decode);
+        Ok(s)
+    };
+    let mut looped = new_seq()?;
     let first = looped.prefill(prompt, false)?.argmax;
     let mut ids = vec![];
     let mut tok = first;
@@ -400,7 +406,7 @@ pub fn pipeline_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Re
         ids.push(tok);
     }
 
-    let mut one = CudaSeq::new(cm, max_len)?;
+    let mut one = new_seq()?;
     let tok = one.prefill(prompt, false)?.argmax;
     let mut one_ids = vec![];
     one.decode_greedy(tok, steps, &mut |t| {
@@ -408,7 +414,7 @@ pub fn pipeline_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Re
         true
     })?;
 
-    let mut pieces = CudaSeq::new(cm, max_len)?;
+    let mut pieces = new_seq()?;
     let mut tok = pieces.prefill(prompt, false)?.argmax;
     let mut piece_ids: Vec<u32> = vec![];
     let mut piece = 0;

@@ -473,12 +473,14 @@ unsafe impl Send for CudaSeq {}
 pub const MK_MAX_TOKENS: usize = 4;
 
 /// What a recorded megakernel table computes: a pass of `tokens` tokens with outputs from
-/// position `first` on, committing its K/V row (`step`) or staging it.
+/// position `first` on, committing its K/V row (`step`) or staging it; `ahead`: recorded with the
+/// two meta buffers swapped (the pipelined loop's second table, `decode_greedy`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct MkPass {
     tokens: usize,
     first: usize,
     commit: bool,
+    ahead: bool,
 }
 
 /// Slots of a sequence's step log (a power of two; the pipelined loop has two steps in flight).
@@ -752,21 +754,30 @@ impl CudaSeq {
     /// the megakernel runs the recorded stages. `skew` ≠ 0 makes every wait unsatisfiable (the
     /// timeout test).
     fn megakernel_pass(&mut self, t: usize, first: usize, skew: u32) -> Result<()> {
-        let pass = MkPass { tokens: t, first, commit: self.commit_in_step };
-        let i = match self.megakernels.iter().position(|(p, _)| *p == pass) {
-            Some(i) => i,
-            None => {
-                let gpu = &self.model.gpu;
-                gpu.start_recording();
-                let ran = self.run_pass(t, first);
-                let recorded = gpu.stop_recording();
-                ran?;
-                self.megakernels.push((pass, Megakernel::new(gpu, &recorded, self.trace_megakernel)?));
-                self.megakernels.len() - 1
-            }
-        };
+        let i = self.megakernel_table(MkPass { tokens: t, first, commit: self.commit_in_step, ahead: false })?;
         self.mk_last = i;
         self.megakernels[i].1.launch(&self.model.gpu, skew)
+    }
+
+    /// The index in `megakernels` of `pass`'s table, recorded now if it is new.
+    fn megakernel_table(&mut self, pass: MkPass) -> Result<usize> {
+        if let Some(i) = self.megakernels.iter().position(|(p, _)| *p == pass) {
+            return Ok(i);
+        }
+        if pass.ahead {
+            std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
+        }
+        let gpu = &self.model.gpu;
+        gpu.start_recording();
+        let ran = self.run_pass(pass.tokens, pass.first);
+        let recorded = gpu.stop_recording();
+        if pass.ahead {
+            std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
+        }
+        ran?;
+        let gpu = &self.model.gpu;
+        self.megakernels.push((pass, Megakernel::new(gpu, &recorded, self.trace_megakernel)?));
+        Ok(self.megakernels.len() - 1)
     }
 
     /// The single-token pass the decode graph captures.
@@ -815,20 +826,20 @@ impl CudaSeq {
 
     /// Greedy decoding from `token` (fed at position `len()`): `max` decode steps at most, each
     /// committed, `on_token` given every step's argmax in order and returning whether to go on.
-    /// Returns the steps committed. The same steps and ids as `step` in a loop; on the graph path
-    /// they are pipelined: each step leaves its argmax and the next position on the device
+    /// Returns the steps committed. The same steps and ids as `step` in a loop, pipelined (graph
+    /// and megakernel alike): each step leaves its argmax and the next position on the device
     /// (`kv_commit_step`), so the next step is queued before the host has read this one's token
     /// and the GPU does not wait for the host between tokens (25–43 µs a token on the H200,
-    /// `gpu_check verifycost`). When the host stops early, the step queued ahead is taken back:
+    /// `gpu_check verifycost`). The megakernel's error flags are read once, at the end. When the host stops early, the step queued ahead is taken back:
     /// its position is not counted and its ring rows are restored (`kv_restore`).
     pub fn decode_greedy(&mut self, token: u32, max: usize, on_token: &mut dyn FnMut(u32) -> bool) -> Result<usize> {
         if self.len + max > self.max_len {
             bail!("position {} is past this sequence's maximum length {}", self.len + max - 1, self.max_len);
         }
-        // The megakernel's table and sequences keeping hidden states (the drafter's: a step taken
+        // Traced megakernel steps and sequences keeping hidden states (the drafter's: a step taken
         // back would leave its hidden state) step one token at a time.
-        if !self.pipeline || !self.use_graphs || self.decode != Decode::Graph || self.kv_layers == 0 || self.keep_hidden
-        {
+        let traced = self.decode == Decode::Megakernel && self.trace_megakernel;
+        if !self.pipeline || !self.use_graphs || traced || self.kv_layers == 0 || self.keep_hidden {
             let mut tok = token;
             for i in 0..max {
                 tok = self.step(tok, false)?.argmax;
@@ -844,17 +855,17 @@ impl CudaSeq {
         self.check_tokens(&[token])?;
         self.staged = 0;
         self.reserve(1)?;
-        self.capture_step_graphs()?;
+        let tables = self.prepare_step_launches()?;
         self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
-        // Step i runs graph i % 2 (the second reads the meta the first wrote, and the other way
-        // round); one step is queued ahead of the one waited for.
+        // Step i runs graph (or megakernel table) i % 2 (the second reads the meta the first
+        // wrote, and the other way round); one step is queued ahead of the one waited for.
         let (mut queued, mut done) = (0, 0);
         let first = self.len;
         let ran = (|| -> Result<usize> {
             loop {
                 while queued < max && queued <= done + 1 {
                     self.step_log.clear(first + queued);
-                    self.launch_step_graph(queued % 2)?;
+                    self.launch_step(queued % 2, tables)?;
                     queued += 1;
                 }
                 let id = self.wait_step_token(self.len)?;
@@ -872,14 +883,26 @@ impl CudaSeq {
             self.gpu().launch("kv_restore", 2 * self.kv_layers as u32, 128, 0, &args)?;
         }
         self.model.gpu.sync()?;
+        if let Some(tables) = tables {
+            // A wait that timed out is the error to report (it also explains a missing token).
+            for i in tables {
+                self.megakernels[i].1.check(&self.model.gpu)?;
+            }
+            self.mk_last = tables[0];
+        }
         ran
     }
 
-    /// The two graphs of the pipelined loop: the committed decode step (`decode_graph[1]`), and
-    /// the same with its meta buffers swapped (`ahead_graph`).
-    fn capture_step_graphs(&mut self) -> Result<()> {
+    /// The two launches of the pipelined loop: the committed decode step (`decode_graph[1]`, or
+    /// its megakernel table) and the same with its meta buffers swapped (`ahead_graph`, or the
+    /// `ahead` table); the tables' indices on the megakernel path.
+    fn prepare_step_launches(&mut self) -> Result<Option<[usize; 2]>> {
         self.commit_in_step = true;
-        let captured = (|| {
+        let prepared = (|| {
+            if self.decode == Decode::Megakernel {
+                let pass = |ahead| MkPass { tokens: 1, first: 0, commit: true, ahead };
+                return Ok(Some([self.megakernel_table(pass(false))?, self.megakernel_table(pass(true))?]));
+            }
             if self.decode_graph[1].is_none() {
                 self.decode_graph[1] = Some(self.capture(|| self.run_step())?);
             }
@@ -889,14 +912,18 @@ impl CudaSeq {
                 std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
                 self.ahead_graph = Some(g?);
             }
-            Ok(())
+            Ok(None)
         })();
         self.commit_in_step = false;
-        captured
+        prepared
     }
 
-    /// Queues pipelined step graph `which` (0: `decode_graph[1]`, 1: `ahead_graph`).
-    fn launch_step_graph(&self, which: usize) -> Result<()> {
+    /// Queues pipelined step `which` (0: `decode_graph[1]`, 1: `ahead_graph`; on the megakernel
+    /// path the launch of table `tables[which]`).
+    fn launch_step(&mut self, which: usize, tables: Option<[usize; 2]>) -> Result<()> {
+        if let Some(t) = tables {
+            return self.megakernels[t[which]].1.launch(&self.model.gpu, 0);
+        }
         let g = if which == 0 { &self.decode_graph[1] } else { &self.ahead_graph };
         let g = g.as_ref().ok_or_else(|| megagemma_model::Error::msg("pipelined step graph not captured"))?;
         self.model.gpu.count_launch();

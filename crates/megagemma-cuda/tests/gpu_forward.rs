@@ -5,7 +5,7 @@
 //! take the tensor-core matvec), and multi-token verify columns bit-identical to single decode steps.
 
 use megagemma_cuda::check::{self, compare_greedy, fixture_cases, fixture_dirs, long_prompt, verify_columns};
-use megagemma_cuda::CudaModel;
+use megagemma_cuda::{CudaModel, Decode};
 use megagemma_model::Model;
 use std::path::PathBuf;
 
@@ -178,22 +178,29 @@ fn mtp_drafts_equal_the_cpu_drafter() {
 }
 
 /// Pipelined greedy decoding gives `step`'s ids and cache, also when the caller stops it early
-/// (the step queued ahead taken back), across sliding-window wraps.
+/// (the step queued ahead taken back), across sliding-window wraps, in the graph and the megakernel.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn pipelined_decoding_equals_steps() {
     for (label, cm, prompt) in uploaded_fixtures() {
         let long = long_prompt(&prompt, cm.plan().vocab_size, 100);
-        for p in [prompt, long] {
-            let r = check::pipeline_matches(&cm, &p, 40).expect("pipelined decoding");
-            assert!(
-                r.ok(),
-                "{label} ({} tokens): one call {}, pieces {}, cache {}",
-                p.len(),
-                r.one_call_equal,
-                r.pieces_equal,
-                r.cache_equal
-            );
+        for decode in [Decode::Graph, Decode::Megakernel] {
+            for p in [&prompt, &long] {
+                let r = match check::pipeline_matches(&cm, p, 40, decode) {
+                    Ok(r) => r,
+                    // MoE layers are not among the megakernel's stages yet.
+                    Err(e) if decode == Decode::Megakernel && e.to_string().contains("does not run kernel") => break,
+                    Err(e) => panic!("{label} {decode:?}: {e}"),
+                };
+                assert!(
+                    r.ok(),
+                    "{label} {decode:?} ({} tokens): one call {}, pieces {}, cache {}",
+                    p.len(),
+                    r.one_call_equal,
+                    r.pieces_equal,
+                    r.cache_equal
+                );
+            }
         }
     }
 }
