@@ -331,6 +331,8 @@ pub struct HostLog {
     /// The device's address of the same memory.
     pub dev: u64,
     len: usize,
+    /// Bound again when the memory is freed (the drop may run on another thread).
+    ctx: Arc<CudaContext>,
 }
 
 // SAFETY: the memory is owned by this value and only read through `read`.
@@ -350,7 +352,7 @@ impl HostLog {
             sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
                 .result()
                 .map_err(|e| cuda_err("mapped host pointer", e))?;
-            Ok(HostLog { host, dev, len })
+            Ok(HostLog { host, dev, len, ctx: gpu.ctx.clone() })
         }
     }
 
@@ -369,9 +371,12 @@ impl HostLog {
 
 impl Drop for HostLog {
     fn drop(&mut self) {
-        // SAFETY: allocated by `malloc_host` in `new`, freed once.
-        unsafe {
-            let _ = result::free_host(self.host as *mut c_void);
+        // The memory belongs to the context that allocated it.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `malloc_host` in `new`, freed once, with its context current.
+            unsafe {
+                let _ = result::free_host(self.host as *mut c_void);
+            }
         }
     }
 }
