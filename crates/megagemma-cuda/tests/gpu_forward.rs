@@ -204,3 +204,20 @@ fn pipelined_decoding_equals_steps() {
         }
     }
 }
+
+/// The CUDA backend keeps `decode_greedy`'s contract (`conformance::greedy_in_one_call`: the ids of
+/// `decode` in a loop, early stops, the context's end) on the pipelined graph and megakernel paths.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn greedy_decoding_in_one_call_is_decode_in_a_loop() {
+    for (label, cm, prompt) in uploaded_fixtures() {
+        for decode in [Decode::Graph, Decode::Megakernel] {
+            let mut b = megagemma_cuda::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode);
+            match megagemma_model::conformance::greedy_in_one_call(&mut b, &prompt) {
+                Ok(()) => {}
+                Err(e) if decode == Decode::Megakernel && e.contains("does not run kernel") => {}
+                Err(e) => panic!("{label} {decode:?}: {e}"),
+            }
+        }
+    }
+}

@@ -7,6 +7,7 @@ pub mod assistant;
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod conformance;
 pub mod cpu;
 pub mod dense;
 pub mod error;

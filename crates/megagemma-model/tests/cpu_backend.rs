@@ -233,3 +233,11 @@ fn prompts_longer_than_one_prefill_chunk_prefill() {
         assert!(diff < 1e-4, "{name}: logits differ by {diff}");
     }
 }
+
+/// `decode_greedy`'s contract (`conformance::greedy_in_one_call`), which the CUDA backend's
+/// pipelined override is held to on the GPU too.
+#[test]
+fn greedy_decoding_in_one_call_is_decode_in_a_loop() {
+    let mut b = CpuBackend::new(fixture("sliding_wrap")).with_max_context(40);
+    megagemma_model::conformance::greedy_in_one_call(&mut b, &[2, 5, 9]).unwrap_or_else(|e| panic!("{e}"));
+}
