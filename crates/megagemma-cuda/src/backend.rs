@@ -253,11 +253,8 @@ impl Backend for CudaBackend {
         self.step_tokens += steps as u64;
         self.stats.passes += steps as u64;
         if steps == room && max > room {
-            return Err(Error::capacity(format!(
-                "sequence {seq} would hold {} positions, more than the context of {} (use a larger --ctx)",
-                self.max_context + 1,
-                self.max_context
-            )));
+            // The context is full: the next step's check is the capacity error `decode` would give.
+            self.check(seq, std::slice::from_ref(&token))?;
         }
         Ok(steps)
     }

@@ -342,17 +342,17 @@ impl HostLog {
     /// `len` zeroed u64 slots.
     pub fn new(gpu: &Gpu, len: usize) -> Result<HostLog> {
         gpu.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
-        // SAFETY: a fresh allocation of `len` u32s, zeroed before use; its device address comes
-        // from the driver.
+        // SAFETY: a fresh allocation of `len` u64s, zeroed before use, owned (and freed on drop)
+        // by the value from here on; its device address comes from the driver.
         unsafe {
             let host = result::malloc_host(len * 8, sys::CU_MEMHOSTALLOC_DEVICEMAP)
                 .map_err(|e| cuda_err("mapped host allocation", e))? as *mut u64;
             std::ptr::write_bytes(host, 0, len);
-            let mut dev: sys::CUdeviceptr = 0;
-            sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0)
+            let mut log = HostLog { host, dev: 0, len, ctx: gpu.ctx.clone() };
+            sys::cuMemHostGetDevicePointer_v2(&mut log.dev, host as *mut c_void, 0)
                 .result()
                 .map_err(|e| cuda_err("mapped host pointer", e))?;
-            Ok(HostLog { host, dev, len, ctx: gpu.ctx.clone() })
+            Ok(log)
         }
     }
 
