@@ -289,6 +289,13 @@ __device__ __forceinline__ float4 norm4(float4 v, float r, float4 w) {
 __device__ __forceinline__ float4 ld4(const float* p, u64 f) { return *(const float4*)(p + 4 * f); }
 __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 4 * f) = v; }
 
+// Float4s [x, y) of slice s of `slices` of a row of n4 float4s: whole 64-column chunks (16 float4s),
+// so a slice's prepared inputs (`prep_inputs`) are its own elements.
+__device__ __forceinline__ int2 norm_slice(int n4, int slices, int s) {
+  const int chunks = (n4 + 15) / 16, per = (chunks + slices - 1) / slices;
+  return make_int2(min(n4, s * per * 16), min(n4, (s + 1) * per * 16));
+}
+
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
 // A thread's elements are the float4s f = tid + q·blockDim (`residual4` and friends in common.cuh;
@@ -296,13 +303,21 @@ __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 
 // loaded together right after `pdl_start()` (w1 is asked of L2 before it), so the row costs one
 // load round trip and two block reductions. Wider rows (31B) re-read them, summing in the same order.
 // `residual_stats` (matvec_mma.cu) computes the same step folded into the next matvec: same bits.
+// SLICED (the prepared-input step of several-token passes, `add_norm_prep_*`): `slices` blocks per
+// row, each computing the row's statistics and writing its chunk-aligned slice (`norm_slice`) of x'
+// into `x_out` (never in place: the row's other blocks are still reading x) and of a.
+template <bool SLICED = false>
 STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
-                         float* a, const float* __restrict__ w2, int dim, float eps) {
+                         float* a, const float* __restrict__ w2, int dim, float eps, float* x_out = nullptr,
+                         int slices = 1) {
   for (int i = threadIdx.x; i < dim; i += blockDim.x) prefetch_l2(w1 + i);
   pdl_start();
-  const u64 base = (u64)vb * dim;
+  const int row = SLICED ? vb / slices : vb;
+  const u64 base = (u64)row * dim;
   const int n4 = dim / 4, bd = blockDim.x;
+  const int2 mine = SLICED ? norm_slice(n4, slices, vb - row * slices) : make_int2(0, n4);
   float* xr = x + base;
+  float* xo = SLICED ? x_out + base : xr;
   const float* orow = o + base;
   const bool in_regs = n4 <= RES_F4 * bd;
   float4 ov[RES_F4], xv[RES_F4];
@@ -329,13 +344,13 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
       const int f = threadIdx.x + q * bd;
       if (f >= n4) continue;
       xv[q] = residual4(xv[q], ov[q], r, ld4(w1, f), scale);
-      st4(xr, f, xv[q]);
+      if (!SLICED || (f >= mine.x && f < mine.y)) st4(xo, f, xv[q]);
       ss2 = sumsq4(ss2, xv[q]);
     }
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) {
       const float4 v = residual4(ld4(xr, f), ld4(orow, f), r, ld4(w1, f), scale);
-      st4(xr, f, v);
+      if (!SLICED || (f >= mine.x && f < mine.y)) st4(xo, f, v);
       ss2 = sumsq4(ss2, v);
     }
   }
@@ -346,10 +361,12 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {
       const int f = threadIdx.x + q * bd;
-      if (f < n4) st4(a + base, f, norm4(xv[q], r2, ld4(w2, f)));
+      if (f < mine.y && (!SLICED || f >= mine.x)) st4(a + base, f, norm4(xv[q], r2, ld4(w2, f)));
     }
   } else {
-    for (int f = threadIdx.x; f < n4; f += bd) st4(a + base, f, norm4(ld4(xr, f), r2, ld4(w2, f)));
+    // SLICED: this thread wrote x' of its slice's float4s itself (x_out), the rest it skips.
+    for (int f = threadIdx.x + (SLICED ? mine.x - mine.x % bd : 0); f < mine.y; f += bd)
+      if (!SLICED || f >= mine.x) st4(a + base, f, norm4(ld4(xo, f), r2, ld4(w2, f)));
   }
 }
 

@@ -346,15 +346,16 @@ __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned
 // Token j's part of the prepared inputs (see `copy_inputs`) from its row `x` of `cols`: the digit
 // planes, unit sums and exponent of `build_inputs` with the same operations on the same lanes (a
 // chunk's 16 float4s are one half-warp's), so a matvec that copies them computes the bits of one
-// that builds them. Called by every thread of one block.
+// that builds them. Called by every thread of one block, for chunks [c_lo, c_hi) (a chunk's lanes
+// keep their place in a half-warp wherever the range starts, so the sums are the same).
 template <int H, int UPC>
-__device__ __forceinline__ void prep_inputs(unsigned char* prep, const float* x, int j, int cols) {
-  const int chunks = (cols + 63) / 64, per_token = chunks * 16;
+__device__ __forceinline__ void prep_inputs(unsigned char* prep, const float* x, int j, int cols, int c_lo, int c_hi) {
+  const int chunks = (cols + 63) / 64, lo = c_lo * 16, hi = c_hi * 16;
   unsigned* words = (unsigned*)prep;
   float* xsg = (float*)(prep + prep_xs_offset(H, chunks));
-  for (int base = threadIdx.x & ~31; base < per_token; base += blockDim.x) {
+  for (int base = lo + (threadIdx.x & ~31); base < hi; base += blockDim.x) {
     const int e = base + (threadIdx.x & 31), k = 4 * e;
-    const bool in = e < per_token;
+    const bool in = e < hi;
     float w[4] = {0.f, 0.f, 0.f, 0.f};
     if (in && k < cols) {
       const float4 t = __ldcg((const float4*)(x + (u64)j * cols + k));
@@ -985,12 +986,15 @@ MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
                                                       parts, nblocks, ahead, partial, counters, nullptr, 0,     \
                                                       Residual{});                                              \
   }                                                                                                            \
+  /* `slices` blocks per token, each preparing its slice of the row (`norm_slice`); x' goes to x_out. */     \
   extern "C" __global__ void __launch_bounds__(256) add_norm_prep##SUFFIX(                                     \
       float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale, float* a,             \
-      const float* __restrict__ w2, int dim, float eps, unsigned char* prep) {                                 \
-    add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps);                                              \
-    __syncthreads(); /* the block's rows of a (or x) are written */                                            \
-    prep_inputs<H, UPC>(prep, w2 ? a : x, blockIdx.x, dim);                                                   \
+      const float* __restrict__ w2, int dim, float eps, unsigned char* prep, float* x_out, int slices) {       \
+    add_norm_body<true>(blockIdx.x, x, o, w1, scale, a, w2, dim, eps, x_out, slices);                         \
+    __syncthreads(); /* the block's slice of a (or x') is written */                                           \
+    const int j = blockIdx.x / slices, chunks = (dim + 63) / 64;                                               \
+    const int2 f = norm_slice(dim / 4, slices, blockIdx.x - j * slices);                                       \
+    if (f.x < f.y) prep_inputs<H, UPC>(prep, w2 ? a : x_out, j, dim, f.x / 16, f.y < dim / 4 ? f.y / 16 : chunks); \
   }
 MMA_PREP_ENTRY(matvec_q4t_4, _4, 1, 1)
 MMA_PREP_ENTRY(matvec_q4t_8, _8, 2, 1)

@@ -16,7 +16,8 @@
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
 //! (the CUDA-core 4-bit matvecs' grid and L2 look-ahead; no result depends on them),
 //! `MEGAGEMMA_CUDA_PREP_INPUTS=0` (passes of 3–8 tokens build every matvec input in each block
-//! instead of copying what their residual step prepared; same results),
+//! instead of copying what their residual step prepared; same results), `MEGAGEMMA_CUDA_PREP_MIN`
+//! (the fewest tokens of such a pass, default 3),
 //! `MEGAGEMMA_CUDA_MMA_AHEAD` (the tensor-core matvec's L2 look-ahead in passes of several tokens,
 //! default 0), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`

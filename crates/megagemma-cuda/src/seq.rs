@@ -50,6 +50,8 @@ const MMA_COUNTERS: usize = 1 << 16;
 /// rounds): two sequences in one pass 2.844–2.855 against 2.948–2.949 ms, 3-column verify (`bench
 /// --draft oracle --k 2`) 3.572–3.585 against 3.570–3.593 ms.
 const PREP_MIN_TOKENS: usize = 3;
+/// Blocks per token of the prepared-input residual step (at most; whole chunks each).
+const PREP_SLICES: usize = 8;
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
@@ -456,6 +458,9 @@ pub struct CudaSeq {
     /// matvecs after them, which copy instead of building them (`MEGAGEMMA_CUDA_PREP_INPUTS=0`:
     /// never; same results).
     prep_inputs: bool,
+    /// The fewest tokens of a pass that prepares inputs (`MEGAGEMMA_CUDA_PREP_MIN`, 2–8; default
+    /// `PREP_MIN_TOKENS`; same results).
+    prep_min: usize,
     /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
     /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
     /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
@@ -561,6 +566,7 @@ impl CudaSeq {
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
             prep_inputs: std::env::var("MEGAGEMMA_CUDA_PREP_INPUTS").map_or(true, |v| v != "0"),
+            prep_min: crate::device::env_count("MEGAGEMMA_CUDA_PREP_MIN", 2..=MATVEC_COLS, PREP_MIN_TOKENS),
             keep_hidden: false,
             hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
             has_hidden: false,
@@ -1487,16 +1493,23 @@ impl CudaSeq {
         // per token, and the matvec copies them instead of building them in each of its blocks.
         let prep = self.prep_inputs
             && row0 == 0
-            && (PREP_MIN_TOKENS..=MATVEC_COLS).contains(&t)
+            && (self.prep_min..=MATVEC_COLS).contains(&t)
             && !self.long_pass(t)
             && !self.gpu().is_recording()
             && self.one_mma_launch(mats)
             && mats[0].0.cols as usize == h;
         if prep {
             let (step, _) = mma_prep_kernels(t.div_ceil(4), mats[0].0.gs == 32);
+            // Each token's row in slices of whole chunks, a block each: every block takes the
+            // row's statistics, and writes and prepares its slice only (one block per token built
+            // the whole row after its reductions, on the critical path of every residual step).
+            let chunks = h.div_ceil(64);
+            let slices = chunks.div_ceil(chunks.div_ceil(PREP_SLICES));
+            let xout = if self.xcur() == self.s.x.ptr { self.s.x2.ptr } else { self.s.x.ptr };
             let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
-            let args: [Arg; 9] = join(args, [Arg::Ptr(self.s.mma_prep.ptr)]);
-            self.gpu().launch(step, t as u32, 256, 0, &args)?;
+            let args: [Arg; 11] = join(args, [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(xout), Arg::I32(slices as i32)]);
+            self.gpu().launch(step, (t * slices) as u32, 256, 0, &args)?;
+            self.x_in_x2.set(!self.x_in_x2.get());
             return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
         self.add_norm(p.o, p.w1, p.scale, p.w2, row0 + t)?;
@@ -1804,7 +1817,8 @@ impl CudaSeq {
         self.gpu().launch("add_norm", t as u32, 256, 0, &args)
     }
 
-    /// `add_norm`'s arguments (the `add_norm_prep_*` entries take the prepared inputs' buffer after them).
+    /// `add_norm`'s arguments (the `add_norm_prep_*` entries take the prepared inputs' buffer, the other
+    /// residual buffer and their blocks per token after them).
     fn add_norm_args(&self, o: u64, w1: u64, scale: f32, w2: u64) -> [Arg; 8] {
         let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
         [
