@@ -17,7 +17,8 @@
 //! (the CUDA-core 4-bit matvecs' grid and L2 look-ahead; no result depends on them),
 //! `MEGAGEMMA_CUDA_PREP_INPUTS=0` (passes of 3–8 tokens build every matvec input in each block
 //! instead of copying what their residual step prepared; same results), `MEGAGEMMA_CUDA_PREP_MIN`
-//! (the fewest tokens of such a pass, default 3),
+//! (the fewest tokens of such a pass, default 3), `MEGAGEMMA_CUDA_PREP_SLICES` (blocks per token of
+//! its residual step, default 8; same results),
 //! `MEGAGEMMA_CUDA_MMA_AHEAD` (the tensor-core matvec's L2 look-ahead in passes of several tokens,
 //! default 0), `MEGAGEMMA_CUDA_Q4_MMA=0` (no
 //! tensor-core matvec), `MEGAGEMMA_CUDA_CUBLAS=0` (prefill on the matvecs), `MEGAGEMMA_CUDA_PREFILL_CHUNK`

@@ -461,6 +461,9 @@ pub struct CudaSeq {
     /// The fewest tokens of a pass that prepares inputs (`MEGAGEMMA_CUDA_PREP_MIN`, 2–8; default
     /// `PREP_MIN_TOKENS`; same results).
     prep_min: usize,
+    /// Blocks per token of that step, at most (`MEGAGEMMA_CUDA_PREP_SLICES`, 1–16; default
+    /// `PREP_SLICES`; same results).
+    prep_slices: usize,
     /// Every pass also writes the final-normed hidden states of its output positions (`Scratch::
     /// hid`: one more launch) and commits keep the newest one in `hidden`: what the MTP drafter
     /// reads (`CudaSeq::draft`). Off unless the backend has an assistant.
@@ -567,6 +570,7 @@ impl CudaSeq {
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
             prep_inputs: std::env::var("MEGAGEMMA_CUDA_PREP_INPUTS").map_or(true, |v| v != "0"),
             prep_min: crate::device::env_count("MEGAGEMMA_CUDA_PREP_MIN", 2..=MATVEC_COLS, PREP_MIN_TOKENS),
+            prep_slices: crate::device::env_count("MEGAGEMMA_CUDA_PREP_SLICES", 1..=16, PREP_SLICES),
             keep_hidden: false,
             hidden: gpu.alloc_zeros(f32s(plan.hidden))?,
             has_hidden: false,
@@ -1504,7 +1508,7 @@ impl CudaSeq {
             // row's statistics, and writes and prepares its slice only (one block per token built
             // the whole row after its reductions, on the critical path of every residual step).
             let chunks = h.div_ceil(64);
-            let slices = chunks.div_ceil(chunks.div_ceil(PREP_SLICES));
+            let slices = chunks.div_ceil(chunks.div_ceil(self.prep_slices));
             let xout = if self.xcur() == self.s.x.ptr { self.s.x2.ptr } else { self.s.x.ptr };
             let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
             let args: [Arg; 11] = join(args, [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(xout), Arg::I32(slices as i32)]);
