@@ -21,20 +21,13 @@ MEGAGEMMA_CUDA_GRAPHS=0 "$NCU" --clock-control none --csv --print-units base \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
   --kernel-name regex:matvec_q4t --launch-skip "$SKIP" --launch-count "$COUNT" \
   "$BIN/megagemma" bench --synthetic "$MODEL" --quant q4 --backend cuda --prompt-len 1 --tokens 4 > "$csv" 2>&1
-python3 - "$csv" <<'PY'
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-head = [i for i, r in enumerate(rows) if "Kernel Name" in r]
-if not head:
-    sys.exit("tools/ncu_decode.sh: no ncu table in the output:\n" + open(sys.argv[1]).read()[-2000:])
-h = rows[head[0]]
-ix = {k: i for i, k in enumerate(h)}
-launches = collections.OrderedDict()
-for r in rows[head[0] + 1:]:
-    if len(r) == len(h):
-        launches.setdefault((r[ix["ID"]], r[ix["Kernel Name"]]), {})[r[ix["Metric Name"]]] = r[ix["Metric Value"]].replace(",", "")
+python3 - "$csv" "$(cd "$(dirname "$0")" && pwd)" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[2])
+from ncu_csv import launches
+launches = launches(sys.argv[1], "tools/ncu_decode.sh")
 total_us = total_mb = 0.0
-for (_, name), m in launches.items():
+for name, m in launches:
     us = float(m.get("gpu__time_duration.sum", 0)) / 1e3
     mb = float(m.get("dram__bytes_read.sum", 0)) / 1e6
     total_us, total_mb = total_us + us, total_mb + mb

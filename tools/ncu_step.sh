@@ -23,19 +23,11 @@ MEGAGEMMA_CUDA_GRAPHS=0 MEGAGEMMA_CUDA_PIPELINE=0 "$NCU" --clock-control none --
   --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
   --launch-count "$COUNT" \
   "$BIN/megagemma" bench --synthetic "$MODEL" --quant q4 --backend cuda --prompt-len 1 --tokens 4 ${BENCH_ARGS:-} > "$csv" 2>&1
-python3 - "$csv" <<'PY'
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-head = [i for i, r in enumerate(rows) if "Kernel Name" in r]
-if not head:
-    sys.exit("tools/ncu_step.sh: no ncu table in the output:\n" + open(sys.argv[1]).read()[-2000:])
-h = rows[head[0]]
-ix = {k: i for i, k in enumerate(h)}
-launches = collections.OrderedDict()
-for r in rows[head[0] + 1:]:
-    if len(r) == len(h):
-        launches.setdefault((r[ix["ID"]], r[ix["Kernel Name"]]), {})[r[ix["Metric Name"]]] = r[ix["Metric Value"]].replace(",", "")
-seq = [(name.split("(")[0], m) for (_, name), m in launches.items()]
+python3 - "$csv" "$(cd "$(dirname "$0")" && pwd)" <<'PY'
+import collections, sys
+sys.path.insert(0, sys.argv[2])
+from ncu_csv import launches
+seq = [(name.split("(")[0], m) for name, m in launches(sys.argv[1], "tools/ncu_step.sh")]
 starts = [i for i, (n, _) in enumerate(seq) if n == "embed_gather"]
 if len(starts) < 3:
     sys.exit(f"tools/ncu_step.sh: fewer than two complete passes in {len(seq)} launches")
