@@ -1446,6 +1446,15 @@ impl CudaSeq {
         }
     }
 
+    /// The residual buffer a step that does not write in place writes (the one `xcur` is not).
+    fn xother(&self) -> u64 {
+        if self.x_in_x2.get() {
+            self.s.x.ptr
+        } else {
+            self.s.x2.ptr
+        }
+    }
+
     /// The plain tensor-core entry points' trailing `Residual` arguments for the launch of columns
     /// `c0 ..` (all zero without one).
     fn residual_args(&self, res: Option<(PendingNorm, usize)>, c0: usize, cols: usize) -> [Arg; 7] {
@@ -1454,8 +1463,7 @@ impl CudaSeq {
             return [Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0), Arg::F32(1.0), Arg::F32(eps)];
         };
         // The folded step reads the current residual buffer and writes the other.
-        let xin = self.xcur();
-        let xout = if xin == self.s.x.ptr { self.s.x2.ptr } else { self.s.x.ptr };
+        let (xin, xout) = (self.xcur(), self.xother());
         let at = f32s((row0 + c0) * cols) as u64;
         [
             Arg::Ptr(xin + at),
@@ -1509,9 +1517,9 @@ impl CudaSeq {
             // the whole row after its reductions, on the critical path of every residual step).
             let chunks = h.div_ceil(64);
             let slices = chunks.div_ceil(chunks.div_ceil(self.prep_slices));
-            let xout = if self.xcur() == self.s.x.ptr { self.s.x2.ptr } else { self.s.x.ptr };
             let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
-            let args: [Arg; 11] = join(args, [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(xout), Arg::I32(slices as i32)]);
+            let more = [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(self.xother()), Arg::I32(slices as i32)];
+            let args: [Arg; 11] = join(args, more);
             self.gpu().launch(step, (t * slices) as u32, 256, 0, &args)?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
