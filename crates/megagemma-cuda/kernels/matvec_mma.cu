@@ -331,15 +331,34 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
 __device__ __forceinline__ u64 prep_xs_offset(int H, int chunks) { return (u64)chunks * 1024 * H; }
 
 // Only the token pairs below m: a chunk's fragments are 2·H pairs of 32 uint4s, pair by pair.
+// COPY_LOADS loads are in flight per thread before any is stored: a plain load-store loop waited
+// for one L2 round trip per iteration (E4B's 40-chunk slices of a 3-token pass: 10 in a row).
+// Twenty-eighth session, E4B 3-token verify: 1 load 3.51 ms, 4 loads 3.37, 8 3.46 (the prep entries
+// spill), every copy a cp.async waited for at once 3.58.
+#ifndef COPY_LOADS
+#define COPY_LOADS 4
+#endif
 template <int H, int UPC>
 __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned char* prep, int chunks, int c0, int n,
                                             int m) {
   const uint4* src = (const uint4*)(prep + (u64)c0 * 1024 * H);
   const int live = 32 * ((m + 1) >> 1);  // uint4s of a chunk's live pairs
-  for (int i = threadIdx.x; i < n * 64 * H; i += blockDim.x)
-    if ((i & (64 * H - 1)) < live) xf[i] = __ldcg(src + i);
+  const int total = n * 64 * H;
   const float4* ssrc = (const float4*)(prep + prep_xs_offset(H, chunks)) + (u64)c0 * MMA_XS_FLOATS(H, UPC) / 4;
   float4* sdst = (float4*)xs;
+  for (int base = threadIdx.x; base < total; base += COPY_LOADS * blockDim.x) {
+    uint4 v[COPY_LOADS];
+#pragma unroll
+    for (int r = 0; r < COPY_LOADS; r++) {
+      const int i = base + r * blockDim.x;
+      if (i < total && (i & (64 * H - 1)) < live) v[r] = __ldcg(src + i);
+    }
+#pragma unroll
+    for (int r = 0; r < COPY_LOADS; r++) {
+      const int i = base + r * blockDim.x;
+      if (i < total && (i & (64 * H - 1)) < live) xf[i] = v[r];
+    }
+  }
   for (int i = threadIdx.x; i < n * MMA_XS_FLOATS(H, UPC) / 4; i += blockDim.x) sdst[i] = __ldcg(ssrc + i);
 }
 

@@ -15,9 +15,9 @@
 //! queuing the next step; same ids), `MEGAGEMMA_CUDA_PROFILE=1` (per-kernel timing), `MEGAGEMMA_CUDA_PDL=0`
 //! (no programmatic dependent launch), `MEGAGEMMA_CUDA_Q4_BLOCKS_PER_SM` / `MEGAGEMMA_CUDA_Q4_AHEAD`
 //! (the CUDA-core 4-bit matvecs' grid and L2 look-ahead; no result depends on them),
-//! `MEGAGEMMA_CUDA_PREP_INPUTS=0` (passes of 3–8 tokens build every matvec input in each block
+//! `MEGAGEMMA_CUDA_PREP_INPUTS=0` (passes of 2–8 tokens build every matvec input in each block
 //! instead of copying what their residual step prepared; same results), `MEGAGEMMA_CUDA_PREP_MIN`
-//! (the fewest tokens of such a pass, default 3), `MEGAGEMMA_CUDA_PREP_SLICES` (blocks per token of
+//! (the fewest tokens of such a pass, default 2), `MEGAGEMMA_CUDA_PREP_SLICES` (blocks per token of
 //! its residual step, default 8; same results),
 //! `MEGAGEMMA_CUDA_MMA_AHEAD` (the tensor-core matvec's L2 look-ahead in passes of several tokens,
 //! default 0), `MEGAGEMMA_CUDA_Q4_MMA=0` (no

@@ -48,8 +48,10 @@ const MMA_COUNTERS: usize = 1 << 16;
 /// matvecs save), of 3 3.44–3.46 / 3.45–3.49, of 4 3.54–3.55 / 3.69–3.74; four sequences in one
 /// pass 3.44–3.46 / 3.59–3.60 ms. Twenty-fifth session, this threshold against 2 (same call, two
 /// rounds): two sequences in one pass 2.844–2.855 against 2.948–2.949 ms, 3-column verify (`bench
-/// --draft oracle --k 2`) 3.572–3.585 against 3.570–3.593 ms.
-const PREP_MIN_TOKENS: usize = 3;
+/// --draft oracle --k 2`) 3.572–3.585 against 3.570–3.593 ms. Twenty-eighth session, with the copy's
+/// loads in flight together (`copy_inputs`), 2 against 3: 2-column verify E4B 3.088 → 2.930 ms, E2B
+/// 2.063–2.085 → 2.050–2.059; two sequences E4B 708.9 → 744.5 tok/s, E2B 1,091 → 1,093.
+const PREP_MIN_TOKENS: usize = 2;
 /// Blocks per token of the prepared-input residual step (at most; whole chunks each).
 const PREP_SLICES: usize = 8;
 /// Blocks per row of the softcap + argmax pass.
@@ -230,7 +232,7 @@ pub(crate) struct Scratch {
     /// Per-part sums of split matvecs (`MMA_PARTIAL_FLOATS`) and their per-tile-group arrival
     /// counters (`MMA_COUNTERS`, zero between launches).
     mma_partial: DevBuf,
-    /// Inputs of passes of 3–8 tokens prepared once by their residual step for the plain
+    /// Inputs of passes of 2–8 tokens prepared once by their residual step for the plain
     /// tensor-core matvecs after it (`prep_inputs` in kernels/matvec_mma.cu): hidden-wide rows.
     mma_prep: DevBuf,
     mma_counters: DevBuf,
