@@ -289,11 +289,16 @@ __device__ __forceinline__ float4 norm4(float4 v, float r, float4 w) {
 __device__ __forceinline__ float4 ld4(const float* p, u64 f) { return *(const float4*)(p + 4 * f); }
 __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 4 * f) = v; }
 
-// Float4s [x, y) of slice s of `slices` of a row of n4 float4s: whole 64-column chunks (16 float4s),
-// so a slice's prepared inputs (`prep_inputs`) are its own elements.
-__device__ __forceinline__ int2 norm_slice(int n4, int slices, int s) {
+// Chunks [x, y) of slice s of `slices` of a row of n4 float4s: whole 64-column chunks (16 float4s),
+// so a slice's prepared inputs (`prep_inputs`) are its own elements (the last chunk may be partial).
+__device__ __forceinline__ int2 slice_chunks(int n4, int slices, int s) {
   const int chunks = (n4 + 15) / 16, per = (chunks + slices - 1) / slices;
-  return make_int2(min(n4, s * per * 16), min(n4, (s + 1) * per * 16));
+  return make_int2(min(chunks, s * per), min(chunks, (s + 1) * per));
+}
+// The same slice's float4s [x, y).
+__device__ __forceinline__ int2 norm_slice(int n4, int slices, int s) {
+  const int2 c = slice_chunks(n4, slices, s);
+  return make_int2(min(n4, c.x * 16), min(n4, c.y * 16));
 }
 
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the

@@ -1005,15 +1005,15 @@ MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
                                                       parts, nblocks, ahead, partial, counters, nullptr, 0,     \
                                                       Residual{});                                              \
   }                                                                                                            \
-  /* `slices` blocks per token, each preparing its slice of the row (`norm_slice`); x' goes to x_out. */     \
+  /* `slices` blocks per token, each preparing its slice of the row (`slice_chunks`); x' goes to x_out. */ \
   extern "C" __global__ void __launch_bounds__(256) add_norm_prep##SUFFIX(                                     \
       float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale, float* a,             \
       const float* __restrict__ w2, int dim, float eps, unsigned char* prep, float* x_out, int slices) {       \
     add_norm_body<true>(blockIdx.x, x, o, w1, scale, a, w2, dim, eps, x_out, slices);                         \
     __syncthreads(); /* the block's slice of a (or x') is written */                                           \
-    const int j = blockIdx.x / slices, chunks = (dim + 63) / 64;                                               \
-    const int2 f = norm_slice(dim / 4, slices, blockIdx.x - j * slices);                                       \
-    if (f.x < f.y) prep_inputs<H, UPC>(prep, w2 ? a : x_out, j, dim, f.x / 16, f.y < dim / 4 ? f.y / 16 : chunks); \
+    const int j = blockIdx.x / slices;                                                                         \
+    const int2 c = slice_chunks(dim / 4, slices, blockIdx.x - j * slices);                                     \
+    prep_inputs<H, UPC>(prep, w2 ? a : x_out, j, dim, c.x, c.y);                                               \
   }
 MMA_PREP_ENTRY(matvec_q4t_4, _4, 1, 1)
 MMA_PREP_ENTRY(matvec_q4t_8, _8, 2, 1)

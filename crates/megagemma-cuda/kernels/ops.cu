@@ -2,14 +2,23 @@
 // updates, PLE inputs, MoE routing, KV commit, softcap + argmax. Activations are f32 [T, width].
 #include "common.cuh"
 
-// x[t] = embed[tokens[t]] · scale. One element per thread, ⌈cols / blockDim⌉ blocks per token (one
-// block walking the row was 5.5 µs of a step: `embed_blocks` on the host).
+// The token t and element c of this thread in a row gather over rows of `cols`: one element per
+// thread, ⌈cols / blockDim⌉ blocks per token (`embed_blocks` on the host).
+struct RowElement {
+  int t, c;
+};
+__device__ __forceinline__ RowElement row_element(int vb, int cols) {
+  const int per_token = (cols + blockDim.x - 1) / blockDim.x;
+  const int t = vb / per_token;
+  return RowElement{t, (vb - t * per_token) * (int)blockDim.x + (int)threadIdx.x};
+}
+
+// x[t] = embed[tokens[t]] · scale, a row gather (one block walking the row was 5.5 µs of a step).
 STAGE void embed_gather_body(const int vb, Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) {
   pdl_start();
-  const int per_token = (E.cols + blockDim.x - 1) / blockDim.x;
-  const int t = vb / per_token, c = (vb - t * per_token) * blockDim.x + threadIdx.x;
-  if (c >= E.cols) return;
-  x[(u64)t * E.cols + c] = __fmul_rn(mat_elem(E, tokens[t], c), scale);
+  const RowElement e = row_element(vb, E.cols);
+  if (e.c >= E.cols) return;
+  x[(u64)e.t * E.cols + e.c] = __fmul_rn(mat_elem(E, tokens[e.t], e.c), scale);
 }
 extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) { embed_gather_body(blockIdx.x, E, tokens, x, scale); }
 
@@ -83,17 +92,16 @@ STAGE void gelu_gate_body(const int vb, float* x, const float* __restrict__ gate
 extern "C" __global__ void gelu_gate(float* x, const float* __restrict__ gate, int n, int stride, int T) { gelu_gate_body(blockIdx.x, x, gate, n, stride, T); }
 
 // PLE inputs: c[t] = (c[t] + table[tokens[t]] · embed_scale) · input_scale, c already projected
-// and normed. One element per thread, ⌈cols / blockDim⌉ blocks per token: a token's row is all
-// layers' inputs (E2B 8,960 elements), and one block walking it took 18 µs of an E2B step (each
-// iteration's loads waited for the previous store, which may alias them).
+// and normed. A row gather (`row_element`): a token's row is all layers' inputs (E2B 8,960
+// elements), and one block walking it took 18 µs of an E2B step (each iteration's loads waited for
+// the previous store, which may alias them).
 STAGE void ple_combine_body(const int vb, float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
                                        float input_scale) {
   pdl_start();
-  const int per_token = (table.cols + blockDim.x - 1) / blockDim.x;
-  const int t = vb / per_token, i = (vb - t * per_token) * blockDim.x + threadIdx.x;
-  if (i >= table.cols) return;
-  const u64 row = tokens[t], j = (u64)t * table.cols + i;
-  c[j] = __fmul_rn(__fadd_rn(c[j], __fmul_rn(mat_elem(table, row, i), embed_scale)), input_scale);
+  const RowElement e = row_element(vb, table.cols);
+  if (e.c >= table.cols) return;
+  const u64 j = (u64)e.t * table.cols + e.c;
+  c[j] = __fmul_rn(__fadd_rn(c[j], __fmul_rn(mat_elem(table, tokens[e.t], e.c), embed_scale)), input_scale);
 }
 extern "C" __global__ void ple_combine(float* c, Mat table, const unsigned* __restrict__ tokens, float embed_scale,
                                        float input_scale) { ple_combine_body(blockIdx.x, c, table, tokens, embed_scale, input_scale); }

@@ -57,10 +57,13 @@ const PREP_SLICES: usize = 8;
 /// Blocks per row of the softcap + argmax pass.
 pub(crate) const ARGMAX_SPLIT: usize = 64;
 
-/// Blocks of 256 threads for a row gather of `t` tokens × `cols` elements, one element per thread
-/// (`embed_gather_body`, `ple_combine_body` in kernels/ops.cu).
+/// Threads per block of a row gather (`embed_gather`, `ple_combine`: one element per thread).
+pub(crate) const GATHER_THREADS: u32 = 256;
+
+/// Blocks of `GATHER_THREADS` for a row gather of `t` tokens × `cols` elements (`row_element` in
+/// kernels/ops.cu).
 pub(crate) fn embed_blocks(t: usize, cols: usize) -> u32 {
-    (t * cols.div_ceil(256)) as u32
+    (t * cols.div_ceil(GATHER_THREADS as usize)) as u32
 }
 
 /// A residual step not run yet (`add_norm`: `x = (x + norm(o)·w1)·scale`, then the next input
@@ -1652,7 +1655,7 @@ impl CudaSeq {
 
         // §2.1 embedding · sqrt(H).
         let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
-        self.gpu().launch("embed_gather", embed_blocks(t, h), 256, 0, &args)?;
+        self.gpu().launch("embed_gather", embed_blocks(t, h), GATHER_THREADS, 0, &args)?;
 
         // §2.2 per-layer inputs [T, L·P].
         if let Some(ple) = &w.ple {
@@ -1674,7 +1677,7 @@ impl CudaSeq {
                 Arg::F32(embed_scale),
                 Arg::F32(input_scale),
             ];
-            self.gpu().launch("ple_combine", embed_blocks(t, lpw), 256, 0, &args)?;
+            self.gpu().launch("ple_combine", embed_blocks(t, lpw), GATHER_THREADS, 0, &args)?;
         }
 
         // Each layer starts with `a` = its input norm of `x` (or that step pending) and ends with
