@@ -12,10 +12,7 @@ BIN=${1:?usage: tools/ncu_decode.sh BIN_DIR [MODEL] [SKIP] [COUNT]}
 MODEL=${2:-e4b}
 SKIP=${3:-300}
 COUNT=${4:-260}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-[ -n "$NCU" ] || { echo "tools/ncu_decode.sh: ncu not found" >&2; exit 2; }
+. "$(dirname "$0")/ncu_env.sh"
 csv=$(mktemp)
 MEGAGEMMA_CUDA_GRAPHS=0 "$NCU" --clock-control none --csv --print-units base \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \

@@ -18,10 +18,7 @@ MODEL=${3:-e4b}
 SKIP=${4:-300}
 COUNT=${5:-6}
 HERE=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-[ -n "$NCU" ] || { echo "tools/ncu_source.sh: ncu not found" >&2; exit 2; }
+. "$(dirname "$0")/ncu_env.sh"
 export NVDISASM=${NVDISASM:-$(command -v nvdisasm || ls /usr/local/cuda*/bin/nvdisasm 2>/dev/null | head -1)}
 mkdir -p "$OUT/cubins"
 MEGAGEMMA_CUDA_GRAPHS=0 "$NCU" --clock-control none --set none --section SourceCounters --section WarpStateStats \

@@ -14,10 +14,7 @@ set -uo pipefail
 BIN=${1:?usage: tools/ncu_step.sh BIN_DIR [MODEL] [COUNT]}
 MODEL=${2:-e4b}
 COUNT=${3:-2000}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
-NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-[ -n "$NCU" ] || { echo "tools/ncu_step.sh: ncu not found" >&2; exit 2; }
+. "$(dirname "$0")/ncu_env.sh"
 csv=$(mktemp)
 MEGAGEMMA_CUDA_GRAPHS=0 MEGAGEMMA_CUDA_PIPELINE=0 "$NCU" --clock-control none --cache-control none --csv \
   --print-units base --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size \
