@@ -350,7 +350,7 @@ fn verify_cost(name: &str, cols: usize) -> Result<bool> {
     report("decode step", t.elapsed().as_secs_f64());
     // The same step's graph replayed back to back (no host round trip between steps); with
     // MEGAGEMMA_CUDA_GRAPHS=0 (the per-kernel profile) there is no graph to replay.
-    if std::env::var("MEGAGEMMA_CUDA_GRAPHS").map_or(true, |v| v != "0") {
+    if seq.uses_graphs() {
         let t = Instant::now();
         seq.replay_last_step(PASSES)?;
         report("decode step replayed back to back", t.elapsed().as_secs_f64());

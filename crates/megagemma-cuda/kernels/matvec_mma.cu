@@ -348,16 +348,16 @@ __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned
   float4* sdst = (float4*)xs;
   for (int base = threadIdx.x; base < total; base += COPY_LOADS * blockDim.x) {
     uint4 v[COPY_LOADS];
+    bool live_word[COPY_LOADS];  // inside the slice and in a live token pair
 #pragma unroll
     for (int r = 0; r < COPY_LOADS; r++) {
       const int i = base + r * blockDim.x;
-      if (i < total && (i & (64 * H - 1)) < live) v[r] = __ldcg(src + i);
+      live_word[r] = i < total && (i & (64 * H - 1)) < live;
+      if (live_word[r]) v[r] = __ldcg(src + i);
     }
 #pragma unroll
-    for (int r = 0; r < COPY_LOADS; r++) {
-      const int i = base + r * blockDim.x;
-      if (i < total && (i & (64 * H - 1)) < live) xf[i] = v[r];
-    }
+    for (int r = 0; r < COPY_LOADS; r++)
+      if (live_word[r]) xf[base + r * blockDim.x] = v[r];
   }
   for (int i = threadIdx.x; i < n * MMA_XS_FLOATS(H, UPC) / 4; i += blockDim.x) sdst[i] = __ldcg(ssrc + i);
 }

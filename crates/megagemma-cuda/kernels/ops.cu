@@ -3,7 +3,7 @@
 #include "common.cuh"
 
 // The token t and element c of this thread in a row gather over rows of `cols`: one element per
-// thread, ⌈cols / blockDim⌉ blocks per token (`embed_blocks` on the host).
+// thread, ⌈cols / blockDim⌉ blocks per token (`gather_blocks` on the host).
 struct RowElement {
   int t, c;
 };

@@ -10,7 +10,7 @@
 use crate::device::{Arg, DevBuf, DevMat};
 use crate::model::CudaModel;
 use crate::seq::{
-    embed_blocks, f32s, AttColumnDesc, AttIo, AttentionNorms, CudaSeq, Gate, KvView, ARGMAX_SPLIT, ATT_MAX_SPLITS,
+    f32s, gather_blocks, AttColumnDesc, AttIo, AttentionNorms, CudaSeq, Gate, KvView, ARGMAX_SPLIT, ATT_MAX_SPLITS,
     GATHER_THREADS,
 };
 use crate::synthetic::{random_layer, SYNTHETIC_GROUP};
@@ -403,7 +403,7 @@ impl CudaSeq {
         let ids = |i: usize| s.round.at(RoundInputs::IDS + 4 * i);
         let args =
             [Arg::Mat(self.model.weights().embed), Arg::Ptr(ids(j)), Arg::Ptr(s.z.ptr), Arg::F32(plan.embed_scale)];
-        gpu.launch("embed_gather", embed_blocks(1, plan.hidden), GATHER_THREADS, 0, &args)?;
+        gpu.launch("embed_gather", gather_blocks(1, plan.hidden), GATHER_THREADS, 0, &args)?;
         let g = if j == 0 { self.hidden.ptr } else { s.next.ptr };
         let z_hidden = s.z.ptr + f32s(hb) as u64;
         self.elementwise("copy", hb, &[Arg::Ptr(z_hidden), Arg::Ptr(g), Arg::U64(hb as u64)])?;

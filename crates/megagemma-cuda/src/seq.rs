@@ -62,7 +62,7 @@ pub(crate) const GATHER_THREADS: u32 = 256;
 
 /// Blocks of `GATHER_THREADS` for a row gather of `t` tokens × `cols` elements (`row_element` in
 /// kernels/ops.cu).
-pub(crate) fn embed_blocks(t: usize, cols: usize) -> u32 {
+pub(crate) fn gather_blocks(t: usize, cols: usize) -> u32 {
     (t * cols.div_ceil(GATHER_THREADS as usize)) as u32
 }
 
@@ -700,7 +700,7 @@ impl CudaSeq {
     }
 
     /// Whether passes replay captured CUDA graphs.
-    pub(crate) fn uses_graphs(&self) -> bool {
+    pub fn uses_graphs(&self) -> bool {
         self.use_graphs
     }
 
@@ -1655,7 +1655,7 @@ impl CudaSeq {
 
         // §2.1 embedding · sqrt(H).
         let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
-        self.gpu().launch("embed_gather", embed_blocks(t, h), GATHER_THREADS, 0, &args)?;
+        self.gpu().launch("embed_gather", gather_blocks(t, h), GATHER_THREADS, 0, &args)?;
 
         // §2.2 per-layer inputs [T, L·P].
         if let Some(ple) = &w.ple {
@@ -1677,7 +1677,7 @@ impl CudaSeq {
                 Arg::F32(embed_scale),
                 Arg::F32(input_scale),
             ];
-            self.gpu().launch("ple_combine", embed_blocks(t, lpw), GATHER_THREADS, 0, &args)?;
+            self.gpu().launch("ple_combine", gather_blocks(t, lpw), GATHER_THREADS, 0, &args)?;
         }
 
         // Each layer starts with `a` = its input norm of `x` (or that step pending) and ends with
