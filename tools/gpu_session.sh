@@ -15,7 +15,8 @@
 #     synccheck, memcheck) over a few megakernel steps of one fixture. The real Gemma 3 270M GGUF
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B with
-#     four sequences stepped together (--batch 4); E4B at an
+#     four sequences stepped together (--batch 4); E4B sampled (temperature 1, top-k 64 from the
+#     device's candidates against top-k 65 from whole rows); E4B at an
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
@@ -171,6 +172,11 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --batch 4 2>&1 | tee "$OUT/bench_e4b_batch4.log" || fail=1
+# Sampled decoding (temperature 1, top-p 0.95): top-k 64 takes the device's candidates, 65 whole rows.
+for k in 64 65; do
+  timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --temperature 1 \
+    --top-k $k 2>&1 | tee "$OUT/bench_e4b_sampled_k$k.log" || fail=1
+done
 if [ -z "${QUICK:-}" ]; then
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1
 # Prefill of a 2048-token prompt (long passes on cuBLAS), and the prefill path against the matvecs
@@ -220,7 +226,7 @@ timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtu
     [ -f "$f" ] && echo "compute-sanitizer $tool: $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f")"
   done
   for f in "$OUT"/bench_*.log; do
-    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch) ' "$f" | tr -s ' ' | paste -sd ';')"
+    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch|sampled) ' "$f" | tr -s ' ' | paste -sd ';')"
   done
   echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
 } | tee "$OUT/summary.txt"

@@ -376,6 +376,30 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
 }
 
 // GELU, tanh approximation, in the CPU reference's operation order.
+// Sorts `size` (a power of two) 64-bit keys in shared memory into descending order, in place.
+// Called by every thread of the block; ends with a barrier.
+__device__ __forceinline__ void bitonic_sort_desc(u64* key, int size) {
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < size; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const u64 a = key[i], b = key[p];
+          if (((i & k) == 0) == (a < b)) key[i] = b, key[p] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// A float's place in `f32::total_cmp`'s order as an unsigned integer (−NaN < −∞ < … < −0 < +0 <
+// … < +∞ < +NaN).
+__device__ __forceinline__ unsigned total_order(float v) {
+  const unsigned u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float k = 0.7978846f;
   float inner = __fmul_rn(k, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));

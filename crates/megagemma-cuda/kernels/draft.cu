@@ -23,27 +23,11 @@ extern "C" __global__ void centroid_candidates(const float* __restrict__ logits,
   while (size < n) size <<= 1;
   for (int i = threadIdx.x; i < size; i += blockDim.x) {
     u64 k = 0;  // padding sorts last
-    if (i < n) {
-      const unsigned u = __float_as_uint(logits[i]);
-      const unsigned ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-      k = ((u64)ordered << 32) | (unsigned)(n - 1 - i);
-    }
+    if (i < n) k = ((u64)total_order(logits[i]) << 32) | (unsigned)(n - 1 - i);
     key[i] = k;
   }
   __syncthreads();
-  // Descending bitonic sort of `size` keys.
-  for (int k = 2; k <= size; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < size; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const u64 a = key[i], b = key[p];
-          if (((i & k) == 0) == (a < b)) key[i] = b, key[p] = a;
-        }
-      }
-      __syncthreads();
-    }
-  }
+  bitonic_sort_desc(key, size);
   for (int i = threadIdx.x; i < top_k * per; i += blockDim.x) {
     const int r = i / per, m = i - r * per;
     const int c = n - 1 - (int)(unsigned)(key[r] & 0xffffffffu);

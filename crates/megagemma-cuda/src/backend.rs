@@ -4,11 +4,14 @@
 //! `InvalidInput` or `Capacity` error and never leaves a sequence half-updated. Greedy calls read
 //! back only the argmax (4 bytes per position); logits cross to the host only when asked for.
 
+use crate::candidates::candidates_on_device;
 use crate::draft::CudaAssistant;
 use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
 use megagemma_model::assistant::AssistantModel;
-use megagemma_model::backend::{check_pass, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want};
+use megagemma_model::backend::{
+    check_pass, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
+};
 use megagemma_model::cpu::ops::softmax;
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
@@ -106,8 +109,9 @@ impl CudaBackend {
     /// paths).
     fn step_batched(&mut self, chunk: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
         let before = self.model.launches();
+        let logits = self.needs_logits(want);
         let outs = if let [(seq, tok)] = *chunk {
-            vec![self.seq_mut(seq)?.step(tok, needs_logits(want))?]
+            vec![self.seq_mut(seq)?.step(tok, logits)?]
         } else {
             // The sequences leave the map for the pass and all come back, whatever it returns.
             let mut taken: Vec<(SeqId, CudaSeq)> =
@@ -116,7 +120,7 @@ impl CudaBackend {
             let ran = match taken.split_first_mut() {
                 Some((first, rest)) if rest.len() + 1 == chunk.len() => {
                     let mut others: Vec<&mut CudaSeq> = rest.iter_mut().map(|(_, s)| s).collect();
-                    first.1.step_batch(&mut others, &tokens, needs_logits(want))
+                    first.1.step_batch(&mut others, &tokens, logits)
                 }
                 _ => Err(Error::invalid_input("unknown sequence in a batched step".to_string())),
             };
@@ -126,10 +130,35 @@ impl CudaBackend {
         self.step_launches += self.model.launches() - before;
         self.step_tokens += chunk.len() as u64;
         self.stats.passes += 1;
-        Ok(outs.into_iter().map(|o| self.host_output(o, want)).collect())
+        // The pass's rows are in its first sequence's scratch.
+        self.host_outputs(chunk[0].0, outs, want)
     }
 
-    fn host_output(&mut self, o: crate::seq::PosOut, want: Want) -> PosOut {
+    /// Whether a pass must copy whole logits rows: for every want but the argmax and the
+    /// candidates the device selects.
+    fn needs_logits(&self, want: Want) -> bool {
+        match want {
+            Want::Argmax => false,
+            Want::Candidates(k) => !candidates_on_device(self.model.plan().vocab_size, k),
+            _ => true,
+        }
+    }
+
+    /// The outputs of the pass `seq` (its first sequence) just ran, as `want` asks: candidates are
+    /// selected on the device from the rows still in its scratch.
+    fn host_outputs(&mut self, seq: SeqId, outs: Vec<crate::seq::PosOut>, want: Want) -> Result<Vec<PosOut>> {
+        let mut cands = match want {
+            Want::Candidates(k) if !self.needs_logits(want) => {
+                let s = self.seqs.get(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
+                s.candidates(outs.len(), k)?.unwrap_or_default()
+            }
+            _ => vec![],
+        }
+        .into_iter();
+        Ok(outs.into_iter().map(|o| self.host_output(o, want, cands.next().unwrap_or_default())).collect())
+    }
+
+    fn host_output(&mut self, o: crate::seq::PosOut, want: Want, candidates: Vec<(u32, f32)>) -> PosOut {
         match (want, o.logits) {
             (Want::Logits, Some(l)) => {
                 self.stats.logits_copies += 1;
@@ -138,13 +167,15 @@ impl CudaBackend {
             (Want::TopLogprobs(n), Some(l)) => {
                 PosOut { argmax: o.argmax, top_logprobs: top_logprobs(&l, n), ..Default::default() }
             }
+            // A k the device selection does not serve: from the copied row.
+            (Want::Candidates(k), Some(l)) => {
+                self.stats.logits_copies += 1;
+                PosOut { argmax: o.argmax, candidates: top_candidates(&l, k), ..Default::default() }
+            }
+            (Want::Candidates(_), None) => PosOut { argmax: o.argmax, candidates, ..Default::default() },
             _ => PosOut { argmax: o.argmax, ..Default::default() },
         }
     }
-}
-
-fn needs_logits(want: Want) -> bool {
-    want != Want::Argmax
 }
 
 impl Backend for CudaBackend {
@@ -213,9 +244,11 @@ impl Backend for CudaBackend {
         self.check(seq, tokens)?;
         let s = self.seq_mut(seq)?;
         let chunk = s.prefill_chunk();
-        let o = s.prefill(tokens, needs_logits(want))?;
+        let logits = self.needs_logits(want);
+        let s = self.seq_mut(seq)?;
+        let o = s.prefill(tokens, logits)?;
         self.stats.passes += tokens.len().div_ceil(chunk) as u64;
-        Ok(self.host_output(o, want))
+        Ok(self.host_outputs(seq, vec![o], want)?.pop().unwrap_or_default())
     }
 
     fn step(&mut self, batch: &[(SeqId, u32)], want: Want) -> Result<Vec<PosOut>> {
@@ -264,9 +297,10 @@ impl Backend for CudaBackend {
         if tokens.len() > MAX_VERIFY {
             return Err(Error::capacity(format!("verify of {} tokens: at most {MAX_VERIFY} per pass", tokens.len())));
         }
-        let outs = self.seq_mut(seq)?.forward(tokens, SeqWant { all_positions: true, logits: needs_logits(want) })?;
+        let logits = self.needs_logits(want);
+        let outs = self.seq_mut(seq)?.forward(tokens, SeqWant { all_positions: true, logits })?;
         self.stats.passes += 1;
-        Ok(outs.into_iter().map(|o| self.host_output(o, want)).collect())
+        self.host_outputs(seq, outs, want)
     }
 
     fn commit(&mut self, seq: SeqId, accepted: usize) -> Result<()> {

@@ -573,3 +573,89 @@ pub fn drafts_match(
     r.acceptance = accepted as f64 / drafted.max(1) as f64;
     Ok(r)
 }
+
+/// The device's candidate selection (`CudaSeq::candidates`, `Want::Candidates`) against
+/// `top_candidates` on the same rows, in every way a backend hands candidates out: prefill,
+/// graph and megakernel decode steps, a batched step and a verify pass of `cm` from `prompt`,
+/// each against the logits of the same pass asked for whole; then crafted rows (ties, ±0, NaN,
+/// ±∞, fewer finite logits than k) written into a sequence's logits. Returns the first mismatch.
+pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> std::result::Result<usize, String> {
+    use megagemma_model::backend::{top_candidates, Backend, SeqId, Want as BWant};
+    let err = |e: Error| e.to_string();
+    let mut compared = 0;
+    let mut same = |what: &str, whole: &megagemma_model::backend::PosOut, got: &megagemma_model::backend::PosOut| {
+        let want = top_candidates(&whole.logits, k);
+        compared += 1;
+        if got.candidates != want || got.argmax != whole.argmax {
+            return Err(format!(
+                "{what}: device {:?} / argmax {}, host {:?} / argmax {}",
+                got.candidates, got.argmax, want, whole.argmax
+            ));
+        }
+        Ok(())
+    };
+    for decode in [Decode::Graph, Decode::Megakernel] {
+        let mut b = crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 16)).with_decode(decode);
+        let (x, y) = (b.new_sequence().map_err(err)?, b.new_sequence().map_err(err)?);
+        let (px, py) = (
+            b.prefill(x, prompt, BWant::Logits).map_err(err)?,
+            b.prefill(y, prompt, BWant::Candidates(k)).map_err(err)?,
+        );
+        same("prefill", &px, &py)?;
+        let mut tok = px.argmax;
+        for i in 0..4 {
+            let ox = b.step(&[(x, tok)], BWant::Logits).map_err(err)?.remove(0);
+            let oy = b.step(&[(y, tok)], BWant::Candidates(k)).map_err(err)?.remove(0);
+            same(&format!("{decode:?} step {i}"), &ox, &oy)?;
+            tok = ox.argmax;
+        }
+        if decode == Decode::Graph {
+            // A batched step: the rows of both sequences from the first one's scratch.
+            let z = b.fork(x).map_err(err)?;
+            let both: Vec<(SeqId, u32)> = vec![(y, tok), (z, tok)];
+            let whole = b.step(&[(x, tok)], BWant::Logits).map_err(err)?.remove(0);
+            for (i, o) in b.step(&both, BWant::Candidates(k)).map_err(err)?.iter().enumerate() {
+                same(&format!("batched column {i}"), &whole, o)?;
+            }
+            let block = [whole.argmax, 1, 2];
+            let vx = b.verify(x, &block, BWant::Logits).map_err(err)?;
+            let vy = b.verify(y, &block, BWant::Candidates(k)).map_err(err)?;
+            for (i, (ox, oy)) in vx.iter().zip(&vy).enumerate() {
+                same(&format!("verify column {i}"), ox, oy)?;
+            }
+        }
+    }
+    // Crafted rows in a sequence's logits rows.
+    let vocab = cm.plan.vocab_size;
+    let seq = CudaSeq::new(cm, 8).map_err(err)?;
+    let mut rows: Vec<Vec<f32>> = vec![];
+    let mut r: Vec<f32> = (0..vocab).map(|i| ((i * 7919) % 13) as f32 * 0.25 - 1.0).collect(); // many ties
+    rows.push(r.clone());
+    r.iter_mut().enumerate().for_each(|(i, v)| {
+        *v = match i % 5 {
+            0 => f32::NAN,
+            1 => f32::NEG_INFINITY,
+            2 => 0.0,
+            3 => -0.0,
+            _ => -1e-30,
+        }
+    });
+    rows.push(r.clone());
+    let mut sparse = vec![f32::NEG_INFINITY; vocab];
+    sparse[vocab / 2] = 2.0;
+    sparse[vocab - 1] = f32::INFINITY;
+    sparse[1] = f32::INFINITY;
+    rows.push(sparse);
+    let flat: Vec<f32> = rows.concat();
+    cm.gpu.upload(seq.s.logits.ptr, &flat).map_err(err)?;
+    let got = seq.candidates(rows.len(), k).map_err(err)?.ok_or("no device selection for this vocabulary")?;
+    for (i, (row, g)) in rows.iter().zip(&got).enumerate() {
+        let want = top_candidates(row, k);
+        compared += 1;
+        let bits = |c: &[(u32, f32)]| c.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+        if bits(g) != bits(&want) {
+            return Err(format!("crafted row {i}: device {g:?}, host {want:?}"));
+        }
+    }
+    Ok(compared)
+}

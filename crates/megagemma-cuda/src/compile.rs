@@ -7,7 +7,7 @@ use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
 
 /// `(file name, embedded source)` of every kernel file.
-pub const KERNEL_FILES: [(&str, &str); 8] = [
+pub const KERNEL_FILES: [(&str, &str); 9] = [
     ("matvec.cu", include_str!("../kernels/matvec.cu")),
     ("matvec_mma.cu", include_str!("../kernels/matvec_mma.cu")),
     ("ops.cu", include_str!("../kernels/ops.cu")),
@@ -15,6 +15,7 @@ pub const KERNEL_FILES: [(&str, &str); 8] = [
     ("prefill.cu", include_str!("../kernels/prefill.cu")),
     ("synth.cu", include_str!("../kernels/synth.cu")),
     ("draft.cu", include_str!("../kernels/draft.cu")),
+    ("sample.cu", include_str!("../kernels/sample.cu")),
     ("megakernel.cu", include_str!("../kernels/megakernel.cu")),
 ];
 const COMMON: &str = include_str!("../kernels/common.cuh");

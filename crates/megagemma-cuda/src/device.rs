@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Every kernel entry point, by file.
-const FUNCTIONS: [(&str, &[&str]); 7] = [
+const FUNCTIONS: [(&str, &[&str]); 8] = [
     ("matvec.cu", &["matvec", "matvec_q4", "matvec_q4_gated", "matvec_experts"]),
     ("matvec_mma.cu", &MMA_KERNELS),
     (
@@ -46,6 +46,7 @@ const FUNCTIONS: [(&str, &[&str]); 7] = [
     ),
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
     ("draft.cu", &["centroid_candidates", "rows_dot", "argmax_ids"]),
+    ("sample.cu", &["top_candidates_blocks", "top_candidates_merge"]),
 ];
 
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of

@@ -48,6 +48,7 @@
 //! goes, with `tools/mk_trace.py`).
 
 pub mod backend;
+mod candidates;
 mod capture;
 pub mod check;
 pub mod compile;
@@ -64,6 +65,7 @@ pub mod tiled;
 pub mod weights;
 
 pub use backend::CudaBackend;
+pub use candidates::MAX_CANDIDATES;
 pub use long_pass::{FEW_TOKENS, LONG_PASS_TOKENS};
 pub use megakernel::{MkKindTime, MkTrace, MK_KERNELS};
 pub use model::CudaModel;

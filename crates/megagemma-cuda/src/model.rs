@@ -1,5 +1,6 @@
 //! [`CudaModel`]: the device, the layer plan and the uploaded weights, shared by sequences.
 
+use crate::candidates::CandidateKeys;
 use crate::device::{Arg, Gpu};
 use crate::long_pass::Workspace;
 use crate::synthetic::{place_synthetic, synthetic_config, synthetic_decode_bytes};
@@ -16,6 +17,8 @@ pub struct CudaModel {
     label: String,
     /// Scratch of long passes (prefill chunks), shared by the sequences.
     pub(crate) work: Workspace,
+    /// Scratch of the device's candidate selection (`CudaSeq::candidates`), shared likewise.
+    pub(crate) cand_keys: CandidateKeys,
 }
 
 impl CudaModel {
@@ -36,6 +39,7 @@ impl CudaModel {
             decode_bytes,
             label: model.config.architecture.clone(),
             work: Workspace::default(),
+            cand_keys: CandidateKeys::default(),
         }))
     }
 
@@ -51,7 +55,8 @@ impl CudaModel {
         let up = place_all(&gpu, |p| place_synthetic(p, &plan))?;
         let decode_bytes = synthetic_decode_bytes(&plan);
         let label = format!("synthetic {name} {quant}");
-        Ok(Arc::new(CudaModel { gpu, plan, up, decode_bytes, label, work: Workspace::default() }))
+        let (work, cand_keys) = (Workspace::default(), CandidateKeys::default());
+        Ok(Arc::new(CudaModel { gpu, plan, up, decode_bytes, label, work, cand_keys }))
     }
 
     pub fn plan(&self) -> &ModelPlan {

@@ -225,7 +225,7 @@ pub(crate) struct Scratch {
     u: DevBuf,
     pli: DevBuf,
     pg: DevBuf,
-    logits: DevBuf,
+    pub(crate) logits: DevBuf,
     ids: DevBuf,
     /// With `keep_hidden`: the final-normed hidden states of the positions whose logits the last
     /// pass computed (`[rows, hidden]`), for the MTP drafter.
@@ -423,7 +423,7 @@ pub struct CudaSeq {
     /// copies every layer's accepted rows.
     kv_table: DevBuf,
     kv_layers: usize,
-    s: Scratch,
+    pub(crate) s: Scratch,
     /// Single-token passes replay a captured CUDA graph (all their kernels in one launch).
     use_graphs: bool,
     /// The single-token pass as a graph, without and with the commit of its K/V row (`[plain,

@@ -42,6 +42,13 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// How many of the highest logits top-k sampling needs in place of the whole row
+    /// ([`Sampler::sample_candidates`]): the top-k when it keeps at least two tokens (with one,
+    /// or without a top-k, the choice needs the argmax or the whole distribution).
+    pub fn candidates_needed(&self) -> Option<usize> {
+        (!self.is_greedy() && self.top_k >= 2).then_some(self.top_k)
+    }
+
     pub fn validate(&self) -> Result<(), SamplingError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(SamplingError::InvalidTemperature(self.temperature));
@@ -115,6 +122,30 @@ impl Sampler {
         }
     }
 
+    /// [`SamplingParams::candidates_needed`] of this sampler's parameters.
+    pub fn candidates_needed(&self) -> Option<usize> {
+        self.params.candidates_needed()
+    }
+
+    /// `sample` from the row's highest logits alone: `candidates` is
+    /// `megagemma_model::backend::top_candidates(logits, k)` for some k ≥ `candidates_needed()`.
+    /// Top-k keeps only those, in that order, so the token drawn — and the seeded stream after it —
+    /// is the one `sample` would draw from the whole row.
+    pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<u32, SamplingError> {
+        let k = self.candidates_needed().expect("candidates sample top-k sampling only");
+        debug_assert!(candidates.windows(2).all(|w| by_logit_desc(&w[0], &w[1]).is_le()));
+        // The first candidate is the row's argmax (no NaN or −∞ is listed; ±0 ties differ only
+        // in the sign of a zero, which changes no weight). None at all: every logit was NaN or −∞.
+        let &(best, best_logit) = candidates.first().ok_or(SamplingError::NoFiniteLogits)?;
+        if best_logit == f32::INFINITY {
+            return Ok(best);
+        }
+        self.candidates.clear();
+        self.candidates.extend_from_slice(&candidates[..k.min(candidates.len())]);
+        self.filter_candidates(best_logit);
+        Ok(self.draw())
+    }
+
     /// The distribution `sample` draws from, after temperature, top-k, top-p and min-p:
     /// `(token, probability)` pairs summing to 1 (one pair when the choice is deterministic).
     /// Speculative sampling compares the target's and the drafter's distributions through this.
@@ -143,13 +174,19 @@ impl Sampler {
         }
         self.collect_candidates(logits);
         self.apply_top_k();
+        self.filter_candidates(best_logit);
+        Ok(None)
+    }
+
+    /// The transforms after top-k, on the scratch candidates: their weights at the temperature
+    /// (`best_logit` the row's largest), top-p, min-p.
+    fn filter_candidates(&mut self, best_logit: f32) {
         if self.params.top_p < 1.0 {
             self.candidates.sort_unstable_by(by_logit_desc);
         }
         self.compute_weights(best_logit);
         self.apply_top_p();
         self.apply_min_p();
-        Ok(None)
     }
 
     /// A uniform draw in [0, 1) from the sampler's seeded stream.

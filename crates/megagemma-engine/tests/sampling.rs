@@ -138,6 +138,64 @@ fn filters_apply_to_large_vocabularies() {
     }
 }
 
+/// Top-k sampling from the row's highest logits alone (what a backend hands back for
+/// `Want::Candidates`) draws the tokens sampling from the whole row draws, seed for seed: ties
+/// (lower token first), ±0, NaN, ±∞ and rows with fewer finite logits than k included.
+#[test]
+fn top_k_from_candidates_equals_top_k_from_the_row() {
+    use megagemma_model::backend::top_candidates;
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut rows: Vec<Vec<f32>> = (0..24).map(|_| random_logits(&mut rng, 3000)).collect();
+    // Coarse values: many exact ties across the top.
+    rows.push((0..3000).map(|i| ((i * 7919) % 13) as f32 * 0.5).collect());
+    let mut odd = random_logits(&mut rng, 500);
+    odd[3] = f32::NAN;
+    odd[10] = f32::NEG_INFINITY;
+    odd[11] = 0.0;
+    odd[12] = -0.0;
+    odd[40] = 9.999;
+    odd[41] = 9.999;
+    rows.push(odd);
+    let mut sparse = vec![f32::NEG_INFINITY; 100];
+    sparse[5] = 1.0;
+    sparse[50] = 1.0;
+    sparse[60] = f32::NAN;
+    sparse[70] = -2.0;
+    rows.push(sparse);
+    let mut inf = random_logits(&mut rng, 200);
+    inf[30] = f32::INFINITY;
+    inf[31] = f32::INFINITY;
+    rows.push(inf);
+    let settings =
+        [(1.0, 2, 1.0, 0.0), (0.7, 40, 0.95, 0.0), (1.3, 64, 0.9, 0.05), (1.0, 64, 1.0, 0.1), (0.5, 8, 0.5, 0.0)];
+    for (r, row) in rows.iter().enumerate() {
+        for (s, &(t, k, p, m)) in settings.iter().enumerate() {
+            let seed = (r * 31 + s) as u64;
+            let mut whole = Sampler::new(params(t, k, p, m, seed)).unwrap();
+            let mut cands = Sampler::new(params(t, k, p, m, seed)).unwrap();
+            assert_eq!(cands.candidates_needed(), Some(k));
+            // A backend may return more than k: its first k are the same.
+            let list = top_candidates(row, k + 3);
+            for draw in 0..50 {
+                let a = whole.sample(row).unwrap();
+                let b = cands.sample_candidates(&list).unwrap();
+                assert_eq!(a, b, "row {r}, setting {s}, draw {draw}");
+            }
+        }
+    }
+    // Nothing finite: the same error either way.
+    let dead = [f32::NAN, f32::NEG_INFINITY];
+    let mut whole = Sampler::new(params(1.0, 4, 1.0, 0.0, 1)).unwrap();
+    let mut cands = Sampler::new(params(1.0, 4, 1.0, 0.0, 1)).unwrap();
+    assert!(top_candidates(&dead, 4).is_empty());
+    assert_eq!(whole.sample(&dead), Err(SamplingError::NoFiniteLogits));
+    assert_eq!(cands.sample_candidates(&top_candidates(&dead, 4)), Err(SamplingError::NoFiniteLogits));
+    // Greedy, top-k 1 and no top-k need more than candidates.
+    for p in [SamplingParams::greedy(), params(1.0, 1, 1.0, 0.0, 1), params(1.0, 0, 0.9, 0.0, 1)] {
+        assert_eq!(Sampler::new(p).unwrap().candidates_needed(), None);
+    }
+}
+
 #[test]
 fn invalid_params_are_rejected() {
     let bad = [

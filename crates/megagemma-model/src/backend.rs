@@ -32,6 +32,9 @@ pub enum Want {
     Logits,
     /// The argmax and the `n` most likely tokens with their log-probabilities.
     TopLogprobs(usize),
+    /// The argmax and the `k` highest logits with their tokens ([`top_candidates`]): what top-k
+    /// sampling needs, without a vocab-sized copy (the CUDA backend selects them on the device).
+    Candidates(usize),
 }
 
 /// Output of one position.
@@ -43,6 +46,8 @@ pub struct PosOut {
     pub logits: Vec<f32>,
     /// `(token, log-probability)`, most likely first — only for [`Want::TopLogprobs`], else empty.
     pub top_logprobs: Vec<(u32, f32)>,
+    /// `(token, logit)`, highest first — only for [`Want::Candidates`], else empty.
+    pub candidates: Vec<(u32, f32)>,
 }
 
 /// The drafter's proposal: `ids[i]` is its argmax at draft step `i`; `probs[i]` its full
@@ -202,6 +207,26 @@ pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     idx.into_iter().map(|i| (i, (logits[i as usize] as f64 - log_z) as f32)).collect()
 }
 
+/// The `k` highest logits as `(token, logit)`, highest first, by `f32::total_cmp` and then the lower
+/// token (the order top-k sampling sorts its candidates in); NaN and −∞ are never listed, so fewer
+/// than `k` come back when fewer logits are finite or +∞. A backend that selects them elsewhere
+/// must return exactly this list.
+pub fn top_candidates(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut c: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY)
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if k > 0 && k < c.len() {
+        c.select_nth_unstable_by(k - 1, by_logit);
+    }
+    c.truncate(k);
+    c.sort_unstable_by(by_logit);
+    c
+}
+
 /// A [`PosOut`] for one logits row, as `want` asks.
 pub fn pos_out(logits: &[f32], want: Want) -> PosOut {
     let argmax = crate::cpu::ops::argmax(logits);
@@ -209,5 +234,6 @@ pub fn pos_out(logits: &[f32], want: Want) -> PosOut {
         Want::Argmax => PosOut { argmax, ..Default::default() },
         Want::Logits => PosOut { argmax, logits: logits.to_vec(), ..Default::default() },
         Want::TopLogprobs(n) => PosOut { argmax, top_logprobs: top_logprobs(logits, n), ..Default::default() },
+        Want::Candidates(k) => PosOut { argmax, candidates: top_candidates(logits, k), ..Default::default() },
     }
 }

@@ -11,6 +11,7 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::PrefixCache;
 use crate::request::GenSpec;
 use crate::stop_text::StopText;
+use megagemma_engine::generate::decode::want_for;
 use megagemma_engine::generate::speculate::{Drafter, LookupDrafter, MtpDrafter};
 use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_engine::thoughts::{Part, ThoughtSplitter};
@@ -313,7 +314,7 @@ impl Scheduler {
         let n = rest.min(budget).max(1);
         let last = n == rest;
         // Only the last chunk's output is used: earlier ones ask for no logits.
-        let want = if last { want_for(&p.job.spec) } else { Want::Argmax };
+        let want = if last { want_for_spec(&p.job.spec) } else { Want::Argmax };
         self.metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
         match self.backend.prefill(p.seq, &p.job.prompt[p.done..p.done + n], want) {
             Ok(out) if last => {
@@ -386,13 +387,13 @@ impl Scheduler {
     /// One token for every active sequence, in one weight pass (several for a lone greedy
     /// sequence whose drafts are accepted).
     fn step(&mut self) {
-        if self.drafter.is_some() && self.active.len() == 1 && !self.active[0].needs_logits() && self.speculate() {
+        if self.drafter.is_some() && self.active.len() == 1 && self.active[0].greedy() && self.speculate() {
             return;
         }
         if self.decode_alone() {
             return;
         }
-        let want = if self.active.iter().any(Choice::needs_logits) { Want::Logits } else { Want::Argmax };
+        let want = want_of_all(&self.active);
         let batch: Vec<(SeqId, u32)> = self.active.iter().map(|c| (c.seq, c.next)).collect();
         for c in &mut self.active {
             c.tokens.push(c.next);
@@ -424,7 +425,7 @@ impl Scheduler {
     /// before. False when the scheduler should step normally.
     fn decode_alone(&mut self) -> bool {
         let alone = self.active.len() == 1 && self.waiting.is_empty() && self.prefilling.is_empty();
-        if !alone || self.drafter.is_some() || self.active[0].needs_logits() {
+        if !alone || self.drafter.is_some() || !self.active[0].greedy() {
             return false;
         }
         let mut c = self.active.pop().expect("one active sequence");
@@ -435,7 +436,7 @@ impl Scheduler {
             c.tokens.push(c.next);
             metrics.record_decode_step(1, last.elapsed().as_secs_f64());
             last = Instant::now();
-            let out = PosOut { argmax: tok, logits: vec![], top_logprobs: vec![] };
+            let out = PosOut { argmax: tok, ..Default::default() };
             accept_token(tokenizer, stop_ids, metrics, &mut c, &out);
             while let Ok(job) = rx.try_recv() {
                 waiting.push_back(job);
@@ -594,9 +595,25 @@ impl Scheduler {
 }
 
 impl Choice {
-    fn needs_logits(&self) -> bool {
-        !self.sampler.params().is_greedy() || self.logprobs.is_some()
+    /// Greedy without log-probabilities: the argmax is all a step must return.
+    fn greedy(&self) -> bool {
+        self.want() == Want::Argmax
     }
+
+    fn want(&self) -> Want {
+        want_for(self.sampler.params(), self.logprobs.is_some())
+    }
+}
+
+/// One pass's want for all its choices: the row if any needs it, else the most candidates any
+/// needs, else the argmax.
+fn want_of_all(active: &[Choice]) -> Want {
+    active.iter().map(Choice::want).fold(Want::Argmax, |a, w| match (a, w) {
+        (Want::Logits, _) | (_, Want::Logits) => Want::Logits,
+        (Want::Candidates(x), Want::Candidates(y)) => Want::Candidates(x.max(y)),
+        (Want::Candidates(x), _) | (_, Want::Candidates(x)) => Want::Candidates(x),
+        _ => Want::Argmax,
+    })
 }
 
 /// A sequence that cannot be created: with the context checked beforehand, a capacity error
@@ -608,12 +625,8 @@ fn no_room(e: &megagemma_model::error::Error) -> ApiError {
     }
 }
 
-fn want_for(spec: &GenSpec) -> Want {
-    if !spec.sampling.is_greedy() || spec.logprobs.is_some() {
-        Want::Logits
-    } else {
-        Want::Argmax
-    }
+fn want_for_spec(spec: &GenSpec) -> Want {
+    want_for(&spec.sampling, spec.logprobs.is_some())
 }
 
 /// A failed start is already reported to its client; note it on stderr for the operator.
@@ -629,7 +642,13 @@ fn accept_token(tokenizer: &Tokenizer, stop_ids: &[u32], metrics: &Metrics, c: &
     let tok = if c.sampler.params().is_greedy() {
         out.argmax
     } else {
-        match c.sampler.sample(&out.logits) {
+        // The whole row when the pass copied it (another choice's want), else the candidates.
+        let drawn = if out.logits.is_empty() {
+            c.sampler.sample_candidates(&out.candidates)
+        } else {
+            c.sampler.sample(&out.logits)
+        };
+        match drawn {
             Ok(t) => t,
             Err(e) => {
                 let _ = c.events.send(Event::Failed(ApiError::internal(e.to_string())));

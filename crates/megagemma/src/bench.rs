@@ -12,6 +12,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions, Decode};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
+use megagemma_engine::sampling::SamplingParams;
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{Backend, Want};
 use std::path::PathBuf;
@@ -59,6 +60,20 @@ pub struct BenchArgs {
     pub threads: Option<usize>,
     #[command(flatten)]
     pub draft: DraftArgs,
+    /// Also time sampled decoding at this temperature (`--top-k`, `--top-p`, `--seed`): plain
+    /// decoding as `run` samples, the next token chosen on the host from what the backend returns.
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f32>,
+    /// Top-k of the sampled run (Gemma's generation default: 64). A top-k up to 64 takes only the
+    /// k highest logits from the CUDA backend (selected on the device); above, the whole row.
+    #[arg(long, default_value_t = 64, requires = "temperature")]
+    pub top_k: usize,
+    /// Top-p of the sampled run (Gemma's generation default: 0.95).
+    #[arg(long, default_value_t = 0.95, requires = "temperature")]
+    pub top_p: f32,
+    /// Seed of the sampled run.
+    #[arg(long, default_value_t = 0, requires = "temperature")]
+    pub seed: u64,
 }
 
 /// Figures of one bench run.
@@ -76,6 +91,8 @@ struct Figures {
     launches: Option<f64>,
     /// `--batch N`: ms per step of all N sequences.
     batch_ms: Option<f64>,
+    /// `--temperature T`: sampled decoding's tok/s.
+    sampled_tps: Option<f64>,
 }
 
 pub fn bench(args: BenchArgs) -> Result<()> {
@@ -208,6 +225,16 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
     };
     let launches = b.launches_per_token();
     let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
+    let sampled_tps = match args.temperature {
+        Some(temperature) => {
+            let sampling =
+                SamplingParams { temperature, top_k: args.top_k, top_p: args.top_p, min_p: 0.0, seed: Some(args.seed) };
+            sampling.validate()?;
+            let params = GenerateParams { sampling, ..GenerateParams::greedy(args.tokens) };
+            Some(generate(b, &prompt, &params, |_| true)?.decode_tokens_per_second())
+        }
+        None => None,
+    };
     Ok(Figures {
         read_gbps,
         prefill_tps: args.prompt_len as f64 / prefill_s,
@@ -219,6 +246,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         draft_ms,
         launches,
         batch_ms,
+        sampled_tps,
     })
 }
 
@@ -320,6 +348,19 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     if let Some((s, mean)) = f.spec_tps {
         println!("speculative      {s:.1} tok/s with --draft {} (mean accepted/round {mean:.2})", args.draft.draft);
     }
+    if let (Some(s), Some(t)) = (f.sampled_tps, args.temperature) {
+        let how = if args.top_k >= 2 && args.top_k <= megagemma_engine::generate::decode::MAX_CANDIDATES {
+            "the k highest logits from the backend"
+        } else {
+            "whole logits rows"
+        };
+        println!(
+            "sampled          {s:.1} tok/s at temperature {t}, top-k {}, top-p {} ({how}; {:.2}x greedy)",
+            args.top_k,
+            args.top_p,
+            s / tps
+        );
+    }
     let batch_tps = f.batch_ms.map(|ms| args.batch as f64 * 1e3 / ms);
     if let (Some(ms), Some(agg)) = (f.batch_ms, batch_tps) {
         println!(
@@ -354,6 +395,7 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
         "batch": args.batch,
         "batch_ms_per_step": f.batch_ms,
         "batch_tok_s": batch_tps,
+        "sampled_tok_s": f.sampled_tps,
     });
     println!("{json}");
 }

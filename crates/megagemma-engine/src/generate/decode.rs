@@ -2,7 +2,7 @@
 
 use super::stop::{FinishReason, StopRule};
 use super::{GenerateParams, Generation};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, SamplingParams};
 use anyhow::Result;
 use megagemma_model::backend::{Backend, PosOut, SeqId, Want};
 use std::time::Instant;
@@ -16,10 +16,29 @@ pub fn want(params: &GenerateParams) -> Want {
     }
 }
 
-/// The next token from one position's output.
-pub fn choose(sampler: &mut Sampler, out: &PosOut) -> Result<u32> {
+/// What one token's choice needs from a position when every token is chosen alone (plain
+/// decoding, the server): the argmax for greedy, the k highest logits for top-k sampling
+/// (`Want::Candidates`: the CUDA backend selects them on the device instead of copying the row),
+/// else the whole row — always the row when `full_logits` (kept logits, log-probabilities).
+pub fn want_for(sampling: &SamplingParams, full_logits: bool) -> Want {
+    match sampling.candidates_needed() {
+        _ if full_logits => Want::Logits,
+        _ if sampling.is_greedy() => Want::Argmax,
+        Some(k) if k <= MAX_CANDIDATES => Want::Candidates(k),
+        _ => Want::Logits,
+    }
+}
+
+/// The most candidates a choice asks a backend for (the CUDA backend's device selection serves
+/// up to `megagemma_cuda::MAX_CANDIDATES`); a larger top-k takes the whole row.
+pub const MAX_CANDIDATES: usize = megagemma_cuda::MAX_CANDIDATES;
+
+/// The next token from one position's output, asked for as `want`.
+pub fn choose(sampler: &mut Sampler, out: &PosOut, want: Want) -> Result<u32> {
     if sampler.params().is_greedy() {
         Ok(out.argmax)
+    } else if let Want::Candidates(_) = want {
+        Ok(sampler.sample_candidates(&out.candidates)?)
     } else {
         Ok(sampler.sample(&out.logits)?)
     }
@@ -34,14 +53,14 @@ pub fn run(
     out: &mut Generation,
 ) -> Result<()> {
     let mut sampler = Sampler::new(params.sampling.clone())?;
-    let want = want(params);
+    let want = want_for(&params.sampling, params.keep_logits);
     let mut stop = StopRule::new(params);
     let t0 = Instant::now();
     let mut step = backend.prefill(seq, prompt, want)?;
     out.prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     loop {
-        let tok = choose(&mut sampler, &step)?;
+        let tok = choose(&mut sampler, &step, want)?;
         if params.keep_logits {
             out.logits.push(std::mem::take(&mut step.logits));
         }

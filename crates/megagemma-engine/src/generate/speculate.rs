@@ -235,7 +235,7 @@ pub fn run(
         }
     };
 
-    let tok = choose(&mut sampler, &first)?;
+    let tok = choose(&mut sampler, &first, want)?;
     let mut done = emit(tok, first.logits, out, &mut history);
     while !done {
         let t = *history.last().expect("a token was emitted");
@@ -245,7 +245,7 @@ pub fn run(
         drafts.truncate(k);
         if drafts.is_empty() {
             let o = backend.decode(seq, t, want)?;
-            let tok = choose(&mut sampler, &o)?;
+            let tok = choose(&mut sampler, &o, want)?;
             done = emit(tok, o.logits, out, &mut history);
             continue;
         }

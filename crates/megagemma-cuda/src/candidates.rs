@@ -1,0 +1,112 @@
+//! The highest logits of a pass's rows, selected on the device (`kernels/sample.cu`): what top-k
+//! sampling needs (`Want::Candidates`) without copying a 262,144-float row to the host and
+//! selecting there.
+
+use crate::device::{Arg, DevBuf};
+use crate::seq::{f32s, CudaSeq};
+use megagemma_model::Result;
+use std::sync::Mutex;
+
+/// The most candidates the device selection returns per row.
+pub const MAX_CANDIDATES: usize = 64;
+/// Logits one block of `top_candidates_blocks` sorts, and the most keys `top_candidates_merge`
+/// sorts (`CAND_BLOCK` in kernels/sample.cu).
+const CAND_BLOCK: usize = 4096;
+const THREADS: u32 = 1024;
+
+/// The blocks' survivors and the merged keys: one buffer per model, used by one call at a time
+/// (its sequences run one at a time on the model's stream).
+/// `(token, logit)` pairs, highest first.
+pub type Candidates = Vec<(u32, f32)>;
+
+/// Whether `CudaSeq::candidates` serves `k` candidates of a `vocab`-wide row.
+pub(crate) fn candidates_on_device(vocab: usize, k: usize) -> bool {
+    (1..=MAX_CANDIDATES).contains(&k) && vocab.div_ceil(CAND_BLOCK) * k <= CAND_BLOCK
+}
+
+#[derive(Default)]
+pub(crate) struct CandidateKeys {
+    buf: Mutex<Option<DevBuf>>,
+}
+
+impl CudaSeq {
+    /// The `k` highest logits of each of the last pass's first `rows` output rows, exactly as
+    /// `megagemma_model::backend::top_candidates` lists them from the downloaded row; `None` when
+    /// the device selection cannot serve `k` (0, above [`MAX_CANDIDATES`], or a vocabulary whose
+    /// blocks' survivors would not fit one merge).
+    pub fn candidates(&self, rows: usize, k: usize) -> Result<Option<Vec<Candidates>>> {
+        let vocab = self.model.plan.vocab_size;
+        if !candidates_on_device(vocab, k) {
+            return Ok(None);
+        }
+        let blocks = vocab.div_ceil(CAND_BLOCK);
+        let gpu = &self.model.gpu;
+        let mut buf = self.model.cand_keys.buf.lock().unwrap_or_else(|e| e.into_inner());
+        if buf.is_none() {
+            *buf = Some(gpu.alloc((CAND_BLOCK + MAX_CANDIDATES) * 8)?);
+        }
+        let keys = buf.as_ref().map_or(0, |b| b.ptr);
+        let merged = keys + (CAND_BLOCK * 8) as u64;
+        let mut all = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let row = self.s.logits.ptr + f32s(r * vocab) as u64;
+            let (n, k32) = (vocab as i32, k as i32);
+            gpu.launch(
+                "top_candidates_blocks",
+                blocks as u32,
+                THREADS,
+                0,
+                &[Arg::Ptr(row), Arg::I32(n), Arg::I32(k32), Arg::Ptr(keys)],
+            )?;
+            let count = (blocks * k) as i32;
+            gpu.launch(
+                "top_candidates_merge",
+                1,
+                THREADS,
+                0,
+                &[Arg::Ptr(keys), Arg::I32(count), Arg::I32(k32), Arg::Ptr(merged)],
+            )?;
+            let mut host = vec![0u64; k];
+            gpu.download(&mut host, merged)?;
+            // Key 0 is a NaN or −∞ (or padding): the finite ones come first.
+            all.push(host.into_iter().take_while(|&key| key != 0).map(token_logit).collect());
+        }
+        Ok(Some(all))
+    }
+}
+
+/// A sort key back to (token, logit): the logit's total-order bits above, !token below.
+fn token_logit(key: u64) -> (u32, f32) {
+    let order = (key >> 32) as u32;
+    let bits = if order & 0x8000_0000 != 0 { order & 0x7fff_ffff } else { !order };
+    (!(key as u32), f32::from_bits(bits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_logit;
+
+    /// The key `candidate_key` in kernels/sample.cu builds, replayed on the host.
+    fn key(v: f32, token: u32) -> u64 {
+        let u = v.to_bits();
+        let order = if u & 0x8000_0000 != 0 { !u } else { u | 0x8000_0000 };
+        ((order as u64) << 32) | (!token) as u64
+    }
+
+    #[test]
+    fn keys_order_as_the_host_selection_and_decode_back() {
+        let vals = [f32::INFINITY, 3.5, 1.0, 0.0, -0.0, -1e-30, -2.0, f32::MIN, -f32::MIN_POSITIVE];
+        for (i, &a) in vals.iter().enumerate() {
+            assert_eq!(token_logit(key(a, i as u32)), (i as u32, a));
+            assert_eq!(token_logit(key(a, i as u32)).1.to_bits(), a.to_bits(), "{a} keeps its sign");
+            for (j, &b) in vals.iter().enumerate() {
+                // Descending keys = descending total_cmp, then the lower token.
+                let host = b.total_cmp(&a).then((i as u32).cmp(&(j as u32)));
+                assert_eq!(key(b, j as u32).cmp(&key(a, i as u32)), host, "{a}@{i} vs {b}@{j}");
+            }
+            assert_ne!(key(a, i as u32), 0);
+        }
+        // Equal logits: the lower token's key is larger (it is listed first).
+        assert!(key(1.0, 3) > key(1.0, 4));
+    }
+}
