@@ -56,6 +56,25 @@ fn bench_batch_reports_the_aggregate() {
     assert!(json["batch_tok_s"].is_null() && json["batch"] == 1, "{json}");
 }
 
+/// `--temperature T` also times sampled decoding: from the k highest logits when top-k is at most
+/// 64 (`Want::Candidates`), else from whole rows; without it there is no sampled figure.
+#[test]
+fn bench_times_sampled_decoding() {
+    let d = fixtures_dir().join("sliding_wrap");
+    for (k, how) in [("8", "the k highest logits"), ("65", "whole logits rows")] {
+        let out = bench_cpu(&d, &["--temperature", "0.8", "--top-k", k, "--top-p", "0.9", "--seed", "3"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stdout(&out);
+        let line =
+            text.lines().find(|l| l.starts_with("sampled")).unwrap_or_else(|| panic!("no sampled line:\n{text}"));
+        assert!(line.contains(&format!("top-k {k}")) && line.contains(how), "{line}");
+        let json: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+        assert!(json["sampled_tok_s"].as_f64().is_some_and(|v| v > 0.0), "{json}");
+    }
+    let json: serde_json::Value = serde_json::from_str(stdout(&bench_cpu(&d, &[])).lines().last().unwrap()).unwrap();
+    assert!(json["sampled_tok_s"].is_null(), "{json}");
+}
+
 #[test]
 fn bench_errors_are_one_line() {
     let d = fixtures_dir().join("sliding_wrap");
@@ -68,6 +87,12 @@ fn bench_errors_are_one_line() {
         (vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--trace", "t.json"], "--decode megakernel"),
         (vec!["bench", "--model", d.to_str().unwrap(), "--draft", "mtp"], "--assistant"),
         (vec!["bench", "--synthetic", "e4b", "--draft", "mtp", "--assistant", "x"], "random assistant"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--top-k", "8"], "--temperature"),
+        (vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--temperature=-1"], "invalid temperature"),
+        (
+            vec!["bench", "--model", d.to_str().unwrap(), "--backend", "cpu", "--temperature", "1", "--top-p", "0"],
+            "top_p",
+        ),
     ] {
         let out = megagemma(&args);
         assert!(!out.status.success(), "{args:?} should fail");
