@@ -375,7 +375,6 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
   }
 }
 
-// GELU, tanh approximation, in the CPU reference's operation order.
 // Sorts `size` (a power of two) 64-bit keys in shared memory into descending order, in place.
 // Called by every thread of the block; ends with a barrier.
 __device__ __forceinline__ void bitonic_sort_desc(u64* key, int size) {
@@ -393,13 +392,15 @@ __device__ __forceinline__ void bitonic_sort_desc(u64* key, int size) {
   }
 }
 
-// A float's place in `f32::total_cmp`'s order as an unsigned integer (−NaN < −∞ < … < −0 < +0 <
-// … < +∞ < +NaN).
-__device__ __forceinline__ unsigned total_order(float v) {
+// A descending sort key of value v at index i: v's place in `f32::total_cmp`'s order (−NaN < −∞
+// < … < −0 < +0 < … < +∞ < +NaN) in the high word, !i below, so among equal values the lower index
+// sorts first. Never 0 for a non-NaN v (key 0 is the padding that sorts last).
+__device__ __forceinline__ u64 rank_key(float v, unsigned i) {
   const unsigned u = __float_as_uint(v);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((u64)((u & 0x80000000u) ? ~u : (u | 0x80000000u)) << 32) | ~i;
 }
 
+// GELU, tanh approximation, in the CPU reference's operation order.
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float k = 0.7978846f;
   float inner = __fmul_rn(k, __fadd_rn(x, __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x)));

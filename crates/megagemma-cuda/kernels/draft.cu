@@ -9,9 +9,9 @@
 
 // The member tokens of the `top_k` best of `n` centroid logits, in the order of the reference's
 // stable sort by `total_cmp` (higher first; among equal logits the lower centroid index): the
-// logits as sortable keys — the float's total order in the high word, n − 1 − index below — in a
-// bitonic sort of shared memory, then the whole block copies the first `top_k` centroids' `per`
-// token ids each (`ordering`, centroid by centroid) to ids[r·per ..], coalesced. (Counting each
+// logits as sortable keys (`rank_key`) in a bitonic sort of shared memory, then the whole block
+// copies the first `top_k` centroids' `per` token ids each (`ordering`, centroid by centroid) to
+// ids[r·per ..], coalesced. (Counting each
 // centroid's rank against all others took 240 µs a round on the H200: most warps hold a top
 // centroid and scan all 2048.) One block of 1024 threads; n ≤ MAX_CENTROIDS.
 extern "C" __global__ void centroid_candidates(const float* __restrict__ logits, int n, int top_k,
@@ -23,14 +23,14 @@ extern "C" __global__ void centroid_candidates(const float* __restrict__ logits,
   while (size < n) size <<= 1;
   for (int i = threadIdx.x; i < size; i += blockDim.x) {
     u64 k = 0;  // padding sorts last
-    if (i < n) k = ((u64)total_order(logits[i]) << 32) | (unsigned)(n - 1 - i);
+    if (i < n) k = rank_key(logits[i], i);
     key[i] = k;
   }
   __syncthreads();
   bitonic_sort_desc(key, size);
   for (int i = threadIdx.x; i < top_k * per; i += blockDim.x) {
     const int r = i / per, m = i - r * per;
-    const int c = n - 1 - (int)(unsigned)(key[r] & 0xffffffffu);
+    const int c = (int)~(unsigned)key[r];
     ids[i] = ordering[(u64)c * per + m];
   }
 }

@@ -242,10 +242,9 @@ impl Backend for CudaBackend {
 
     fn prefill(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<PosOut> {
         self.check(seq, tokens)?;
-        let s = self.seq_mut(seq)?;
-        let chunk = s.prefill_chunk();
         let logits = self.needs_logits(want);
         let s = self.seq_mut(seq)?;
+        let chunk = s.prefill_chunk();
         let o = s.prefill(tokens, logits)?;
         self.stats.passes += tokens.len().div_ceil(chunk) as u64;
         Ok(self.host_outputs(seq, vec![o], want)?.pop().unwrap_or_default())

@@ -3,7 +3,7 @@
 //! selecting there.
 
 use crate::device::{Arg, DevBuf};
-use crate::seq::{f32s, CudaSeq};
+use crate::seq::CudaSeq;
 use megagemma_model::Result;
 use std::sync::Mutex;
 
@@ -14,8 +14,6 @@ pub const MAX_CANDIDATES: usize = 64;
 const CAND_BLOCK: usize = 4096;
 const THREADS: u32 = 1024;
 
-/// The blocks' survivors and the merged keys: one buffer per model, used by one call at a time
-/// (its sequences run one at a time on the model's stream).
 /// `(token, logit)` pairs, highest first.
 pub type Candidates = Vec<(u32, f32)>;
 
@@ -24,6 +22,9 @@ pub(crate) fn candidates_on_device(vocab: usize, k: usize) -> bool {
     (1..=MAX_CANDIDATES).contains(&k) && vocab.div_ceil(CAND_BLOCK) * k <= CAND_BLOCK
 }
 
+/// The blocks' survivors and the merged keys of a pass's rows: one buffer per model, grown to the
+/// most rows asked for, used by one call at a time (its sequences run one at a time on the model's
+/// stream).
 #[derive(Default)]
 pub(crate) struct CandidateKeys {
     buf: Mutex<Option<DevBuf>>,
@@ -40,37 +41,27 @@ impl CudaSeq {
             return Ok(None);
         }
         let blocks = vocab.div_ceil(CAND_BLOCK);
+        let (survivors, merged_at) = (blocks * k, rows * CAND_BLOCK * 8);
         let gpu = &self.model.gpu;
         let mut buf = self.model.cand_keys.buf.lock().unwrap_or_else(|e| e.into_inner());
-        if buf.is_none() {
-            *buf = Some(gpu.alloc((CAND_BLOCK + MAX_CANDIDATES) * 8)?);
+        let bytes = merged_at + rows * MAX_CANDIDATES * 8;
+        if buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            *buf = Some(gpu.alloc(bytes)?);
         }
         let keys = buf.as_ref().map_or(0, |b| b.ptr);
-        let merged = keys + (CAND_BLOCK * 8) as u64;
-        let mut all = Vec::with_capacity(rows);
-        for r in 0..rows {
-            let row = self.s.logits.ptr + f32s(r * vocab) as u64;
-            let (n, k32) = (vocab as i32, k as i32);
-            gpu.launch(
-                "top_candidates_blocks",
-                blocks as u32,
-                THREADS,
-                0,
-                &[Arg::Ptr(row), Arg::I32(n), Arg::I32(k32), Arg::Ptr(keys)],
-            )?;
-            let count = (blocks * k) as i32;
-            gpu.launch(
-                "top_candidates_merge",
-                1,
-                THREADS,
-                0,
-                &[Arg::Ptr(keys), Arg::I32(count), Arg::I32(k32), Arg::Ptr(merged)],
-            )?;
-            let mut host = vec![0u64; k];
-            gpu.download(&mut host, merged)?;
-            // Key 0 is a NaN or −∞ (or padding): the finite ones come first.
-            all.push(host.into_iter().take_while(|&key| key != 0).map(token_logit).collect());
-        }
+        let merged = keys + merged_at as u64;
+        let (n, k32, rows32) = (vocab as i32, k as i32, rows as u32);
+        let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(n), Arg::I32(k32), Arg::Ptr(keys)];
+        gpu.launch_2d("top_candidates_blocks", (blocks as u32, rows32), THREADS, 0, &args)?;
+        let args = [Arg::Ptr(keys), Arg::I32(survivors as i32), Arg::I32(k32), Arg::Ptr(merged)];
+        gpu.launch_2d("top_candidates_merge", (1, rows32), THREADS, 0, &args)?;
+        let mut host = vec![0u64; rows * k];
+        gpu.download(&mut host, merged)?;
+        // Key 0 is a NaN or −∞ (or padding): the listed ones come first.
+        let all = host
+            .chunks(k)
+            .map(|row| row.iter().take_while(|&&key| key != 0).map(|&key| token_logit(key)).collect())
+            .collect();
         Ok(Some(all))
     }
 }

@@ -75,6 +75,8 @@ pub enum SamplingError {
     EmptyLogits,
     #[error("cannot sample: every logit is NaN or -inf")]
     NoFiniteLogits,
+    #[error("sampling from the highest logits alone needs top-k sampling with top_k >= 2")]
+    CandidatesNeedTopK,
 }
 
 /// Index of the largest logit, lowest index on ties; NaN is ignored. `None` if nothing is left.
@@ -132,7 +134,7 @@ impl Sampler {
     /// Top-k keeps only those, in that order, so the token drawn — and the seeded stream after it —
     /// is the one `sample` would draw from the whole row.
     pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<u32, SamplingError> {
-        let k = self.candidates_needed().expect("candidates sample top-k sampling only");
+        let k = self.candidates_needed().ok_or(SamplingError::CandidatesNeedTopK)?;
         debug_assert!(candidates.windows(2).all(|w| by_logit_desc(&w[0], &w[1]).is_le()));
         // The first candidate is the row's argmax (no NaN or −∞ is listed; ±0 ties differ only
         // in the sign of a zero, which changes no weight). None at all: every logit was NaN or −∞.

@@ -192,7 +192,9 @@ fn top_k_from_candidates_equals_top_k_from_the_row() {
     assert_eq!(cands.sample_candidates(&top_candidates(&dead, 4)), Err(SamplingError::NoFiniteLogits));
     // Greedy, top-k 1 and no top-k need more than candidates.
     for p in [SamplingParams::greedy(), params(1.0, 1, 1.0, 0.0, 1), params(1.0, 0, 0.9, 0.0, 1)] {
-        assert_eq!(Sampler::new(p).unwrap().candidates_needed(), None);
+        let mut s = Sampler::new(p).unwrap();
+        assert_eq!(s.candidates_needed(), None);
+        assert_eq!(s.sample_candidates(&[(3, 1.0), (1, 0.5)]), Err(SamplingError::CandidatesNeedTopK));
     }
 }
 

@@ -11,6 +11,7 @@ use crate::run::{resolve_model, DraftArgs};
 use anyhow::{bail, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions, Decode};
+use megagemma_engine::generate::decode::want_for;
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::sampling::SamplingParams;
 use megagemma_model::assistant::AssistantModel;
@@ -155,6 +156,12 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The sampled run's parameters (`--temperature` and the options that go with it).
+fn sampling_params(args: &BenchArgs) -> Option<SamplingParams> {
+    let (top_k, top_p, seed) = (args.top_k, args.top_p, Some(args.seed));
+    args.temperature.map(|temperature| SamplingParams { temperature, top_k, top_p, min_p: 0.0, seed })
+}
+
 /// A deterministic prompt of in-vocabulary ids that avoids the special tokens at the bottom.
 fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     let span = (vocab.saturating_sub(1000)).max(1) as u64;
@@ -225,10 +232,8 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
     };
     let launches = b.launches_per_token();
     let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
-    let sampled_tps = match args.temperature {
-        Some(temperature) => {
-            let sampling =
-                SamplingParams { temperature, top_k: args.top_k, top_p: args.top_p, min_p: 0.0, seed: Some(args.seed) };
+    let sampled_tps = match sampling_params(args) {
+        Some(sampling) => {
             sampling.validate()?;
             let params = GenerateParams { sampling, ..GenerateParams::greedy(args.tokens) };
             Some(generate(b, &prompt, &params, |_| true)?.decode_tokens_per_second())
@@ -348,16 +353,17 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     if let Some((s, mean)) = f.spec_tps {
         println!("speculative      {s:.1} tok/s with --draft {} (mean accepted/round {mean:.2})", args.draft.draft);
     }
-    if let (Some(s), Some(t)) = (f.sampled_tps, args.temperature) {
-        let how = if args.top_k >= 2 && args.top_k <= megagemma_engine::generate::decode::MAX_CANDIDATES {
-            "the k highest logits from the backend"
-        } else {
-            "whole logits rows"
+    if let (Some(s), Some(p)) = (f.sampled_tps, sampling_params(args)) {
+        // What plain decoding asked the backend for.
+        let how = match want_for(&p, false) {
+            Want::Candidates(_) => "the k highest logits from the backend",
+            _ => "whole logits rows",
         };
         println!(
-            "sampled          {s:.1} tok/s at temperature {t}, top-k {}, top-p {} ({how}; {:.2}x greedy)",
-            args.top_k,
-            args.top_p,
+            "sampled          {s:.1} tok/s at temperature {}, top-k {}, top-p {} ({how}; {:.2}x greedy)",
+            p.temperature,
+            p.top_k,
+            p.top_p,
             s / tps
         );
     }

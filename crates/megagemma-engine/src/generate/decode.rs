@@ -21,9 +21,13 @@ pub fn want(params: &GenerateParams) -> Want {
 /// (`Want::Candidates`: the CUDA backend selects them on the device instead of copying the row),
 /// else the whole row — always the row when `full_logits` (kept logits, log-probabilities).
 pub fn want_for(sampling: &SamplingParams, full_logits: bool) -> Want {
+    if full_logits {
+        return Want::Logits;
+    }
+    if sampling.is_greedy() {
+        return Want::Argmax;
+    }
     match sampling.candidates_needed() {
-        _ if full_logits => Want::Logits,
-        _ if sampling.is_greedy() => Want::Argmax,
         Some(k) if k <= MAX_CANDIDATES => Want::Candidates(k),
         _ => Want::Logits,
     }
