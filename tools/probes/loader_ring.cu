@@ -68,6 +68,8 @@
 #include <vector>
 #endif
 
+#include "mbarrier.cuh"
+
 // Consumer warps, and consecutive units each multiplies per slot (one register batch: UPW chunks'
 // loads and mmas in flight together, as the launched kernels' batches of MMA_U1).
 #ifndef CONSUMERS
@@ -128,59 +130,36 @@ struct Ctl {
   unsigned long long* prof;  // per tag: ns waiting, building, multiplying, adding out; stage count
 };
 
-__device__ __forceinline__ long long gtime() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CTHREADS) : "memory"); }
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-// One thread waits until *p reaches target (bounded: 1 s, then the error flag).
-__device__ void spin_until(const unsigned* p, unsigned target, unsigned* err) {
-  long long t0 = 0;
-  while ((int)(ld_acquire(p) - target) < 0) {
+// Waits until ready() holds, bounded: after 1 s (or once another wait has given up) it sets *err to
+// `code` and returns, so a broken schedule ends the run instead of hanging the GPU.
+template <class Ready>
+__device__ void wait_bounded(Ready ready, unsigned* err, unsigned code) {
+  unsigned long long t0 = 0;
+  while (!ready()) {
     if (*(volatile unsigned*)err) return;
-    const long long t = gtime();
+    const unsigned long long t = now_ns();
     if (!t0) t0 = t;
-    else if (t - t0 > 1000000000ll) {
-      atomicExch(err, 1u);
+    else if (t - t0 > 1000000000ull) {
+      atomicExch(err, code);
       return;
     }
   }
 }
-__device__ __forceinline__ void mbar_init(unsigned a, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
-}
-__device__ __forceinline__ bool mbar_try(unsigned a, unsigned parity) {
-  unsigned ok;
-  asm volatile(
-      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-      : "=r"(ok)
-      : "r"(a), "r"(parity)
-      : "memory");
-  return ok;
+// One thread waits until *p reaches target.
+__device__ void spin_until(const unsigned* p, unsigned target, unsigned* err) {
+  wait_bounded([&] { return (int)(ld_acquire(p) - target) >= 0; }, err, 1u);
 }
 __device__ void mbar_wait(unsigned a, unsigned parity, unsigned* err) {
-  long long t0 = 0;
-  while (!mbar_try(a, parity)) {
-    if (*(volatile unsigned*)err) return;
-    const long long t = gtime();
-    if (!t0) t0 = t;
-    else if (t - t0 > 1000000000ll) {
-      atomicExch(err, 2u);
-      return;
-    }
-  }
+  wait_bounded([&] { return mbar_done(a, parity); }, err, 2u);
 }
 __device__ __forceinline__ void mbar_arrive(unsigned a) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned a, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -347,7 +326,7 @@ __global__ void __launch_bounds__(THREADS, 1) token_kernel(const Stage* __restri
         const unsigned bytes = min(SLOT_UNITS, u1 - u) * UNIT;
         const unsigned char* from = src + (size_t)(u - u0) * UNIT;
         if (LOADER == 0) {
-          mbar_expect_tx(full_s + 8 * ri, bytes);
+          mbar_expect(full_s + 8 * ri, bytes);
           bulk_copy(ring_s + ri * SLOT_BYTES, from, bytes, full_s + 8 * ri);
         } else {
           for (unsigned o = lane * 16; o < bytes; o += 512)
@@ -364,21 +343,21 @@ __global__ void __launch_bounds__(THREADS, 1) token_kernel(const Stage* __restri
   bool live[2], pairs[2];
   live_pairs<1>(1, live, pairs);
   int k = 0;
-  long long tp = gtime(), tw = 0, tb_ = 0, tl_ = 0;  // the profile's phase ends (thread 0)
+  long long tp = (long long)now_ns(), tw = 0, tb_ = 0, tl_ = 0;  // the profile's phase ends (thread 0)
   for (int si = 0; si < c.S; si++) {
     const Stage& s = st[si];
     if (si > 0 && c.mode != 2) {
       if (threadIdx.x == 0) spin_until(c.cnt + si - 1, c.target, c.err);
       cbar();
     }
-    if (threadIdx.x == 0) tw = tb_ = tl_ = gtime();
+    if (threadIdx.x == 0) tw = tb_ = tl_ = (long long)now_ns();
     if (s.zero)
       for (int i = b * CTHREADS + threadIdx.x; i < s.zero_rows; i += G * CTHREADS) __stcg(s.zero + i, 0.f);
     if (s.kind == K_ATT) {
       if (c.mode != 2) {
         if (threadIdx.x == 0) {
-          const long long t0 = gtime();
-          while (gtime() - t0 < c.att_ns) {
+          const long long t0 = (long long)now_ns();
+          while ((long long)now_ns() - t0 < c.att_ns) {
           }
         }
         cbar();
@@ -389,7 +368,7 @@ __global__ void __launch_bounds__(THREADS, 1) token_kernel(const Stage* __restri
       block_units(s, b, p, u0, u1);
       if (u1 > u0) {
         if (c.mode != 2) build(s, c, p, xf, xs, sh);
-        if (threadIdx.x == 0) tb_ = tl_ = gtime();
+        if (threadIdx.x == 0) tb_ = tl_ = (long long)now_ns();
         const int n = s.n;
         int tb = u0 / n, cur = -1;
         float yp[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
@@ -445,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, 1) token_kernel(const Stage* __restri
           __syncwarp();
           if (c.mode != 3 && lane == 0) mbar_arrive(empty_s + 8 * ri);
         }
-        if (threadIdx.x == 0) tl_ = gtime();
+        if (threadIdx.x == 0) tl_ = (long long)now_ns();
         if (c.mode != 2) {
           if (cur >= 0) finish_tile(yp, red, cur - tb);
           cbar();
@@ -457,7 +436,7 @@ __global__ void __launch_bounds__(THREADS, 1) token_kernel(const Stage* __restri
     if (threadIdx.x == 0) {
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c.cnt + si) : "memory");
       if (c.prof) {
-        const long long te = gtime();
+        const long long te = (long long)now_ns();
         unsigned long long* pr = c.prof + s.tag * 5;
         atomicAdd(pr, (unsigned long long)(tw - tp));
         atomicAdd(pr + 1, (unsigned long long)(tb_ - tw));
