@@ -174,15 +174,16 @@ __device__ __forceinline__ bool last_to_arrive(unsigned* counter, int n, int& fl
 }
 
 // p[0] + p[stride] + … + p[(n − 1)·stride], added in that order, read through L2 (other blocks
-// wrote them) eight loads at a time: one round trip per eight terms, not one per term.
+// wrote them) LOADS loads at a time: one round trip per LOADS terms, not one per term.
+template <int LOADS = 8>
 __device__ __forceinline__ float sum_in_order(const float* p, u64 stride, int n) {
   float s = 0.f;
-  for (int q0 = 0; q0 < n; q0 += 8) {
-    float v[8];
+  for (int q0 = 0; q0 < n; q0 += LOADS) {
+    float v[LOADS];
 #pragma unroll
-    for (int i = 0; i < 8; i++) v[i] = q0 + i < n ? __ldcg(p + (u64)(q0 + i) * stride) : 0.f;
+    for (int i = 0; i < LOADS; i++) v[i] = q0 + i < n ? __ldcg(p + (u64)(q0 + i) * stride) : 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < LOADS; i++)
       if (q0 + i < n) s += v[i];
   }
   return s;
