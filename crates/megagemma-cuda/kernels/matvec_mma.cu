@@ -742,10 +742,11 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   }
 }
 
-// Column parts the last block of a split launch loads at once when it adds them (`sum_in_order`;
-// E2B's down projection has 20–22 parts, E4B's 13): an experiment's define.
+// Column parts the last block of a split launch loads at once when it adds them (`sum_in_order`):
+// E2B's down projection has 20–22 parts, E4B's 13, so all of them in one round trip. Thirtieth
+// session (H200, graph, two rounds, same bits): 24 against 8, E2B 1.518 → 1.511 ms, E4B ±0.
 #ifndef MMA_COMBINE_LOADS
-#define MMA_COMBINE_LOADS 8
+#define MMA_COMBINE_LOADS 24
 #endif
 
 // Cross-warp sums and the last-arrival flag of `mma_block`: one copy per module, not one per
@@ -849,46 +850,6 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   __syncthreads();  // `last` is reused next
 }
 
-// The Q/K/V norms and RoPE of a decode step as the tail of its Q/K/V launch (`matvec_q4t_1_qkv*`):
-// the last virtual block to finish a head's rows norms and rotates that head in place, with the
-// functions and order of `qkv_norm_rope_body` (ops.cu), so the rows have its bits, and the step
-// has one launch fewer per layer. Q heads, then K heads, then V heads (when `vnorm`) each count
-// their virtual blocks on a counter of `counters` (reset by the last); the host takes this entry
-// only when every head is whole tile groups (hd / 16 a multiple of tpb) and the launch has one
-// column part (the counters are free).
-struct HeadNorms {
-  const float* wq;        // q_norm weight [hd]
-  const float* wk;        // k_norm weight [hd] (null: no K matrix in the launch)
-  const float* inv_freq;  // [hd / 2] (null: no rotation)
-  const int* pos;         // the token's position (pos[0])
-  int hd, nq, nk;         // head dim, Q heads, K heads
-  int vnorm;              // V heads are RMS-normed (no weight)
-  float eps;
-};
-
-__device__ __forceinline__ void head_norm_tail(const HeadNorms& hn, int vb, int local, int nb0, int nb1, int tpb,
-                                               float* y, unsigned* counters) {
-  const int mi = vb < nb0 ? 0 : vb < nb0 + nb1 ? 1 : 2;  // Q, K or V
-  if (mi == 2 && !hn.vnorm) return;
-  const int per_head = (hn.hd >> 4) / tpb;  // virtual blocks of one head (parts = 1: one tile group each)
-  const int head = local / per_head;
-  unsigned* counter = counters + (mi == 0 ? 0 : mi == 1 ? hn.nq : hn.nq + hn.nk) + head;
-  if (!last_to_arrive(counter, per_head, mma_last)) return;
-  const int half = hn.hd / 2, i = threadIdx.x;
-  const float* w = mi == 0 ? hn.wq : mi == 1 ? hn.wk : nullptr;
-  const float* freq = mi < 2 ? hn.inv_freq : nullptr;
-  float* row = y + (u64)head * hn.hd;
-  // The head's rows (other blocks wrote them: through L2), its weights and the position in one
-  // round trip.
-  const float2 x = i < half ? make_float2(__ldcg(row + i), __ldcg(row + i + half)) : make_float2(0.f, 0.f);
-  const float2 wp = weight_pair(w, half);
-  const float f = freq && i < half ? freq[i] : 0.f;
-  const int p = hn.pos[0];
-  const float r = rms_scale(block_sum_d(pair_sq(x)), hn.hd, hn.eps);
-  store_pair(row, half, norm_rope_pair(x, r, w != nullptr, wp, f, p));
-  if (threadIdx.x == 0) *counter = 0u;
-}
-
 // The (up to three) matrices of a launch, as `mma_kernel` reads them: here the kernel's
 // parameters; the megakernel reads them from its stage table when a virtual block needs one
 // (`MatSlots` in megakernel.cu), so the three never sit in registers.
@@ -903,13 +864,11 @@ struct MatParams {
 // `gstride`). Grid-stride over virtual blocks, each asked of L2 `ahead` blocks early; weights only
 // before `pdl_start()`.
 // With PREP, `x` is the inputs prepared in the slices' layout (`prep_inputs`), copied, not built.
-// QKV (single-token entries only): the Q/K/V norms and RoPE as the launch's tail (`head_norm_tail`).
 template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false,
-          bool ONE = false, bool QKV = false>
+          bool ONE = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
-                      unsigned* counters, const float* gate, int gstride, const Residual& res,
-                      const HeadNorms& hn = HeadNorms{}) {
+                      unsigned* counters, const float* gate, int gstride, const Residual& res) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
   if constexpr (ONE) m = 1;  // a single-token entry: every m-dependent branch folds away
   const Split sp = decode_split(split);
@@ -1002,7 +961,6 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING, PREP, ONE>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                          partial, counters, ring, res, started, first_batch, keep, kept);
-    if constexpr (QKV) head_norm_tail(hn, vb, local, nb0, nb1, tpb, y, counters);
   }
 }
 
@@ -1036,22 +994,6 @@ MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false, false)
 #ifndef MEGAKERNEL
 MMA_ENTRY(matvec_q4t_1, 1, 1, false, true)
 MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
-// A decode step's Q/K/V launch with the head norms and RoPE as its tail (`head_norm_tail`): the
-// plain single-token entry's arguments, then `HeadNorms`'.
-#define MMA_QKV_ENTRY(NAME, UPC)                                                                              \
-  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME(Mat W0, Mat W1, Mat W2, const float* x, float* y0, float* y1, float* y2, int nb0, int nb1, int m,   \
-           int split, int parts, int nblocks, int ahead, float* partial, unsigned* counters, const float* rx,  \
-           const float* ro, const float* rw1, const float* rw2, float* rx_out, float rscale, float reps,        \
-           const float* wq, const float* wk, const float* inv_freq, const int* pos, int hd, int nq, int nk,    \
-           int vnorm) {                                                                                        \
-    mma_kernel<1, UPC, false, false, MatParams, false, true, true>(                                           \
-        blockIdx.x, gridDim.x, MatParams{W0, W1, W2}, x, y0, y1, y2, nb0, nb1, m, split, parts, nblocks, ahead, \
-        partial, counters, nullptr, 0, Residual{rx, ro, rw1, rw2, rx_out, rscale, reps},                      \
-        HeadNorms{wq, wk, inv_freq, pos, hd, nq, nk, vnorm, reps});                                           \
-  }
-MMA_QKV_ENTRY(matvec_q4t_1_qkv, 1)
-MMA_QKV_ENTRY(matvec_q4t_1_g32_qkv, 2)
 #endif
 
 // Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it

@@ -55,9 +55,8 @@ const FUNCTIONS: [(&str, &[&str]); 8] = [
 /// `8 + g32 + 2·gated` ([`mma_kernel`]); then the plain entries that copy prepared inputs and the
 /// residual steps that prepare them, indexed `12 + (tokens / 4 − 1) + 2·g32` and `16 + …`
 /// ([`mma_prep_kernels`]); then the single-token entries, indexed `20 + g32 + 2·gated`
-/// ([`mma_one_kernel`]); then the single-token Q/K/V entries with the head norms as their tail,
-/// indexed `24 + g32` ([`mma_qkv_kernel`]).
-pub const MMA_KERNELS: [&str; 26] = [
+/// ([`mma_one_kernel`]).
+pub const MMA_KERNELS: [&str; 24] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -82,19 +81,12 @@ pub const MMA_KERNELS: [&str; 26] = [
     "matvec_q4t_1_g32",
     "matvec_q4t_1_gated",
     "matvec_q4t_1_g32_gated",
-    "matvec_q4t_1_qkv",
-    "matvec_q4t_1_g32_qkv",
 ];
 
 /// The tensor-core matvec entry of single-token passes (decode steps): the four-token entry's code
 /// with one token at compile time (`MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token entry instead).
 pub fn mma_one_kernel(g32: bool, gated: bool) -> &'static str {
     MMA_KERNELS[20 + usize::from(g32) + 2 * usize::from(gated)]
-}
-
-/// The single-token Q/K/V entry that norms and rotates each head at its end (`head_norm_tail`).
-pub fn mma_qkv_kernel(g32: bool) -> &'static str {
-    MMA_KERNELS[24 + usize::from(g32)]
 }
 
 /// For `h` groups of four tokens and groups of 32 columns or not: the residual step that also
@@ -416,10 +408,6 @@ pub struct Gpu {
     /// the separate stage overlaps its neighbours and fusing cost ~1% (docs/perf-notes.md, tenth
     /// session). `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` forces it off or on.
     pub fuse_norms: Option<bool>,
-    /// Decode steps of the launched path norm and rotate Q/K/V at the end of their Q/K/V launch
-    /// (`matvec_q4t_1_qkv*`: the last block of each head) instead of a `qkv_norm_rope` stage;
-    /// the same functions, so the same bits (`MEGAGEMMA_CUDA_QKV_TAIL=0`: the stage).
-    pub qkv_tail: bool,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
@@ -530,7 +518,6 @@ impl Gpu {
                 "1" => Some(true),
                 _ => None,
             }),
-            qkv_tail: std::env::var("MEGAGEMMA_CUDA_QKV_TAIL").map_or(true, |v| v != "0"),
             profile,
             blas,
             recording: Default::default(),
@@ -778,7 +765,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{mma_kernel, mma_one_kernel, mma_prep_kernels, mma_qkv_kernel, MMA_KERNELS};
+    use super::{mma_kernel, mma_one_kernel, mma_prep_kernels, MMA_KERNELS};
 
     /// Every (token groups, g32, gated, ring) names the entry of that shape, and the ring form
     /// falls back to the register form where it has no entry (eight tokens).
@@ -810,7 +797,6 @@ mod tests {
                 let four = mma_kernel(1, g32, gated, false);
                 assert_eq!(mma_one_kernel(g32, gated), four.replacen("matvec_q4t_4", "matvec_q4t_1", 1));
             }
-            assert_eq!(mma_qkv_kernel(g32), format!("{}_qkv", mma_one_kernel(g32, false)));
         }
         let mut all: Vec<&str> = MMA_KERNELS.to_vec();
         all.sort_unstable();

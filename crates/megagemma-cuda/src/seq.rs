@@ -6,8 +6,8 @@
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
 use crate::device::{
-    cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_qkv_kernel, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu,
-    HostLog, MmaFill, FMT_Q4, FMT_Q4T,
+    cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, HostLog, MmaFill,
+    FMT_Q4, FMT_Q4T,
 };
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
@@ -83,19 +83,6 @@ struct PendingNorm {
 pub(crate) struct Gate {
     pub(crate) ptr: u64,
     pub(crate) stride: usize,
-}
-
-/// The Q/K/V norms and RoPE a decode step's Q/K/V launch may run as its tail (`HeadNorms` in
-/// kernels/matvec_mma.cu) instead of a `qkv_norm_rope` stage: its weights and dims.
-#[derive(Clone, Copy)]
-struct HeadNorms {
-    wq: u64,
-    /// 0 when the launch has no K matrix.
-    wk: u64,
-    inv_freq: u64,
-    hd: usize,
-    /// Whether V rows are RMS-normed (`v_norm`); without it the V matrix takes no tail.
-    vnorm: bool,
 }
 
 /// How a single-token pass (decode step) is launched.
@@ -1343,9 +1330,6 @@ impl CudaSeq {
     /// same width and group class on the same input, or one gated matrix: launches of ≤ 8 columns.
     /// With `res` (plain launches only), the pending residual step of rows `row0 ..` is folded into
     /// the input (`x` unused): each launch's block 0 writes the new residual to the other buffer.
-    /// With `norms`, a single-token launch that can runs them as its tail (`head_norm_tail`):
-    /// returns whether it did (the caller then launches no `qkv_norm_rope`).
-    #[allow(clippy::too_many_arguments)]
     fn matvec_mma(
         &self,
         mats: &[(&DevMat, u64)],
@@ -1354,8 +1338,7 @@ impl CudaSeq {
         t: usize,
         res: Option<(PendingNorm, usize)>,
         prep: bool,
-        norms: Option<&HeadNorms>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
@@ -1376,7 +1359,6 @@ impl CudaSeq {
         let chunks = cols.div_ceil(64);
         let upc = if w0.gs == 32 { 2 } else { 1 };
         let (partial, counters) = (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr));
-        let mut ran_tail = false;
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let h = m.div_ceil(4);
@@ -1390,20 +1372,8 @@ impl CudaSeq {
             // Single-token launches run the entries built for one token (not recorded into a
             // megakernel's stage table, which dispatches the four-token names).
             let one = self.gpu().q4_stream.mma_one && m == 1 && !ring && !prep && !self.gpu().is_recording();
-            // The head norms as the tail: one token, whole heads of whole tile groups, one column
-            // part (the tail's arrival counters are the parts' counters).
-            let heads: usize = mats.iter().map(|(w, _)| w.rows as usize).sum::<usize>() / norms.map_or(1, |n| n.hd);
-            let tail = norms.filter(|n| {
-                one && t == 1
-                    && gate.is_none()
-                    && split.parts == 1
-                    && (n.hd / 16).is_multiple_of(split.tpb)
-                    && mats.iter().all(|(w, _)| (w.rows as usize).is_multiple_of(n.hd))
-                    && heads <= MMA_COUNTERS
-            });
             let name = match (prep, one) {
                 (true, _) => mma_prep_kernels(h, upc == 2).1,
-                (false, true) if tail.is_some() => mma_qkv_kernel(upc == 2),
                 (false, true) => mma_one_kernel(upc == 2, gate.is_some()),
                 (false, false) => mma_kernel(h, upc == 2, gate.is_some(), ring),
             };
@@ -1448,30 +1418,12 @@ impl CudaSeq {
                         self.gpu().launch(name, grid, 256, smem, &args)?;
                     } else {
                         let args: [Arg; 23] = join(args, self.residual_args(res, c0, cols));
-                        match tail {
-                            Some(n) => {
-                                ran_tail = true;
-                                let rows = |i: usize| mats.get(i).map_or(0, |(w, _)| w.rows as usize / n.hd);
-                                let more = [
-                                    Arg::Ptr(n.wq),
-                                    Arg::Ptr(n.wk),
-                                    Arg::Ptr(n.inv_freq),
-                                    Arg::Ptr(self.s.meta.ptr),
-                                    Arg::I32(n.hd as i32),
-                                    Arg::I32(rows(0) as i32),
-                                    Arg::I32(rows(1) as i32),
-                                    Arg::I32(i32::from(n.vnorm)),
-                                ];
-                                let args: [Arg; 31] = join(args, more);
-                                self.gpu().launch(name, grid, 256, smem, &args)?;
-                            }
-                            None => self.gpu().launch(name, grid, 256, smem, &args)?,
-                        }
+                        self.gpu().launch(name, grid, 256, smem, &args)?;
                     }
                 }
             }
         }
-        Ok(ran_tail)
+        Ok(())
     }
 
     /// `x[t][i] = gelu(x[t][i]) · gate[t][i]` over `t` rows of `cols` (the GeGLU), in place: before
@@ -1541,21 +1493,7 @@ impl CudaSeq {
         row0: usize,
         t: usize,
     ) -> Result<()> {
-        self.matvec_after_norms(mats, x, pending, row0, t, None).map(drop)
-    }
-
-    /// `matvec_after` for a Q/K/V launch that may run the head `norms` as its tail (`matvec_mma`):
-    /// returns whether it did.
-    fn matvec_after_norms(
-        &self,
-        mats: &[(&DevMat, u64)],
-        x: u64,
-        pending: Option<PendingNorm>,
-        row0: usize,
-        t: usize,
-        norms: Option<&HeadNorms>,
-    ) -> Result<bool> {
-        let Some(p) = pending else { return self.matvec_many_norms(mats, x, t, norms) };
+        let Some(p) = pending else { return self.matvec_many(mats, x, t) };
         let h = self.model.plan.hidden;
         // Single-token passes only: the folded step computes each token's row statistics in turn,
         // so a verify or short prefill pass of t tokens would pay t times its latency in every
@@ -1564,9 +1502,9 @@ impl CudaSeq {
         // and the code it adds made E4B decode 7.7% slower): every block then rebuilds each
         // token's inputs from x, o and both norm weights, where `add_norm` writes them once.
         if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
-            let tail = self.matvec_mma(mats, 0, None, t, Some((p, row0)), false, norms)?;
+            self.matvec_mma(mats, 0, None, t, Some((p, row0)), false)?;
             self.x_in_x2.set(!self.x_in_x2.get());
-            return Ok(tail);
+            return Ok(());
         }
         // Three to eight tokens (one launch of each): the step prepares the inputs once, one block
         // per token, and the matvec copies them instead of building them in each of its blocks.
@@ -1589,33 +1527,27 @@ impl CudaSeq {
             let args: [Arg; 11] = join(args, more);
             self.gpu().launch(step, (t * slices) as u32, 256, 0, &args)?;
             self.x_in_x2.set(!self.x_in_x2.get());
-            return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true, None);
+            return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
         self.add_norm(p.o, p.w1, p.scale, p.w2, row0 + t)?;
-        self.matvec_many_norms(mats, x, t, norms)
+        self.matvec_many(mats, x, t)
     }
 
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
     /// per eight columns when all are 4-bit in the same layout, else one matvec each.
     pub(crate) fn matvec_many(&self, mats: &[(&DevMat, u64)], x: u64, t: usize) -> Result<()> {
-        self.matvec_many_norms(mats, x, t, None).map(drop)
-    }
-
-    /// `matvec_many` for a Q/K/V launch that may run the head `norms` as its tail (`matvec_mma`):
-    /// returns whether it did.
-    fn matvec_many_norms(&self, mats: &[(&DevMat, u64)], x: u64, t: usize, norms: Option<&HeadNorms>) -> Result<bool> {
         if self.long_pass(t) && self.gemm(mats, x, None, t)? {
-            return Ok(false);
+            return Ok(());
         }
         let cols = mats[0].0.cols;
         if self.one_mma_launch(mats) {
-            return self.matvec_mma(mats, x, None, t, None, false, norms);
+            return self.matvec_mma(mats, x, None, t, None, false);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
-            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t)).map(|_| false);
+            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
         }
         if mats.len() > 3 || !mats.iter().all(|(w, _)| Self::q4_fast(w) && w.cols == cols) {
-            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t)).map(|_| false);
+            return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
         }
         let cols = cols as usize;
         let wpr = self.warps_per_rows(mats.iter().map(|(w, _)| w.rows as usize).sum(), cols);
@@ -1647,7 +1579,7 @@ impl CudaSeq {
             ];
             self.gpu().launch("matvec_q4", self.q4_grid(nblocks), 256, 0, &args)?;
         }
-        Ok(false)
+        Ok(())
     }
 
     fn matvec_impl(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<()> {
@@ -1657,13 +1589,11 @@ impl CudaSeq {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t, None, false, None).map(drop),
-                Some(g) if g.stride.is_multiple_of(4) => {
-                    self.matvec_mma(&[(w, y)], x, gate, t, None, false, None).map(drop)
-                }
+                None => self.matvec_mma(&[(w, y)], x, None, t, None, false),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, false),
                 Some(g) => {
                     self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t, None, false, None).map(drop)
+                    self.matvec_mma(&[(w, y)], x, None, t, None, false)
                 }
             };
         }
@@ -1821,27 +1751,13 @@ impl CudaSeq {
         };
         // qkv_norm_rope's K and V arguments: rows, k_norm weight, heads, rows, heads (none: 0).
         let mut kv_norms = (0, 0, 0, 0, 0);
-        // A decode step's Q/K/V launch may run the norms and RoPE itself (`HeadNorms`): not where
-        // the attention runs them, nor where V is a copy of the raw K (k_eq_v).
-        let tail_norms = |wk: u64| {
-            let on = gpu.qkv_tail && !fused && t == 1 && (wk == 0 || lw.v.is_some());
-            on.then_some(HeadNorms { wq: lw.q_norm, wk, inv_freq: lw.inv_freq, hd, vnorm: plan.v_norm })
-        };
-        let tail = match (&lw.k, lw.k_norm, &self.caches[lp.index]) {
+        match (&lw.k, lw.k_norm, &self.caches[lp.index]) {
             (Some(wk), Some(k_norm), Some(c)) => {
                 let (k, v) = if fused { (s.kr.ptr, s.vr.ptr) } else { (c.staged_k.ptr, c.staged_v.ptr) };
-                let head_norms = tail_norms(k_norm);
-                let tail = match &lw.v {
-                    Some(wv) => self.matvec_after_norms(
-                        &[(&lw.q, s.q.ptr), (wk, k), (wv, v)],
-                        s.a.ptr,
-                        pending,
-                        0,
-                        t,
-                        head_norms.as_ref(),
-                    )?,
-                    None => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, k)], s.a.ptr, pending, 0, t).map(|_| false)?,
-                };
+                match &lw.v {
+                    Some(wv) => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, k), (wv, v)], s.a.ptr, pending, 0, t)?,
+                    None => self.matvec_after(&[(&lw.q, s.q.ptr), (wk, k)], s.a.ptr, pending, 0, t)?,
+                }
                 let nv = if plan.v_norm { lp.num_kv_heads } else { 0 };
                 // k_eq_v (no V projection): values are the raw key projection (before k_norm and RoPE).
                 if fused {
@@ -1854,11 +1770,10 @@ impl CudaSeq {
                     }
                     kv_norms = (k, k_norm, lp.num_kv_heads, v, nv);
                 }
-                tail
             }
-            _ => self.matvec_after_norms(&[(&lw.q, s.q.ptr)], s.a.ptr, pending, 0, t, tail_norms(0).as_ref())?,
-        };
-        if !fused && !tail {
+            _ => self.matvec_after(&[(&lw.q, s.q.ptr)], s.a.ptr, pending, 0, t)?,
+        }
+        if !fused {
             let (k, k_norm, nk, v, nv) = kv_norms;
             let args = [
                 Arg::Ptr(s.q.ptr),
