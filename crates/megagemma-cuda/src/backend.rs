@@ -10,9 +10,10 @@ use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
-    check_pass, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
+    check_draw, check_pass, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
 };
 use megagemma_model::cpu::ops::softmax;
+use megagemma_model::draw::DrawParams;
 use megagemma_model::error::Error;
 use megagemma_model::plan::ModelPlan;
 use megagemma_model::Result;
@@ -286,6 +287,31 @@ impl Backend for CudaBackend {
         self.stats.passes += steps as u64;
         if steps == room && max > room {
             // The context is full: the next step's check is the capacity error `decode` would give.
+            self.check(seq, std::slice::from_ref(&token))?;
+        }
+        Ok(steps)
+    }
+
+    fn decode_sampled(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        params: &DrawParams,
+        uniforms: &[f64],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        check_draw(params)?;
+        self.check(seq, std::slice::from_ref(&token))?;
+        // As `decode_greedy`: the steps that fit, then the capacity error `decode` would give.
+        let room = self.max_context.saturating_sub(self.seqs.get(&seq).map_or(0, |s| s.len()));
+        let before = self.model.launches();
+        let steps =
+            self.seq_mut(seq)?.decode_sampled(token, params, &uniforms[..uniforms.len().min(room)], &mut *on_token);
+        self.step_launches += self.model.launches() - before;
+        let steps = steps?;
+        self.step_tokens += steps as u64;
+        self.stats.passes += steps as u64;
+        if steps == room && uniforms.len() > room {
             self.check(seq, std::slice::from_ref(&token))?;
         }
         Ok(steps)

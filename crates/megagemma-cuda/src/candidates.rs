@@ -11,8 +11,9 @@ use std::sync::Mutex;
 pub const MAX_CANDIDATES: usize = 64;
 /// Logits one block of `top_candidates_blocks` sorts, and the most keys `top_candidates_merge`
 /// sorts (`CAND_BLOCK` in kernels/sample.cu).
-const CAND_BLOCK: usize = 4096;
-const THREADS: u32 = 1024;
+pub(crate) const CAND_BLOCK: usize = 4096;
+/// Threads of the selection's blocks (and of `sample_draw`'s one block).
+pub(crate) const CAND_THREADS: u32 = 1024;
 
 /// `(token, logit)` pairs, highest first.
 pub type Candidates = Vec<(u32, f32)>;
@@ -52,9 +53,9 @@ impl CudaSeq {
         let merged = keys + merged_at as u64;
         let (n, k32, rows32) = (vocab as i32, k as i32, rows as u32);
         let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(n), Arg::I32(k32), Arg::Ptr(keys)];
-        gpu.launch_2d("top_candidates_blocks", (blocks as u32, rows32), THREADS, 0, &args)?;
+        gpu.launch_2d("top_candidates_blocks", (blocks as u32, rows32), CAND_THREADS, 0, &args)?;
         let args = [Arg::Ptr(keys), Arg::I32(survivors as i32), Arg::I32(k32), Arg::Ptr(merged)];
-        gpu.launch_2d("top_candidates_merge", (1, rows32), THREADS, 0, &args)?;
+        gpu.launch_2d("top_candidates_merge", (1, rows32), CAND_THREADS, 0, &args)?;
         let mut host = vec![0u64; rows * k];
         gpu.download(&mut host, merged)?;
         // Key 0 is a NaN or −∞ (or padding): the listed ones come first.

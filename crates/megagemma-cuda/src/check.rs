@@ -659,3 +659,41 @@ pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> s
     }
     Ok(compared)
 }
+
+/// Pipelined sampled decoding (`CudaSeq::decode_sampled`, the draw on the device) against the
+/// host's: first the device's `exp_det` against the host's, bit for bit, over the exponents a
+/// draw meets (0 down past the subnormals); then `conformance::sampled_in_one_call` on the graph
+/// and megakernel paths for several draws (temperatures, top-k, top-p, min-p) — the tokens of
+/// `decode` with candidates and the host's `draw_candidates` in a loop. Returns the draws checked.
+pub fn sampled_match_host(cm: &Arc<CudaModel>, prompt: &[u32]) -> std::result::Result<usize, String> {
+    use megagemma_model::draw::{exp_det, DrawParams};
+    let err = |e: Error| e.to_string();
+    let mut xs: Vec<f64> = (0..200_000).map(|i| -(i as f64) * 0.003_75 - (i % 11) as f64 * 1.3e-7).collect();
+    xs.extend([0.0, -0.0, -1e-300, -708.4, -709.8, -744.4, -745.2, -746.0, -1e6, f64::NEG_INFINITY]);
+    let n = xs.len();
+    let (x, y) = (cm.gpu.alloc(n * 8).map_err(err)?, cm.gpu.alloc(n * 8).map_err(err)?);
+    cm.gpu.upload(x.ptr, &xs).map_err(err)?;
+    let args = [crate::device::Arg::Ptr(x.ptr), crate::device::Arg::Ptr(y.ptr), crate::device::Arg::I32(n as i32)];
+    cm.gpu.launch("exp_det_values", n.div_ceil(256) as u32, 256, 0, &args).map_err(err)?;
+    let mut got = vec![0f64; n];
+    cm.gpu.download(&mut got, y.ptr).map_err(err)?;
+    if let Some(i) = (0..n).find(|&i| got[i].to_bits() != exp_det(xs[i]).to_bits()) {
+        return Err(format!("exp_det({:e}): device {:e}, host {:e}", xs[i], got[i], exp_det(xs[i])));
+    }
+    let draws = [
+        DrawParams { temperature: 1.0, top_k: 40, top_p: 1.0, min_p: 0.0 },
+        DrawParams { temperature: 1.5, top_k: 64, top_p: 0.95, min_p: 0.0 },
+        DrawParams { temperature: 0.7, top_k: 8, top_p: 0.9, min_p: 0.05 },
+        DrawParams { temperature: 3.0, top_k: 2, top_p: 1.0, min_p: 0.0 },
+    ];
+    let mut checked = 0;
+    for decode in [Decode::Graph, Decode::Megakernel] {
+        for params in &draws {
+            let mut b = crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode);
+            megagemma_model::conformance::sampled_in_one_call(&mut b, prompt, params)
+                .map_err(|e| format!("{decode:?} {params:?}: {e}"))?;
+            checked += 1;
+        }
+    }
+    Ok(checked)
+}

@@ -46,7 +46,7 @@ const FUNCTIONS: [(&str, &[&str]); 8] = [
     ),
     ("synth.cu", &["fill_random_u32", "fill_q4_scales", "fill_const", "read_bandwidth"]),
     ("draft.cu", &["centroid_candidates", "rows_dot", "argmax_ids"]),
-    ("sample.cu", &["top_candidates_blocks", "top_candidates_merge"]),
+    ("sample.cu", &["top_candidates_blocks", "top_candidates_merge", "sample_draw", "exp_det_values"]),
 ];
 
 /// The tensor-core 4-bit matvecs (`kernels/matvec_mma.cu`): four tokens or eight, groups of

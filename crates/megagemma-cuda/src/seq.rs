@@ -5,6 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
+use crate::candidates::{candidates_on_device, CAND_BLOCK, CAND_THREADS};
 use crate::device::{
     cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, HostLog, MmaFill,
     FMT_Q4, FMT_Q4T,
@@ -14,6 +15,8 @@ use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
+use megagemma_model::backend::{check_draw, no_finite_logit, top_candidates};
+use megagemma_model::draw::{draw_candidates, DrawParams};
 use megagemma_model::plan::LayerPlan;
 use megagemma_model::{bail, Result};
 use std::sync::Arc;
@@ -83,6 +86,14 @@ struct PendingNorm {
 pub(crate) struct Gate {
     pub(crate) ptr: u64,
     pub(crate) stride: usize,
+}
+
+/// What the pipelined loop (`CudaSeq::pipelined`) launches: greedy steps (graphs, or the
+/// megakernel's two tables) or sampled steps (`sample_graphs`).
+#[derive(Clone, Copy)]
+enum StepGraphs {
+    Greedy(Option<[usize; 2]>),
+    Sampled,
 }
 
 /// How a single-token pass (decode step) is launched.
@@ -481,6 +492,23 @@ pub struct CudaSeq {
     /// Greedy draft rounds captured as CUDA graphs, by (assistant, drafts per round): a round's
     /// inputs (token, position, the cache columns) are uploaded before its launch.
     pub(crate) draft_graphs: Vec<((u64, usize), CudaGraph)>,
+    /// Pipelined sampled decoding (`decode_sampled`): the committed step with the device's draw
+    /// (`sample_draw`) before its commit, and the same with its meta buffers swapped, captured
+    /// for one set of draw parameters.
+    sample_graphs: Option<(DrawParams, [CudaGraph; 2])>,
+    /// While those graphs are captured: the draw the step runs after its pass.
+    sample_stage: Option<DrawParams>,
+    /// `decode_sampled`'s device buffers (`SampleBuf`), allocated on first use.
+    sample_buf: Option<SampleBuf>,
+}
+
+/// The device side of pipelined sampled decoding: the candidate blocks' survivors, the no-finite-
+/// logit flag, and one uniform per position of the sequence (the draw of the step at position p
+/// reads `uniforms[p]`, uploaded before the loop).
+struct SampleBuf {
+    keys: DevBuf,
+    flag: DevBuf,
+    uniforms: DevBuf,
 }
 
 // SAFETY: the graph handle is only used through `&mut self`, on the model's stream; the driver
@@ -581,6 +609,9 @@ impl CudaSeq {
             has_hidden: false,
             hid_first: 0,
             draft_graphs: Vec::new(),
+            sample_graphs: None,
+            sample_stage: None,
+            sample_buf: None,
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -681,6 +712,7 @@ impl CudaSeq {
     fn forget_recordings(&mut self) {
         self.decode_graph = [None, None];
         self.ahead_graph = None;
+        self.sample_graphs = None;
         self.batch_graphs.iter_mut().for_each(|g| *g = None);
         self.megakernels.clear();
     }
@@ -811,6 +843,9 @@ impl CudaSeq {
     /// or a megakernel table serves every step).
     fn run_pass(&self, t: usize, first: usize) -> Result<()> {
         self.run(t, first)?;
+        if let Some(params) = &self.sample_stage {
+            self.draw_on_device(params)?;
+        }
         if self.commit_in_step && self.kv_layers > 0 {
             let args = [
                 Arg::Ptr(self.kv_table.ptr),
@@ -877,6 +912,137 @@ impl CudaSeq {
         self.staged = 0;
         self.reserve(1)?;
         let tables = self.prepare_step_launches()?;
+        self.pipelined(token, max, StepGraphs::Greedy(tables), on_token)
+    }
+
+    /// Sampled decoding from `token` (fed at position `len()`): one committed step per uniform,
+    /// step i's token drawn with `uniforms[i]` from its `params.top_k` highest logits
+    /// (`megagemma_model::draw::draw_candidates`), `on_token` given each token in order and
+    /// returning whether to go on. Returns the steps committed. On the graph path it is
+    /// `decode_greedy`'s pipelined loop with the draw on the device (`sample_draw`, the host's
+    /// arithmetic operation for operation) before each step's commit, so the next step is queued
+    /// before the host has the token; elsewhere (the megakernel, a top-k the device selection
+    /// does not serve, sequences keeping hidden states) one step at a time, drawn on the host.
+    /// The same tokens either way.
+    pub fn decode_sampled(
+        &mut self,
+        token: u32,
+        params: &DrawParams,
+        uniforms: &[f64],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        check_draw(params)?;
+        let max = uniforms.len();
+        if self.len + max > self.max_len {
+            bail!("position {} is past this sequence's maximum length {}", self.len + max - 1, self.max_len);
+        }
+        let on_device = candidates_on_device(self.model.plan.vocab_size, params.top_k);
+        if !self.pipeline
+            || !self.use_graphs
+            || self.decode == Decode::Megakernel
+            || self.kv_layers == 0
+            || self.keep_hidden
+            || !on_device
+        {
+            let mut tok = token;
+            for (i, &u) in uniforms.iter().enumerate() {
+                let out = self.step(tok, !on_device)?;
+                let cands = match out.logits {
+                    Some(l) => top_candidates(&l, params.top_k),
+                    None => self.candidates(1, params.top_k)?.and_then(|mut c| c.pop()).unwrap_or_default(),
+                };
+                tok = draw_candidates(&cands, params, u).ok_or_else(no_finite_logit)?;
+                if !on_token(tok) {
+                    return Ok(i + 1);
+                }
+            }
+            return Ok(max);
+        }
+        if max == 0 {
+            return Ok(0);
+        }
+        self.check_tokens(&[token])?;
+        self.staged = 0;
+        self.reserve(1)?;
+        let len = self.len as u64;
+        let buf = self.sample_buffers()?;
+        let (uniforms_at, flag) = (buf.uniforms.ptr + len * 8, buf.flag.ptr);
+        self.model.gpu.upload(uniforms_at, uniforms)?;
+        self.model.gpu.upload(flag, &[0u32])?;
+        if self.sample_graphs.as_ref().is_none_or(|(p, _)| p != params) {
+            self.sample_graphs = None;
+            self.commit_in_step = true;
+            self.sample_stage = Some(*params);
+            let captured = (|| -> Result<[CudaGraph; 2]> {
+                let a = self.capture(|| self.run_step())?;
+                std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
+                let b = self.capture(|| self.run_step());
+                std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
+                Ok([a, b?])
+            })();
+            self.sample_stage = None;
+            self.commit_in_step = false;
+            self.sample_graphs = Some((*params, captured?));
+        }
+        let ran = self.pipelined(token, max, StepGraphs::Sampled, on_token)?;
+        let mut set = [0u32];
+        self.model.gpu.download(&mut set, flag)?;
+        if set[0] != 0 {
+            return Err(no_finite_logit());
+        }
+        Ok(ran)
+    }
+
+    /// The device's draw of a sampled step, after its pass (`sample_draw`: the candidate blocks'
+    /// survivors of row 0 merged, then drawn with the uniform of the step's position).
+    fn draw_on_device(&self, params: &DrawParams) -> Result<()> {
+        let buf = self.sample_buf.as_ref().ok_or_else(|| megagemma_model::Error::msg("sampling buffers missing"))?;
+        let vocab = self.model.plan.vocab_size;
+        let (blocks, k) = (vocab.div_ceil(CAND_BLOCK), params.top_k);
+        let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(vocab as i32), Arg::I32(k as i32), Arg::Ptr(buf.keys.ptr)];
+        self.gpu().launch_2d("top_candidates_blocks", (blocks as u32, 1), CAND_THREADS, 0, &args)?;
+        let args = [
+            Arg::Ptr(buf.keys.ptr),
+            Arg::I32((blocks * k) as i32),
+            Arg::I32(k as i32),
+            Arg::F32(params.temperature),
+            Arg::F32(params.top_p),
+            Arg::F32(params.min_p),
+            Arg::Ptr(buf.uniforms.ptr),
+            Arg::Ptr(self.s.meta.ptr),
+            Arg::Ptr(self.s.ids.ptr),
+            Arg::Ptr(buf.flag.ptr),
+        ];
+        self.gpu().launch("sample_draw", 1, CAND_THREADS, 0, &args)
+    }
+
+    /// `decode_sampled`'s device buffers, allocated on first use for the sequence's whole length.
+    fn sample_buffers(&mut self) -> Result<&SampleBuf> {
+        if self.sample_buf.is_none() {
+            let gpu = &self.model.gpu;
+            self.sample_buf = Some(SampleBuf {
+                keys: gpu.alloc(CAND_BLOCK * 8)?,
+                flag: gpu.alloc_zeros(4)?,
+                uniforms: gpu.alloc_zeros(self.max_len.max(1) * 8)?,
+            });
+            // Graphs captured before hold no sampling stage; nothing to forget.
+        }
+        Ok(self.sample_buf.as_ref().expect("allocated above"))
+    }
+
+    /// The pipelined loop of `decode_greedy` and `decode_sampled` from `token` at position
+    /// `len()`, up to `max` committed steps, launched as `graphs` says.
+    fn pipelined(
+        &mut self,
+        token: u32,
+        max: usize,
+        graphs: StepGraphs,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        let tables = match graphs {
+            StepGraphs::Greedy(t) => t,
+            StepGraphs::Sampled => None,
+        };
         self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
         // Step i runs graph (or megakernel table) i % 2 (the second reads the meta the first
         // wrote, and the other way round); one step is queued ahead of the one waited for.
@@ -886,7 +1052,10 @@ impl CudaSeq {
             loop {
                 while queued < max && queued <= done + 1 {
                     self.step_log.clear(first + queued);
-                    self.launch_step(queued % 2, tables)?;
+                    match graphs {
+                        StepGraphs::Sampled => self.launch_sampled_step(queued % 2)?,
+                        StepGraphs::Greedy(_) => self.launch_step(queued % 2, tables)?,
+                    }
                     queued += 1;
                 }
                 let id = self.wait_step_token(self.len)?;
@@ -937,6 +1106,16 @@ impl CudaSeq {
         })();
         self.commit_in_step = false;
         prepared
+    }
+
+    /// Queues pipelined sampled step `which` (its graph, 0 or 1 as in `launch_step`).
+    fn launch_sampled_step(&mut self, which: usize) -> Result<()> {
+        let (_, g) = self
+            .sample_graphs
+            .as_ref()
+            .ok_or_else(|| megagemma_model::Error::msg("sampled step graphs not captured"))?;
+        self.model.gpu.count_launch();
+        g[which].launch().map_err(|e| cuda_err("graph launch", e))
     }
 
     /// Queues pipelined step `which` (0: `decode_graph[1]`, 1: `ahead_graph`; on the megakernel

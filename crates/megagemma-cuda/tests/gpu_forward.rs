@@ -129,6 +129,21 @@ fn candidates_equal_the_host_selection() {
     }
 }
 
+/// Pipelined sampled decoding draws on the device exactly the tokens the host draws from the same
+/// candidates and uniforms (`check::sampled_match_host`: `exp_det` bit for bit, then
+/// `conformance::sampled_in_one_call` on the graph and megakernel paths).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn sampled_decoding_draws_what_the_host_draws() {
+    for (label, cm, prompt) in uploaded_fixtures() {
+        match check::sampled_match_host(&cm, &prompt) {
+            Ok(n) => assert_eq!(n, 8, "{label}"),
+            Err(e) if e.contains("does not run kernel") => {}
+            Err(e) => panic!("{label}: {e}"),
+        }
+    }
+}
+
 /// Without a GPU loading is one clear error; with one, it works.
 #[test]
 fn load_is_one_clear_error_without_a_gpu() {

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
+use megagemma_model::draw::{self, DrawParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
@@ -47,6 +48,17 @@ impl SamplingParams {
     /// or without a top-k, the choice needs the argmax or the whole distribution).
     pub fn candidates_needed(&self) -> Option<usize> {
         (!self.is_greedy() && self.top_k >= 2).then_some(self.top_k)
+    }
+
+    /// Whether a sampled step draws (and takes one uniform from the seeded stream): not greedy
+    /// and not top-k 1, whatever the logits.
+    pub fn draws(&self) -> bool {
+        !self.is_greedy() && self.top_k != 1
+    }
+
+    /// The draw's parameters as the backends take them (`megagemma_model::draw`).
+    pub fn draw_params(&self) -> DrawParams {
+        DrawParams { temperature: self.temperature, top_k: self.top_k, top_p: self.top_p, min_p: self.min_p }
     }
 
     pub fn validate(&self) -> Result<(), SamplingError> {
@@ -116,10 +128,16 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token id from one row of logits.
+    /// Picks the next token id from one row of logits. A step that draws takes one uniform from
+    /// the seeded stream ([`SamplingParams::draws`]), also when an infinite logit decides it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
         match self.filter(logits)? {
-            Some(only) => Ok(only),
+            Some(only) => {
+                if self.params.draws() {
+                    self.uniform();
+                }
+                Ok(only)
+            }
             None => Ok(self.draw()),
         }
     }
@@ -134,18 +152,15 @@ impl Sampler {
     /// Top-k keeps only those, in that order, so the token drawn — and the seeded stream after it —
     /// is the one `sample` would draw from the whole row.
     pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<u32, SamplingError> {
-        let k = self.candidates_needed().ok_or(SamplingError::CandidatesNeedTopK)?;
+        self.candidates_needed().ok_or(SamplingError::CandidatesNeedTopK)?;
         debug_assert!(candidates.windows(2).all(|w| by_logit_desc(&w[0], &w[1]).is_le()));
         // The first candidate is the row's argmax (no NaN or −∞ is listed; ±0 ties differ only
         // in the sign of a zero, which changes no weight). None at all: every logit was NaN or −∞.
-        let &(best, best_logit) = candidates.first().ok_or(SamplingError::NoFiniteLogits)?;
-        if best_logit == f32::INFINITY {
-            return Ok(best);
+        if candidates.is_empty() {
+            return Err(SamplingError::NoFiniteLogits);
         }
-        self.candidates.clear();
-        self.candidates.extend_from_slice(&candidates[..k.min(candidates.len())]);
-        self.filter_candidates(best_logit);
-        Ok(self.draw())
+        let u = self.uniform();
+        draw::draw_candidates(candidates, &self.params.draw_params(), u).ok_or(SamplingError::NoFiniteLogits)
     }
 
     /// The distribution `sample` draws from, after temperature, top-k, top-p and min-p:
@@ -231,42 +246,23 @@ impl Sampler {
         }
     }
 
-    /// Softmax numerators at the sampling temperature, in f64 so tiny tail masses still add up.
+    /// Softmax numerators at the sampling temperature, in f64 so tiny tail masses still add up
+    /// (`draw::weights`: the same bits on the host and the device).
     fn compute_weights(&mut self, max_logit: f32) {
-        let inv_t = 1.0 / self.params.temperature as f64;
-        self.weights.clear();
-        self.weights.extend(self.candidates.iter().map(|&(_, l)| ((l as f64 - max_logit as f64) * inv_t).exp()));
+        self.weights = draw::weights(&self.candidates, max_logit, self.params.temperature);
     }
 
     /// Expects candidates sorted by descending logit (done in `sample` when top_p < 1).
     fn apply_top_p(&mut self) {
-        if self.params.top_p >= 1.0 {
-            return;
-        }
-        let total: f64 = self.weights.iter().sum();
-        let target = self.params.top_p as f64 * total;
-        let mut cumulative = 0.0;
-        let mut keep = self.weights.len();
-        for (i, w) in self.weights.iter().enumerate() {
-            cumulative += w;
-            if cumulative >= target {
-                keep = i + 1;
-                break;
-            }
-        }
+        let keep = draw::top_p_keep(&self.weights, self.params.top_p);
         self.candidates.truncate(keep);
         self.weights.truncate(keep);
     }
 
     fn apply_min_p(&mut self) {
-        if self.params.min_p <= 0.0 {
-            return;
-        }
-        // The top token's weight is exp(0) = 1, so the ratio to it is the weight itself.
-        let threshold = self.params.min_p as f64;
         let mut kept = 0;
         for i in 0..self.weights.len() {
-            if self.weights[i] >= threshold {
+            if draw::min_p_keeps(self.weights[i], self.params.min_p) {
                 self.weights[kept] = self.weights[i];
                 self.candidates[kept] = self.candidates[i];
                 kept += 1;
@@ -277,16 +273,8 @@ impl Sampler {
     }
 
     fn draw(&mut self) -> u32 {
-        let total: f64 = self.weights.iter().sum();
-        let mut remaining = self.rng.random::<f64>() * total;
-        for (i, w) in self.weights.iter().enumerate() {
-            if remaining < *w {
-                return self.candidates[i].0;
-            }
-            remaining -= w;
-        }
-        // Only reachable through rounding at the very end of the distribution.
-        self.candidates.last().expect("the top token always survives filtering").0
+        let u = self.uniform();
+        self.candidates[draw::draw_index(&self.weights, u)].0
     }
 }
 

@@ -8,6 +8,7 @@
 //! final-normed hidden state of each sequence's newest committed position stays inside the
 //! backend, where the MTP drafter (`draft`) reads it together with the sequence's KV cache.
 
+use crate::draw::{draw_candidates, DrawParams};
 use crate::error::Error;
 use crate::plan::ModelPlan;
 use crate::Result;
@@ -148,6 +149,33 @@ pub trait Backend: Send {
         Ok(max)
     }
 
+    /// Sampled decoding of `seq` from `token`: one committed decode step per uniform of
+    /// `uniforms`, step i's token drawn with `uniforms[i]` from the step's `params.top_k` highest
+    /// logits (`draw::draw_candidates`); `on_token` gets each token in order and returns whether
+    /// to go on. Returns the steps committed. The tokens and the sequence's state are those of
+    /// `decode` with `Want::Candidates(top_k)` and `draw_candidates` in a loop; a backend may draw
+    /// on its own device and queue the next step before the host has the token (the CUDA graph
+    /// path does). `params.top_k` is 2 or more; a step with no finite logit is an error.
+    fn decode_sampled(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        params: &DrawParams,
+        uniforms: &[f64],
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize> {
+        check_draw(params)?;
+        let mut tok = token;
+        for (i, &u) in uniforms.iter().enumerate() {
+            let out = self.decode(seq, tok, Want::Candidates(params.top_k))?;
+            tok = draw_candidates(&out.candidates, params, u).ok_or_else(no_finite_logit)?;
+            if !on_token(tok) {
+                return Ok(i + 1);
+            }
+        }
+        Ok(uniforms.len())
+    }
+
     /// Whether an MTP assistant is loaded beside the target.
     fn has_drafter(&self) -> bool {
         false
@@ -158,6 +186,22 @@ pub trait Backend: Send {
         let _ = (seq, token, k, with_probs);
         Err(Error::invalid_input(format!("the {} backend has no drafter loaded (give --assistant DIR)", self.name())))
     }
+}
+
+/// `decode_sampled`'s parameters: a temperature above 0 and a top-k of at least 2.
+pub fn check_draw(params: &DrawParams) -> Result<()> {
+    if !(params.temperature > 0.0 && params.temperature.is_finite()) || params.top_k < 2 {
+        return Err(Error::invalid_input(format!(
+            "sampled decoding needs a temperature above 0 and top-k of at least 2 (got {} and {})",
+            params.temperature, params.top_k
+        )));
+    }
+    Ok(())
+}
+
+/// The error of a sampled step whose row has no finite logit.
+pub fn no_finite_logit() -> Error {
+    Error::msg("cannot sample: every logit is NaN or -inf")
 }
 
 /// The checks every backend makes before a pass of `tokens` on sequence `seq`, which holds `len`

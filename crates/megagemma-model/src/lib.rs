@@ -10,6 +10,7 @@ pub mod config;
 pub mod conformance;
 pub mod cpu;
 pub mod dense;
+pub mod draw;
 pub mod error;
 pub mod gguf;
 pub mod gguf_model;

@@ -234,6 +234,15 @@ fn prompts_longer_than_one_prefill_chunk_prefill() {
     }
 }
 
+/// `decode_sampled`'s contract (`conformance::sampled_in_one_call`), which the CUDA backend's
+/// pipelined override (the draw on the device) is held to on the GPU too.
+#[test]
+fn sampled_decoding_in_one_call_is_decode_and_draw_in_a_loop() {
+    let mut b = CpuBackend::new(fixture("sliding_wrap")).with_max_context(40);
+    let params = megagemma_model::draw::DrawParams { temperature: 1.5, top_k: 8, top_p: 0.95, min_p: 0.01 };
+    megagemma_model::conformance::sampled_in_one_call(&mut b, &[2, 5, 9], &params).unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// `decode_greedy`'s contract (`conformance::greedy_in_one_call`), which the CUDA backend's
 /// pipelined override is held to on the GPU too.
 #[test]

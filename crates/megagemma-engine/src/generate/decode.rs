@@ -85,6 +85,22 @@ pub fn run(
             out.finish_reason = finish.unwrap_or(FinishReason::Length);
             break;
         }
+        if let Want::Candidates(_) = want {
+            // Top-k sampling: the rest in one call too, each step drawn with the next uniform of
+            // the sampler's stream (the order `choose` takes them in), so a backend can draw on
+            // its device and queue the next step before the host has the token.
+            // One more than the context holds, so running past it is the capacity error `decode` gives.
+            let room = backend.max_context().saturating_sub(backend.seq_len(seq)?) + 1;
+            let uniforms: Vec<f64> = (0..stop.remaining().min(room)).map(|_| sampler.uniform()).collect();
+            let mut finish = None;
+            backend.decode_sampled(seq, tok, &params.sampling.draw_params(), &uniforms, &mut |t| {
+                out.ids.push(t);
+                finish = stop.emit(t, on_token(t));
+                finish.is_none()
+            })?;
+            out.finish_reason = finish.unwrap_or(FinishReason::Length);
+            break;
+        }
         step = backend.decode(seq, tok, want)?;
     }
     out.decode_seconds = t1.elapsed().as_secs_f64();
