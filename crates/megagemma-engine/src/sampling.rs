@@ -211,6 +211,21 @@ impl Sampler {
         self.rng.random::<f64>()
     }
 
+    /// The next `n` uniforms of the stream, without taking them: a backend's `decode_sampled`
+    /// draws step i with the i-th; [`Sampler::skip`] then takes as many as it used, so the stream
+    /// goes on where one `sample` per step would have left it.
+    pub fn uniforms_ahead(&self, n: usize) -> Vec<f64> {
+        let mut rng = self.rng.clone();
+        (0..n).map(|_| rng.random::<f64>()).collect()
+    }
+
+    /// Takes `n` uniforms from the stream (those `uniforms_ahead` lent out and a backend used).
+    pub fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.uniform();
+        }
+    }
+
     /// Draw a token from `(token, weight)` pairs (weights need not sum to 1; at least one > 0).
     pub fn draw_from(&mut self, dist: &[(u32, f64)]) -> u32 {
         let total: f64 = dist.iter().map(|d| d.1).sum();

@@ -422,27 +422,49 @@ impl Scheduler {
     /// A lone greedy sequence without drafting decodes through `Backend::decode_greedy` (the CUDA
     /// graph path queues each step before the previous token is read) until it finishes, another
     /// request arrives, its client goes away or the server drains; then stepping goes on as
-    /// before. False when the scheduler should step normally.
+    /// before. A lone top-k sampled sequence (no log-probabilities) does the same through
+    /// `Backend::decode_sampled` (the CUDA graph path draws on the device), with the uniforms its
+    /// sampler would take step by step, so its tokens do not depend on when it runs alone. False
+    /// when the scheduler should step normally.
     fn decode_alone(&mut self) -> bool {
         let alone = self.active.len() == 1 && self.waiting.is_empty() && self.prefilling.is_empty();
-        if !alone || self.drafter.is_some() || !self.active[0].greedy() {
+        if !alone || self.drafter.is_some() {
+            return false;
+        }
+        let want = self.active[0].want();
+        if !matches!(want, Want::Argmax | Want::Candidates(_)) {
             return false;
         }
         let mut c = self.active.pop().expect("one active sequence");
         let left = c.max_tokens.saturating_sub(c.generated);
         let Scheduler { backend, tokenizer, stop_ids, metrics, rx, waiting, draining, .. } = self;
+        let (seq, next) = (c.seq, c.next);
+        let sampled = match want {
+            Want::Candidates(_) => {
+                // One more than the context holds: past it, the capacity error stepping would give.
+                let room = backend.max_context().saturating_sub(backend.seq_len(seq).unwrap_or(0)) + 1;
+                Some((c.sampler.params().draw_params(), c.sampler.uniforms_ahead(left.min(room))))
+            }
+            _ => None,
+        };
         let mut last = Instant::now();
-        let ran = backend.decode_greedy(c.seq, c.next, left, &mut |tok| {
+        let mut on_token = |tok: u32| {
             c.tokens.push(c.next);
             metrics.record_decode_step(1, last.elapsed().as_secs_f64());
             last = Instant::now();
-            let out = PosOut { argmax: tok, ..Default::default() };
-            accept_token(tokenizer, stop_ids, metrics, &mut c, &out);
+            take_token(tokenizer, stop_ids, metrics, &mut c, tok, &PosOut::default());
             while let Ok(job) = rx.try_recv() {
                 waiting.push_back(job);
             }
             !c.finished && waiting.is_empty() && !c.events.is_closed() && !draining.load(Ordering::Relaxed)
-        });
+        };
+        let ran = match &sampled {
+            Some((params, uniforms)) => backend.decode_sampled(seq, next, params, uniforms, &mut on_token),
+            None => backend.decode_greedy(seq, next, left, &mut on_token),
+        };
+        if let (Ok(steps), Some(_)) = (&ran, &sampled) {
+            c.sampler.skip(*steps);
+        }
         if let Err(e) = ran {
             let _ = c.events.send(Event::Failed(ApiError::from_model(&e)));
             c.finished = true;
@@ -636,8 +658,7 @@ fn log_server_error(e: &ApiError) {
     }
 }
 
-/// Takes the token a position's output gives, streams its text, and decides whether the choice is
-/// done.
+/// Takes the token a position's output gives (`take_token`).
 fn accept_token(tokenizer: &Tokenizer, stop_ids: &[u32], metrics: &Metrics, c: &mut Choice, out: &PosOut) {
     let tok = if c.sampler.params().is_greedy() {
         out.argmax
@@ -657,6 +678,12 @@ fn accept_token(tokenizer: &Tokenizer, stop_ids: &[u32], metrics: &Metrics, c: &
             }
         }
     };
+    take_token(tokenizer, stop_ids, metrics, c, tok, out);
+}
+
+/// Takes `tok`, chosen from the position's output `out` (whose logits give its log-probability
+/// when the choice asks for one), streams its text, and decides whether the choice is done.
+fn take_token(tokenizer: &Tokenizer, stop_ids: &[u32], metrics: &Metrics, c: &mut Choice, tok: u32, out: &PosOut) {
     c.generated += 1;
     c.next = tok;
     metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);

@@ -91,13 +91,14 @@ pub fn run(
             // its device and queue the next step before the host has the token.
             // One more than the context holds, so running past it is the capacity error `decode` gives.
             let room = backend.max_context().saturating_sub(backend.seq_len(seq)?) + 1;
-            let uniforms: Vec<f64> = (0..stop.remaining().min(room)).map(|_| sampler.uniform()).collect();
+            let uniforms = sampler.uniforms_ahead(stop.remaining().min(room));
             let mut finish = None;
-            backend.decode_sampled(seq, tok, &params.sampling.draw_params(), &uniforms, &mut |t| {
+            let steps = backend.decode_sampled(seq, tok, &params.sampling.draw_params(), &uniforms, &mut |t| {
                 out.ids.push(t);
                 finish = stop.emit(t, on_token(t));
                 finish.is_none()
             })?;
+            sampler.skip(steps);
             out.finish_reason = finish.unwrap_or(FinishReason::Length);
             break;
         }
