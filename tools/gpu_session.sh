@@ -135,6 +135,18 @@ for ids in $(python3 -c "import json; [print(','.join(map(str,c['prompt_ids'])))
     done
   done
 done
+# Sampled decoding on CUDA (top-k 40, seeded): the pipelined graph path draws on the device the
+# tokens that one step at a time drawn on the host (MEGAGEMMA_CUDA_PIPELINE=0) and the megakernel give.
+for dir in tests/fixtures/ple_shared_dw tests/fixtures/gemma3; do
+  ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$dir/expected.json'))['cases'][0]['prompt_ids'])))")
+  for q in "" "--quant q4"; do
+    run_sampled() { "$MG" run --model "$dir" $q --prompt-ids "$ids" --temperature 1.3 --top-k 40 --top-p 0.95 --seed 5 \
+      --ignore-eos -n 40 --output ids --backend cuda "$@" 2>>"$OUT/cli_fixtures.err"; }
+    a=$(run_sampled); b=$(MEGAGEMMA_CUDA_PIPELINE=0 run_sampled); c=$(run_sampled --decode megakernel)
+    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ]; then r=ok; else r=DIFF; fail=1; fi
+    echo "$r $(basename "$dir") sampled ${q:-stored}: pipelined = one at a time = megakernel" >> "$OUT/cli_fixtures.log"
+  done
+done
 # Only the differences and a count on stdout: the call's output tail is 12,000 characters, and
 # the summary lines before this section must still be in it.
 grep -v "^ok " "$OUT/cli_fixtures.log"
