@@ -16,7 +16,7 @@
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B with
 #     four sequences stepped together (--batch 4); E4B sampled (temperature 1, top-k 64 from the
-#     device's candidates against top-k 65 from whole rows); E4B at an
+#     device's candidates against top-k 65 from whole rows, and drawn on the device); E4B at an
 #     8k context; prefill of 2048 tokens; 26B-A4B and 31B; E4B/E2B with the CUDA-core 4-bit
 #     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
@@ -135,14 +135,15 @@ for ids in $(python3 -c "import json; [print(','.join(map(str,c['prompt_ids'])))
     done
   done
 done
-# Sampled decoding on CUDA (top-k 40, seeded): the pipelined graph path draws on the device the
-# tokens that one step at a time drawn on the host (MEGAGEMMA_CUDA_PIPELINE=0) and the megakernel give.
+# Sampled decoding on CUDA (top-k 40, seeded): the pipelined graph path drawing on the device
+# (MEGAGEMMA_CUDA_DEVICE_DRAW=1) gives the tokens of one step at a time drawn on the host (the
+# default) and of the megakernel.
 for dir in tests/fixtures/ple_shared_dw tests/fixtures/gemma3; do
   ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$dir/expected.json'))['cases'][0]['prompt_ids'])))")
   for q in "" "--quant q4"; do
     run_sampled() { "$MG" run --model "$dir" $q --prompt-ids "$ids" --temperature 1.3 --top-k 40 --top-p 0.95 --seed 5 \
       --ignore-eos -n 40 --output ids --backend cuda "$@" 2>>"$OUT/cli_fixtures.err"; }
-    a=$(run_sampled); b=$(MEGAGEMMA_CUDA_PIPELINE=0 run_sampled); c=$(run_sampled --decode megakernel)
+    a=$(MEGAGEMMA_CUDA_DEVICE_DRAW=1 run_sampled); b=$(run_sampled); c=$(run_sampled --decode megakernel)
     if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ]; then r=ok; else r=DIFF; fail=1; fi
     echo "$r $(basename "$dir") sampled ${q:-stored}: pipelined = one at a time = megakernel" >> "$OUT/cli_fixtures.log"
   done
@@ -184,10 +185,12 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --batch 4 2>&1 | tee "$OUT/bench_e4b_batch4.log" || fail=1
-# Sampled decoding (temperature 1, top-p 0.95): top-k 64 takes the device's candidates, 65 whole rows.
-for k in 64 65; do
-  timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --temperature 1 \
-    --top-k $k 2>&1 | tee "$OUT/bench_e4b_sampled_k$k.log" || fail=1
+# Sampled decoding (temperature 1, top-p 0.95): top-k 64 takes the device's candidates, 65 whole rows;
+# "device" draws on the device, pipelined (MEGAGEMMA_CUDA_DEVICE_DRAW=1).
+for k in 64 65 device; do
+  env $([ $k = device ] && echo MEGAGEMMA_CUDA_DEVICE_DRAW=1) timeout 300 "$MG" bench --synthetic e4b --quant q4 \
+    --backend cuda --prompt-len 64 --tokens 128 --temperature 1 --top-k ${k/device/64} 2>&1 \
+    | tee "$OUT/bench_e4b_sampled_k$k.log" || fail=1
 done
 if [ -z "${QUICK:-}" ]; then
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 8000 --tokens 128 --ctx 8400 2>&1 | tee "$OUT/bench_e4b_8k.log" || fail=1

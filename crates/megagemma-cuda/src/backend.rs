@@ -39,6 +39,9 @@ pub struct CudaBackend {
     batch_steps: bool,
     /// The MTP assistant, when loaded: it drafts from a sequence's KV cache and kept hidden state.
     assistant: Option<CudaAssistant>,
+    /// New sequences draw sampled steps on the device (`CudaSeq::set_device_draw`); `None`: as
+    /// `MEGAGEMMA_CUDA_DEVICE_DRAW` says.
+    device_draw: Option<bool>,
 }
 
 impl CudaBackend {
@@ -54,7 +57,14 @@ impl CudaBackend {
             decode: Decode::from_env(),
             batch_steps: std::env::var("MEGAGEMMA_CUDA_BATCH").map_or(true, |v| v != "0"),
             assistant: None,
+            device_draw: None,
         }
+    }
+
+    /// Sampled decoding draws on the device, pipelined (`CudaSeq::set_device_draw`), or not.
+    pub fn with_device_draw(mut self, on: bool) -> CudaBackend {
+        self.device_draw = Some(on);
+        self
     }
 
     /// Uploads `assistant` (loaded for this backend's model) beside the target for
@@ -228,6 +238,9 @@ impl Backend for CudaBackend {
         let mut s = CudaSeq::new(&self.model, self.max_context)?;
         s.set_decode(self.decode);
         s.set_keep_hidden(self.assistant.is_some());
+        if let Some(on) = self.device_draw {
+            s.set_device_draw(on);
+        }
         Ok(self.add(s))
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {

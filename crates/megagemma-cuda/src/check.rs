@@ -689,7 +689,8 @@ pub fn sampled_match_host(cm: &Arc<CudaModel>, prompt: &[u32]) -> std::result::R
     let mut checked = 0;
     for decode in [Decode::Graph, Decode::Megakernel] {
         for params in &draws {
-            let mut b = crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode);
+            let mut b =
+                crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode).with_device_draw(true);
             megagemma_model::conformance::sampled_in_one_call(&mut b, prompt, params)
                 .map_err(|e| format!("{decode:?} {params:?}: {e}"))?;
             checked += 1;

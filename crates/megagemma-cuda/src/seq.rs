@@ -500,6 +500,10 @@ pub struct CudaSeq {
     sample_stage: Option<DrawParams>,
     /// `decode_sampled`'s device buffers (`SampleBuf`), allocated on first use.
     sample_buf: Option<SampleBuf>,
+    /// Whether `decode_sampled` draws on the device in the pipelined loop
+    /// (`MEGAGEMMA_CUDA_DEVICE_DRAW=1`); off by default until the H200 has run its GPU test
+    /// (`sampled_decoding_draws_what_the_host_draws`): one step at a time, drawn on the host.
+    device_draw: bool,
 }
 
 /// The device side of pipelined sampled decoding: the candidate blocks' survivors, the no-finite-
@@ -612,6 +616,7 @@ impl CudaSeq {
             sample_graphs: None,
             sample_stage: None,
             sample_buf: None,
+            device_draw: std::env::var("MEGAGEMMA_CUDA_DEVICE_DRAW").is_ok_and(|v| v == "1"),
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -673,6 +678,7 @@ impl CudaSeq {
         copy.prefill_chunk = self.prefill_chunk;
         copy.use_graphs = self.use_graphs;
         copy.pipeline = self.pipeline;
+        copy.device_draw = self.device_draw;
         copy.decode = self.decode;
         copy.trace_megakernel = self.trace_megakernel;
         copy.trace_file = self.trace_file.clone();
@@ -740,6 +746,12 @@ impl CudaSeq {
     /// (default on; off with `MEGAGEMMA_CUDA_PIPELINE=0`).
     pub fn set_pipeline(&mut self, on: bool) {
         self.pipeline = on;
+    }
+
+    /// Whether `decode_sampled` draws each step's token on the device and pipelines the steps
+    /// (default off until checked on the H200: `MEGAGEMMA_CUDA_DEVICE_DRAW=1` turns it on).
+    pub fn set_device_draw(&mut self, on: bool) {
+        self.device_draw = on;
     }
 
     /// Whether single-token passes replay a captured CUDA graph (default on; off with
@@ -918,11 +930,12 @@ impl CudaSeq {
     /// Sampled decoding from `token` (fed at position `len()`): one committed step per uniform,
     /// step i's token drawn with `uniforms[i]` from its `params.top_k` highest logits
     /// (`megagemma_model::draw::draw_candidates`), `on_token` given each token in order and
-    /// returning whether to go on. Returns the steps committed. On the graph path it is
-    /// `decode_greedy`'s pipelined loop with the draw on the device (`sample_draw`, the host's
-    /// arithmetic operation for operation) before each step's commit, so the next step is queued
-    /// before the host has the token; elsewhere (the megakernel, a top-k the device selection
-    /// does not serve, sequences keeping hidden states) one step at a time, drawn on the host.
+    /// returning whether to go on. Returns the steps committed. With `device_draw` on the graph
+    /// path it is `decode_greedy`'s pipelined loop with the draw on the device (`sample_draw`, the
+    /// host's arithmetic operation for operation) before each step's commit, so the next step is
+    /// queued before the host has the token; otherwise (the default until the H200 has checked
+    /// it, the megakernel, a top-k the device selection does not serve, sequences keeping hidden
+    /// states) one step at a time, the candidates selected on the device and drawn on the host.
     /// The same tokens either way.
     pub fn decode_sampled(
         &mut self,
@@ -937,13 +950,8 @@ impl CudaSeq {
             bail!("position {} is past this sequence's maximum length {}", self.len + max - 1, self.max_len);
         }
         let on_device = candidates_on_device(self.model.plan.vocab_size, params.top_k);
-        if !self.pipeline
-            || !self.use_graphs
-            || self.decode == Decode::Megakernel
-            || self.kv_layers == 0
-            || self.keep_hidden
-            || !on_device
-        {
+        let pipelined = self.device_draw && self.pipeline && self.use_graphs && self.decode == Decode::Graph;
+        if !pipelined || self.kv_layers == 0 || self.keep_hidden || !on_device {
             let mut tok = token;
             for (i, &u) in uniforms.iter().enumerate() {
                 let out = self.step(tok, !on_device)?;
