@@ -1033,7 +1033,6 @@ impl CudaSeq {
                 flag: gpu.alloc_zeros(4)?,
                 uniforms: gpu.alloc_zeros(self.max_len.max(1) * 8)?,
             });
-            // Graphs captured before hold no sampling stage; nothing to forget.
         }
         Ok(self.sample_buf.as_ref().expect("allocated above"))
     }
