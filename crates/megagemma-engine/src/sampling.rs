@@ -174,6 +174,21 @@ impl Sampler {
         Ok(self.candidates.iter().zip(&self.weights).map(|(c, w)| (c.0, w / total)).collect())
     }
 
+    /// `distribution` from the row's highest logits alone (`candidates` as `sample_candidates`
+    /// takes them): the same pairs, in the same order, with the same weights.
+    pub fn distribution_candidates(&mut self, candidates: &[(u32, f32)]) -> Result<Vec<(u32, f64)>, SamplingError> {
+        let k = self.candidates_needed().ok_or(SamplingError::CandidatesNeedTopK)?;
+        let &(best, best_logit) = candidates.first().ok_or(SamplingError::NoFiniteLogits)?;
+        if best_logit == f32::INFINITY {
+            return Ok(vec![(best, 1.0)]);
+        }
+        self.candidates.clear();
+        self.candidates.extend_from_slice(&candidates[..k.min(candidates.len())]);
+        self.filter_candidates(best_logit);
+        let total: f64 = self.weights.iter().sum();
+        Ok(self.candidates.iter().zip(&self.weights).map(|(c, w)| (c.0, w / total)).collect())
+    }
+
     /// The sampling transforms: `Some(token)` when the choice is deterministic (greedy, top-k 1,
     /// an infinite logit), else the surviving candidates and their weights in the scratch buffers.
     fn filter(&mut self, logits: &[f32]) -> Result<Option<u32>, SamplingError> {

@@ -190,6 +190,30 @@ fn speculative_sampling_matches_the_sampling_distribution() {
     }
 }
 
+/// Top-k speculative sampling verifies with each column's k highest logits: the same tokens, seed
+/// for seed, as with whole rows (`keep_logits` asks for those), and no vocab-sized copy.
+#[test]
+fn speculative_sampling_from_candidates_draws_what_whole_rows_draw() {
+    use megagemma_engine::sampling::SamplingParams;
+    let m = fixture("ple_shared_dw");
+    let mut b = CpuBackend::new(m);
+    let prompt = [2u32, 7, 8, 9];
+    let mut differ = 0;
+    for (mode, k) in drafters() {
+        for seed in 0..6u64 {
+            let sampling = SamplingParams { temperature: 1.2, top_k: 8, top_p: 0.9, min_p: 0.0, seed: Some(seed) };
+            let base = GenerateParams { sampling, ..with_draft(&GenerateParams::greedy(24), mode.clone(), k) };
+            let before = b.stats().logits_copies;
+            let cands = run(&mut b, &prompt, &base);
+            assert_eq!(b.stats().logits_copies, before, "{mode:?}: top-k speculative sampling copied full logits");
+            let rows = run(&mut b, &prompt, &GenerateParams { keep_logits: true, ..base.clone() });
+            assert_eq!(cands, rows, "{mode:?} seed {seed}");
+            differ += usize::from(cands != run(&mut b, &prompt, &GenerateParams::greedy(24)));
+        }
+    }
+    assert!(differ > 0, "every sampled run gave the greedy ids: the check would not see a wrong draw");
+}
+
 /// The MTP assistant (transformers-made fixtures, dense and centroid heads) drafting from the
 /// target's own KV cache and hidden state: exactly the greedy ids, across many window wraps.
 #[test]

@@ -7,15 +7,6 @@ use anyhow::Result;
 use megagemma_model::backend::{Backend, PosOut, SeqId, Want};
 use std::time::Instant;
 
-/// What to ask the backend for: greedy needs only the argmax (no vocab-sized copy).
-pub fn want(params: &GenerateParams) -> Want {
-    if params.keep_logits || !params.sampling.is_greedy() {
-        Want::Logits
-    } else {
-        Want::Argmax
-    }
-}
-
 /// What one token's choice needs from a position when every token is chosen alone (plain
 /// decoding, the server): the argmax for greedy, the k highest logits for top-k sampling
 /// (`Want::Candidates`: the CUDA backend selects them on the device instead of copying the row),

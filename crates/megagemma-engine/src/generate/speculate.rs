@@ -7,7 +7,7 @@
 //! (`lookup`, no weights), and a synthetic `oracle` that knows the greedy continuation and keeps
 //! each drafted token right with a given probability (to measure speedup against acceptance).
 
-use super::decode::{choose, want};
+use super::decode::{choose, want_for};
 use super::stop::StopRule;
 use super::{decode, GenerateParams, Generation};
 use crate::sampling::Sampler;
@@ -208,7 +208,9 @@ pub fn run(
         }
     };
 
-    let want = want(params);
+    // Top-k sampling verifies with the k highest logits of each column (no vocab-sized copy per
+    // position); its accept rule needs no more (`accept_sampled`).
+    let want = want_for(&params.sampling, params.keep_logits);
     let mut sampler = Sampler::new(params.sampling.clone())?;
     let mut stop = StopRule::new(params);
     let mut stats = SpecStats::default();
@@ -293,9 +295,18 @@ pub fn run(
 /// max(0, p − q), which is p without `d`, renormalised. `p` is the target's distribution after
 /// the sampling transforms (temperature, top-k, top-p, min-p), so every emitted token is
 /// distributed exactly as plain sampling's. Returns (accepted drafts, the token after them).
+/// Each column's p comes from its whole logits row or, when the verify asked for candidates, from
+/// its k highest logits: top-k gives every other token probability 0, so p is the same either way.
 fn accept_sampled(sampler: &mut Sampler, drafts: &[u32], outs: &[PosOut]) -> Result<(usize, u32)> {
+    let distribution = |sampler: &mut Sampler, o: &PosOut| {
+        if o.logits.is_empty() {
+            sampler.distribution_candidates(&o.candidates)
+        } else {
+            sampler.distribution(&o.logits)
+        }
+    };
     for (i, &d) in drafts.iter().enumerate() {
-        let p = sampler.distribution(&outs[i].logits)?;
+        let p = distribution(sampler, &outs[i])?;
         let p_d = p.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
         if sampler.uniform() < p_d {
             continue;
@@ -307,7 +318,7 @@ fn accept_sampled(sampler: &mut Sampler, drafts: &[u32], outs: &[PosOut]) -> Res
         }
         return Ok((i, sampler.draw_from(&residual)));
     }
-    let last = sampler.distribution(&outs[drafts.len()].logits)?;
+    let last = distribution(sampler, &outs[drafts.len()])?;
     Ok((drafts.len(), sampler.draw_from(&last)))
 }
 
