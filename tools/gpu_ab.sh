@@ -10,7 +10,7 @@
 # --backend cuda --prompt-len 64 --tokens TOKENS --decode MODE` (TOKENS default 128) and prints one line. MODELS (default
 # "e4b"), DECODES (default "graph megakernel") and ROUNDS (default 2) choose the grid; variants
 # alternate within each round. BENCH_ARGS adds bench arguments to every run (e.g. "--batch 4" or
-# "--draft oracle --acceptance 0.8 --k 2"); their batch, verify and speculative lines are kept. A kernel variant compiles on first use (NVRTC: over a minute for
+# "--draft oracle --acceptance 0.8 --k 2", "--temperature 1"); their batch, verify, speculative and sampled lines are kept. A kernel variant compiles on first use (NVRTC: over a minute for
 # megakernel.cu on a cold cache), hence the generous per-run timeout.
 set -uo pipefail
 BIN=${1:?usage: tools/gpu_ab.sh BIN_DIR VARIANT...}
@@ -38,7 +38,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         parse_variant "$variant"
         line=$(env "${envs[@]}" timeout 240 "$bin/megagemma" bench --synthetic "$model" --quant q4 --backend cuda \
           --prompt-len 64 --tokens "${TOKENS:-128}" --decode "$mode" ${BENCH_ARGS:-} 2>&1 \
-          | grep -E '^decode|^launches|^batch|^verify|^speculative|rror' | tr -s ' ' | tr '\n' ' ')
+          | grep -E '^decode|^launches|^batch|^verify|^speculative|^sampled|rror' | tr -s ' ' | tr '\n' ' ')
         printf 'round %s %-4s %-10s %-12s %s\n' "$round" "$model" "$mode" "$label" "${line:-no output (timed out?)}"
       done
     done
