@@ -10,7 +10,8 @@ use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
-    check_draw, check_pass, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
+    check_draw, check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut,
+    SeqId, Want,
 };
 use megagemma_model::cpu::ops::softmax;
 use megagemma_model::draw::DrawParams;
@@ -155,6 +156,31 @@ impl CudaBackend {
         }
     }
 
+    /// Up to `max` committed steps of `seq` from `token` in one call of the sequence's own loop
+    /// (`run` with the steps that fit), counted as steps: the steps that fit the context, then the
+    /// capacity error `decode` in a loop would give.
+    fn decode_run(
+        &mut self,
+        seq: SeqId,
+        token: u32,
+        max: usize,
+        run: impl FnOnce(&mut CudaSeq, usize) -> Result<usize>,
+    ) -> Result<usize> {
+        self.check(seq, std::slice::from_ref(&token))?;
+        let room = self.max_context.saturating_sub(self.seqs.get(&seq).map_or(0, |s| s.len()));
+        let before = self.model.launches();
+        let steps = run(self.seq_mut(seq)?, max.min(room));
+        self.step_launches += self.model.launches() - before;
+        let steps = steps?;
+        self.step_tokens += steps as u64;
+        self.stats.passes += steps as u64;
+        if steps == room && max > room {
+            // The context is full: the next step's check is the capacity error.
+            self.check(seq, std::slice::from_ref(&token))?;
+        }
+        Ok(steps)
+    }
+
     /// The outputs of the pass `seq` (its first sequence) just ran, as `want` asks: candidates are
     /// selected on the device from the rows still in its scratch.
     fn host_outputs(&mut self, seq: SeqId, outs: Vec<crate::seq::PosOut>, want: Want) -> Result<Vec<PosOut>> {
@@ -288,21 +314,7 @@ impl Backend for CudaBackend {
         max: usize,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
-        self.check(seq, std::slice::from_ref(&token))?;
-        // Steps past the context stop at its end, as `decode` in a loop would (a capacity error
-        // once the caller wants more).
-        let room = self.max_context.saturating_sub(self.seqs.get(&seq).map_or(0, |s| s.len()));
-        let before = self.model.launches();
-        let steps = self.seq_mut(seq)?.decode_greedy(token, max.min(room), &mut *on_token);
-        self.step_launches += self.model.launches() - before;
-        let steps = steps?;
-        self.step_tokens += steps as u64;
-        self.stats.passes += steps as u64;
-        if steps == room && max > room {
-            // The context is full: the next step's check is the capacity error `decode` would give.
-            self.check(seq, std::slice::from_ref(&token))?;
-        }
-        Ok(steps)
+        self.decode_run(seq, token, max, |s, n| s.decode_greedy(token, n, on_token))
     }
 
     fn decode_sampled(
@@ -314,20 +326,10 @@ impl Backend for CudaBackend {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
         check_draw(params)?;
-        self.check(seq, std::slice::from_ref(&token))?;
-        // As `decode_greedy`: the steps that fit, then the capacity error `decode` would give.
-        let room = self.max_context.saturating_sub(self.seqs.get(&seq).map_or(0, |s| s.len()));
-        let before = self.model.launches();
-        let steps =
-            self.seq_mut(seq)?.decode_sampled(token, params, &uniforms[..uniforms.len().min(room)], &mut *on_token);
-        self.step_launches += self.model.launches() - before;
-        let steps = steps?;
-        self.step_tokens += steps as u64;
-        self.stats.passes += steps as u64;
-        if steps == room && uniforms.len() > room {
-            self.check(seq, std::slice::from_ref(&token))?;
+        if !self.seq_mut(seq)?.draws_on_device(params) {
+            return decode_sampled_steps(self, seq, token, params, uniforms, on_token);
         }
-        Ok(steps)
+        self.decode_run(seq, token, uniforms.len(), |s, n| s.decode_sampled(token, params, &uniforms[..n], on_token))
     }
 
     fn verify(&mut self, seq: SeqId, tokens: &[u32], want: Want) -> Result<Vec<PosOut>> {

@@ -15,8 +15,8 @@ use crate::megakernel::{Megakernel, MkTrace};
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
-use megagemma_model::backend::{check_draw, no_finite_logit, top_candidates};
-use megagemma_model::draw::{draw_candidates, DrawParams};
+use megagemma_model::backend::{check_draw, no_finite_logit};
+use megagemma_model::draw::DrawParams;
 use megagemma_model::plan::LayerPlan;
 use megagemma_model::{bail, Result};
 use std::sync::Arc;
@@ -920,23 +920,40 @@ impl CudaSeq {
         if max == 0 {
             return Ok(0);
         }
-        self.check_tokens(&[token])?;
-        self.staged = 0;
-        self.reserve(1)?;
+        self.start_steps(token)?;
         let tables = self.prepare_step_launches()?;
         self.pipelined(token, max, StepGraphs::Greedy(tables), on_token)
     }
 
-    /// Sampled decoding from `token` (fed at position `len()`): one committed step per uniform,
-    /// step i's token drawn with `uniforms[i]` from its `params.top_k` highest logits
-    /// (`megagemma_model::draw::draw_candidates`), `on_token` given each token in order and
-    /// returning whether to go on. Returns the steps committed. With `device_draw` on the graph
-    /// path it is `decode_greedy`'s pipelined loop with the draw on the device (`sample_draw`, the
-    /// host's arithmetic operation for operation) before each step's commit, so the next step is
-    /// queued before the host has the token; otherwise (the default until the H200 has checked
-    /// it, the megakernel, a top-k the device selection does not serve, sequences keeping hidden
-    /// states) one step at a time, the candidates selected on the device and drawn on the host.
-    /// The same tokens either way.
+    /// Before a pipelined loop from `token`: the token checked, nothing staged, scratch for
+    /// single-token passes.
+    fn start_steps(&mut self, token: u32) -> Result<()> {
+        self.check_tokens(&[token])?;
+        self.staged = 0;
+        self.reserve(1)
+    }
+
+    /// Whether `decode_sampled` runs here with `params`: the device draw on (`device_draw`), the
+    /// pipelined graph path, a top-k the device selection serves, and no hidden state to keep
+    /// (a step queued ahead and taken back would leave it). Elsewhere sampled decoding steps one
+    /// token at a time through the backend (`megagemma_model::backend::decode_sampled_steps`).
+    pub fn draws_on_device(&self, params: &DrawParams) -> bool {
+        self.device_draw
+            && self.pipeline
+            && self.use_graphs
+            && self.decode == Decode::Graph
+            && self.kv_layers > 0
+            && !self.keep_hidden
+            && candidates_on_device(self.model.plan.vocab_size, params.top_k)
+    }
+
+    /// Sampled decoding from `token` (fed at position `len()`) where `draws_on_device`: one
+    /// committed step per uniform, step i's token drawn with `uniforms[i]` from its `params.top_k`
+    /// highest logits, `on_token` given each token in order and returning whether to go on.
+    /// Returns the steps committed. It is `decode_greedy`'s pipelined loop with the draw on the
+    /// device (`sample_draw`: `megagemma_model::draw::draw_candidates`' arithmetic, operation for
+    /// operation) before each step's commit, so the next step is queued before the host has the
+    /// token: the tokens of `decode_sampled_steps`.
     pub fn decode_sampled(
         &mut self,
         token: u32,
@@ -945,33 +962,17 @@ impl CudaSeq {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
         check_draw(params)?;
+        if !self.draws_on_device(params) {
+            bail!("this sequence does not draw sampled tokens on the device (CudaSeq::draws_on_device)");
+        }
         let max = uniforms.len();
         if self.len + max > self.max_len {
             bail!("position {} is past this sequence's maximum length {}", self.len + max - 1, self.max_len);
         }
-        let on_device = candidates_on_device(self.model.plan.vocab_size, params.top_k);
-        let pipelined = self.device_draw && self.pipeline && self.use_graphs && self.decode == Decode::Graph;
-        if !pipelined || self.kv_layers == 0 || self.keep_hidden || !on_device {
-            let mut tok = token;
-            for (i, &u) in uniforms.iter().enumerate() {
-                let out = self.step(tok, !on_device)?;
-                let cands = match out.logits {
-                    Some(l) => top_candidates(&l, params.top_k),
-                    None => self.candidates(1, params.top_k)?.and_then(|mut c| c.pop()).unwrap_or_default(),
-                };
-                tok = draw_candidates(&cands, params, u).ok_or_else(no_finite_logit)?;
-                if !on_token(tok) {
-                    return Ok(i + 1);
-                }
-            }
-            return Ok(max);
-        }
         if max == 0 {
             return Ok(0);
         }
-        self.check_tokens(&[token])?;
-        self.staged = 0;
-        self.reserve(1)?;
+        self.start_steps(token)?;
         let len = self.len as u64;
         let buf = self.sample_buffers()?;
         let (uniforms_at, flag) = (buf.uniforms.ptr + len * 8, buf.flag.ptr);
@@ -1059,10 +1060,7 @@ impl CudaSeq {
             loop {
                 while queued < max && queued <= done + 1 {
                     self.step_log.clear(first + queued);
-                    match graphs {
-                        StepGraphs::Sampled => self.launch_sampled_step(queued % 2)?,
-                        StepGraphs::Greedy(_) => self.launch_step(queued % 2, tables)?,
-                    }
+                    self.launch_step(queued % 2, graphs)?;
                     queued += 1;
                 }
                 let id = self.wait_step_token(self.len)?;
@@ -1115,24 +1113,16 @@ impl CudaSeq {
         prepared
     }
 
-    /// Queues pipelined sampled step `which` (its graph, 0 or 1 as in `launch_step`).
-    fn launch_sampled_step(&mut self, which: usize) -> Result<()> {
-        let (_, g) = self
-            .sample_graphs
-            .as_ref()
-            .ok_or_else(|| megagemma_model::Error::msg("sampled step graphs not captured"))?;
-        self.model.gpu.count_launch();
-        g[which].launch().map_err(|e| cuda_err("graph launch", e))
-    }
-
-    /// Queues pipelined step `which` (0: `decode_graph[1]`, 1: `ahead_graph`; on the megakernel
-    /// path the launch of table `tables[which]`).
-    fn launch_step(&mut self, which: usize, tables: Option<[usize; 2]>) -> Result<()> {
-        if let Some(t) = tables {
-            return self.megakernels[t[which]].1.launch(&self.model.gpu, 0);
-        }
-        let g = if which == 0 { &self.decode_graph[1] } else { &self.ahead_graph };
-        let g = g.as_ref().ok_or_else(|| megagemma_model::Error::msg("pipelined step graph not captured"))?;
+    /// Queues pipelined step `which` of `graphs`: greedy, `decode_graph[1]` (0) or `ahead_graph`
+    /// (1), on the megakernel path the launch of table `tables[which]`; sampled, `sample_graphs`'
+    /// graph `which`.
+    fn launch_step(&mut self, which: usize, graphs: StepGraphs) -> Result<()> {
+        let g = match graphs {
+            StepGraphs::Greedy(Some(t)) => return self.megakernels[t[which]].1.launch(&self.model.gpu, 0),
+            StepGraphs::Greedy(None) => if which == 0 { &self.decode_graph[1] } else { &self.ahead_graph }.as_ref(),
+            StepGraphs::Sampled => self.sample_graphs.as_ref().map(|(_, g)| &g[which]),
+        };
+        let g = g.ok_or_else(|| megagemma_model::Error::msg("pipelined step graph not captured"))?;
         self.model.gpu.count_launch();
         g.launch().map_err(|e| cuda_err("graph launch", e))
     }

@@ -164,16 +164,7 @@ pub trait Backend: Send {
         uniforms: &[f64],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
-        check_draw(params)?;
-        let mut tok = token;
-        for (i, &u) in uniforms.iter().enumerate() {
-            let out = self.decode(seq, tok, Want::Candidates(params.top_k))?;
-            tok = draw_candidates(&out.candidates, params, u).ok_or_else(no_finite_logit)?;
-            if !on_token(tok) {
-                return Ok(i + 1);
-            }
-        }
-        Ok(uniforms.len())
+        decode_sampled_steps(self, seq, token, params, uniforms, on_token)
     }
 
     /// Whether an MTP assistant is loaded beside the target.
@@ -186,6 +177,29 @@ pub trait Backend: Send {
         let _ = (seq, token, k, with_probs);
         Err(Error::invalid_input(format!("the {} backend has no drafter loaded (give --assistant DIR)", self.name())))
     }
+}
+
+/// `Backend::decode_sampled` one step at a time: `decode` with the step's candidates, then
+/// `draw_candidates` on the host. The trait's default, and what a backend that can draw on its own
+/// device runs where it cannot.
+pub fn decode_sampled_steps<B: Backend + ?Sized>(
+    b: &mut B,
+    seq: SeqId,
+    token: u32,
+    params: &DrawParams,
+    uniforms: &[f64],
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<usize> {
+    check_draw(params)?;
+    let mut tok = token;
+    for (i, &u) in uniforms.iter().enumerate() {
+        let out = b.decode(seq, tok, Want::Candidates(params.top_k))?;
+        tok = draw_candidates(&out.candidates, params, u).ok_or_else(no_finite_logit)?;
+        if !on_token(tok) {
+            return Ok(i + 1);
+        }
+    }
+    Ok(uniforms.len())
 }
 
 /// `decode_sampled`'s parameters: a temperature above 0 and a top-k of at least 2.

@@ -127,10 +127,9 @@ pub fn draw_candidates(candidates: &[(u32, f32)], params: &DrawParams, u: f64) -
     let kept = &candidates[..params.top_k.clamp(1, candidates.len())];
     let mut w = weights(kept, best_logit, params.temperature);
     w.truncate(top_p_keep(&w, params.top_p));
-    let kept: Vec<(u32, f64)> =
-        kept.iter().zip(w).filter(|(_, w)| min_p_keeps(*w, params.min_p)).map(|(c, w)| (c.0, w)).collect();
-    let ws: Vec<f64> = kept.iter().map(|k| k.1).collect();
-    Some(kept[draw_index(&ws, u)].0)
+    let (tokens, w): (Vec<u32>, Vec<f64>) =
+        kept.iter().zip(w).filter(|(_, w)| min_p_keeps(*w, params.min_p)).map(|(c, w)| (c.0, w)).unzip();
+    Some(tokens[draw_index(&w, u)])
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use crate::metrics::Metrics;
 use crate::prefix_cache::PrefixCache;
 use crate::request::GenSpec;
 use crate::stop_text::StopText;
-use megagemma_engine::generate::decode::want_for;
+use megagemma_engine::generate::decode::{uniforms_for, want_for};
 use megagemma_engine::generate::speculate::{Drafter, LookupDrafter, MtpDrafter};
 use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_engine::thoughts::{Part, ThoughtSplitter};
@@ -440,11 +440,13 @@ impl Scheduler {
         let Scheduler { backend, tokenizer, stop_ids, metrics, rx, waiting, draining, .. } = self;
         let (seq, next) = (c.seq, c.next);
         let sampled = match want {
-            Want::Candidates(_) => {
-                // One more than the context holds: past it, the capacity error stepping would give.
-                let room = backend.max_context().saturating_sub(backend.seq_len(seq).unwrap_or(0)) + 1;
-                Some((c.sampler.params().draw_params(), c.sampler.uniforms_ahead(left.min(room))))
-            }
+            Want::Candidates(_) => match uniforms_for(backend.as_ref(), seq, &c.sampler, left) {
+                Ok(u) => Some((c.sampler.params().draw_params(), u)),
+                Err(_) => {
+                    self.active.push(c);
+                    return false; // the sequence is gone: stepping reports it
+                }
+            },
             _ => None,
         };
         let mut last = Instant::now();

@@ -28,6 +28,14 @@ pub fn want_for(sampling: &SamplingParams, full_logits: bool) -> Want {
 /// up to `megagemma_cuda::MAX_CANDIDATES`); a larger top-k takes the whole row.
 pub const MAX_CANDIDATES: usize = megagemma_cuda::MAX_CANDIDATES;
 
+/// The sampler's next uniforms for up to `steps` sampled steps of `seq` in one
+/// `Backend::decode_sampled` call (lent: `Sampler::skip` takes the ones used): one more than the
+/// context holds at most, so running past it is the capacity error a step gives.
+pub fn uniforms_for(backend: &dyn Backend, seq: SeqId, sampler: &Sampler, steps: usize) -> Result<Vec<f64>> {
+    let room = backend.max_context().saturating_sub(backend.seq_len(seq)?) + 1;
+    Ok(sampler.uniforms_ahead(steps.min(room)))
+}
+
 /// The next token from one position's output, asked for as `want`.
 pub fn choose(sampler: &mut Sampler, out: &PosOut, want: Want) -> Result<u32> {
     if sampler.params().is_greedy() {
@@ -80,9 +88,7 @@ pub fn run(
             // Top-k sampling: the rest in one call too, each step drawn with the next uniform of
             // the sampler's stream (the order `choose` takes them in), so a backend can draw on
             // its device and queue the next step before the host has the token.
-            // One more than the context holds, so running past it is the capacity error `decode` gives.
-            let room = backend.max_context().saturating_sub(backend.seq_len(seq)?) + 1;
-            let uniforms = sampler.uniforms_ahead(stop.remaining().min(room));
+            let uniforms = uniforms_for(backend, seq, &sampler, stop.remaining())?;
             let mut finish = None;
             let steps = backend.decode_sampled(seq, tok, &params.sampling.draw_params(), &uniforms, &mut |t| {
                 out.ids.push(t);
