@@ -1,7 +1,8 @@
-//! Integer dot products for GGUF Q5_0, Q4_K and Q6_K rows on CPUs with AVX-512 VNNI.
+//! Integer dot products for GGUF Q4_K and Q6_K rows on CPUs with AVX-512 VNNI (Q8_0 and Q5_0
+//! rows run as [`super::byte_tiles`]).
 //!
-//! These weights are small integers `q` times a float per 16 or 32 values (`d·(u − 16)` for
-//! Q5_0, `d·sc·q − dmin·m` for Q4_K, `d·sc·(u − 32)` for Q6_K). The f32 kernels spend one fused
+//! These weights are small integers `q` times a float per 16 or 32 values (`d·sc·q − dmin·m`
+//! for Q4_K, `d·sc·(u − 32)` for Q6_K). The f32 kernels spend one fused
 //! multiply-add per weight and vector, which keeps a multi-token pass (prefill, verify) at the
 //! FMA units' limit. Here each activation vector is quantized once per matmul to
 //! 22-bit integers per 16 values (`x ≈ s·x_q`, `s = amax / (2^21 − 1)`, so the error is at most
@@ -12,7 +13,7 @@
 //! Gemma 3 270M moved by up to 8e-5 relative L2 from transformers', too close to the 1e-4
 //! contract; with 22 bits they stay within a few 1e-7, as the f32 kernels'.)
 //!
-//! Layout. A group of 256 values (8 Q5_0 blocks, one K-quant super-block) fills 16 lanes of 16
+//! Layout. A group of 256 values (one K-quant super-block) fills 16 lanes of 16
 //! values, 4 steps of 4 bytes: lane `j` holds values `16·j + 4·i .. + 4` in step `i`, one
 //! activation scale and one weight scale. The activations are stored in that order when
 //! quantized; each format's decoder permutes a row's bytes into it (`vpermt2b`), once per row for
@@ -34,8 +35,6 @@ use std::sync::OnceLock;
 const BLOCK: usize = 32;
 /// Values per lane (and per activation scale): half a block.
 const LANE_VALUES: usize = 16;
-/// Q5_0 block bytes: f16 `d`, 32 high bits `qh`, 16 bytes of nibbles.
-const Q5_0_BYTES: usize = 22;
 /// Blocks per 16-lane group.
 const GROUP_BLOCKS: usize = 8;
 /// Bytes of one group's high (middle, low) activation bytes: 4 steps × 16 lanes × 4.
@@ -147,7 +146,7 @@ const Q_MAX: f32 = 2_097_151.0;
 
 /// Whether rows of `ty` have an integer kernel (and [`enabled`] says it runs here).
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K) && enabled()
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) && enabled()
 }
 
 /// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows of a
@@ -164,7 +163,6 @@ pub fn dot_rows(ty: GgmlType, data: &[u8], row_bytes: usize, start: usize, x: &L
     unsafe {
         use avx512::*;
         match ty {
-            GgmlType::Q5_0 => rows::<Q50>(data, row_bytes, start, x, outs, n),
             GgmlType::Q4_K => rows::<Q4K>(data, row_bytes, start, x, outs, n),
             _ => rows::<Q6K>(data, row_bytes, start, x, outs, n),
         }
@@ -192,8 +190,8 @@ mod avx512 {
     pub(super) trait Format {
         /// Whether weights have a per-lane minimum (`w = d·q + m`).
         const MIN: bool;
-        /// Decode 256-value group `g` of a row of `len` bytes.
-        unsafe fn decode(row: *const u8, len: usize, g: usize) -> DecGroup;
+        /// Decode 256-value group `g` (a super-block) of a row.
+        unsafe fn decode(row: *const u8, g: usize) -> DecGroup;
     }
 
     /// `vpermt2b` over two 64-byte registers.
@@ -202,93 +200,12 @@ mod avx512 {
         _mm512_permutex2var_epi8(a, _mm512_loadu_si512(idx.as_ptr() as *const _), b)
     }
 
-    /// 64 bytes of the row at `off`, bytes at or past `len` read as zero (masked, so never
-    /// touching memory past the row).
-    #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn load_row(row: *const u8, len: usize, off: usize) -> __m512i {
-        let avail = len.saturating_sub(off).min(64);
-        let mask = if avail == 64 { u64::MAX } else { (1u64 << avail) - 1 };
-        _mm512_maskz_loadu_epi8(mask, row.wrapping_add(off) as *const i8)
-    }
-
     /// `−128·Σq` per lane over the four steps.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn init_of(q: &[__m512i; 4]) -> __m512i {
         let c128 = _mm512_set1_epi8(-128);
         let s = q.iter().fold(_mm512_setzero_si512(), |s, qi| _mm512_dpbusd_epi32(s, c128, *qi));
         _mm512_sub_epi32(_mm512_setzero_si512(), s)
-    }
-
-    /// Byte `e` of entry `m` is 0x10 when bit `e` of `m` is set: four `qh` bits → the fifth bit
-    /// of four weights.
-    const HIGH_BIT_LUT: [i32; 16] = {
-        let mut t = [0i32; 16];
-        let mut m = 0;
-        while m < 16 {
-            let mut e = 0;
-            while e < 4 {
-                if (m >> e) & 1 == 1 {
-                    t[m] |= 0x10 << (8 * e);
-                }
-                e += 1;
-            }
-            m += 1;
-        }
-        t
-    };
-
-    /// Byte-permute indices that gather, for every lane `j` (block `(j / 2) % 4` of a 4-block,
-    /// 88-byte window), bytes `at, at + 1, at + 2, at + 3` of that block.
-    const fn q5_0_bytes(at: usize) -> [u8; 64] {
-        let mut t = [0u8; 64];
-        let mut p = 0;
-        while p < 64 {
-            t[p] = (Q5_0_BYTES * ((p / 8) % 4) + at + p % 4) as u8;
-            p += 1;
-        }
-        t
-    }
-
-    pub(super) struct Q50;
-    impl Q50 {
-        /// Per step `i`: the nibble bytes `qs[4i .. 4i + 4]` (at offset 6 in a block).
-        const QS_IDX: [[u8; 64]; 4] = [q5_0_bytes(6), q5_0_bytes(10), q5_0_bytes(14), q5_0_bytes(18)];
-        /// `qh` (offset 2) and `d` (offset 0; the low 16 bits of each lane).
-        const QH_IDX: [u8; 64] = q5_0_bytes(2);
-        const D_IDX: [u8; 64] = q5_0_bytes(0);
-    }
-
-    /// Q5_0: lane `j` is half `j % 2` of block `j / 2`. The group's 8 blocks (176 bytes) are
-    /// loaded as two 128-byte windows (blocks 0–3 and 4–7; bytes past the row read as zero, so
-    /// missing blocks give `d = 0`), each lane's bytes picked from its window.
-    impl Format for Q50 {
-        const MIN: bool = false;
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-        unsafe fn decode(row: *const u8, len: usize, g: usize) -> DecGroup {
-            let g0 = g * GROUP_BLOCKS * Q5_0_BYTES;
-            let (a0, a1) = (load_row(row, len, g0), load_row(row, len, g0 + 64));
-            let (b0, b1) = (load_row(row, len, g0 + 88), load_row(row, len, g0 + 152));
-            // Lanes 8–15 (bytes 32–63) come from the second window.
-            const SECOND: u64 = 0xffff_ffff_0000_0000;
-            let pick = |idx: &[u8; 64]| _mm512_mask_blend_epi8(SECOND, permute2(idx, a0, a1), permute2(idx, b0, b1));
-            let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            let half = _mm512_and_si512(lane, _mm512_set1_epi32(1));
-            let nib_shift = _mm512_slli_epi32::<2>(half); // 0 or 4
-            let qh_shift = _mm512_slli_epi32::<4>(half); // 0 or 16
-            let qh = pick(&Self::QH_IDX);
-            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pick(&Self::D_IDX)));
-            let lut = _mm512_loadu_si512(HIGH_BIT_LUT.as_ptr() as *const _);
-            let (low4, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
-            let mut q = [_mm512_setzero_si512(); 4];
-            for (i, qi) in q.iter_mut().enumerate() {
-                let raw = pick(&Self::QS_IDX[i]);
-                let nib = _mm512_and_si512(_mm512_srlv_epi32(raw, nib_shift), low4);
-                let bits = _mm512_srlv_epi32(qh, _mm512_add_epi32(qh_shift, _mm512_set1_epi32(4 * i as i32)));
-                let hb = _mm512_permutexvar_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0xf)), lut);
-                *qi = _mm512_sub_epi8(_mm512_or_si512(nib, hb), sixteen);
-            }
-            DecGroup { q, d, m: _mm512_setzero_ps(), init: init_of(&q) }
-        }
     }
 
     /// Byte indices for lane `j`, step `i` of a K-quant super-block: `base(j) + 4·i + e`, with
@@ -337,7 +254,7 @@ mod avx512 {
     impl Format for Q4K {
         const MIN: bool = true;
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-        unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
+        unsafe fn decode(row: *const u8, g: usize) -> DecGroup {
             let p = row.add(g * 144);
             let (d, dmin) = (f16_at(p), f16_at(p.add(2)));
             let (sc, mn) = k4_scales_mins(&*(p.add(4) as *const [u8; 12]));
@@ -366,7 +283,7 @@ mod avx512 {
     impl Format for Q6K {
         const MIN: bool = false;
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-        unsafe fn decode(row: *const u8, _len: usize, g: usize) -> DecGroup {
+        unsafe fn decode(row: *const u8, g: usize) -> DecGroup {
             let p = row.add(g * 210);
             let d = f16_at(p.add(208));
             let ds: [f32; 16] = std::array::from_fn(|j| d * (*p.add(192 + j) as i8) as f32);
@@ -493,7 +410,7 @@ mod avx512 {
         let decode_row = |r: usize, into: &mut [DecGroup]| {
             let p = data.as_ptr().add((start + r) * row_bytes);
             for (g, slot) in into.iter_mut().enumerate() {
-                *slot = F::decode(p, row_bytes, g);
+                *slot = F::decode(p, g);
             }
         };
         for t0 in (0..t).step_by(TOKEN_BLOCK) {
@@ -554,20 +471,6 @@ pub(super) mod tests {
         let f16 = |p: &[u8]| half::f16::from_le_bytes([p[0], p[1]]).to_f32();
         let mut q = [0i32; 16];
         match ty {
-            GgmlType::Q5_0 => {
-                let b = g * GROUP_BLOCKS + j / 2;
-                if b >= row.len() / Q5_0_BYTES {
-                    return ([0; 16], 0.0, 0.0);
-                }
-                let blk = &row[b * Q5_0_BYTES..(b + 1) * Q5_0_BYTES];
-                let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                for (k, q) in q.iter_mut().enumerate() {
-                    let v = 16 * (j % 2) + k;
-                    let nib = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
-                    *q = (nib as i32 | (((qh >> v) & 1) << 4) as i32) - 16;
-                }
-                (q, f16(blk), 0.0)
-            }
             GgmlType::Q4_K => {
                 let sb = &row[g * 144..(g + 1) * 144];
                 let (sc, mn) = k4_scales_mins(sb[4..16].try_into().unwrap());
@@ -622,8 +525,7 @@ pub(super) mod tests {
         s[0]
     }
 
-    /// Random rows of `ty` with sane f16 scales.
-    /// Random rows of `ty` with sane f16 scales (also used by the Q8_0 tile tests).
+    /// Random rows of `ty` with sane f16 scales (also used by the byte tile tests).
     pub(in crate::gguf) fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = move || {
@@ -634,7 +536,7 @@ pub(super) mod tests {
         };
         let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
         let scale_at: &[usize] = match ty {
-            GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q5_0 | GgmlType::Q8_0 => &[0], // for the byte tile tests
             GgmlType::Q4_K => &[0, 2],
             _ => &[208],
         };
@@ -651,14 +553,13 @@ pub(super) mod tests {
     fn kernels_equal_their_scalar_transcription_and_the_exact_dot() {
         if !enabled() {
             // No matrix may take the integer path here; the kernels themselves cannot run.
-            assert!([GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K].iter().all(|&t| !supports(t)));
+            assert!([GgmlType::Q4_K, GgmlType::Q6_K].iter().all(|&t| !supports(t)));
             eprintln!("integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): only the fallback is checked");
             return;
         }
-        // Q5_0 at 640 values (two whole groups and a half one), the K-quants at 512; 7 rows
-        // (pairs and a single), 6 vectors (a tile of 4 and single columns); one vector has an
-        // outlier and one a zero lane.
-        for (ty, cols) in [(GgmlType::Q5_0, 640), (GgmlType::Q4_K, 512), (GgmlType::Q6_K, 512)] {
+        // 512 values; 7 rows (pairs and a single), 6 vectors (a tile of 4 and single columns);
+        // one vector has an outlier and one a zero lane.
+        for (ty, cols) in [(GgmlType::Q4_K, 512), (GgmlType::Q6_K, 512)] {
             let (rows, t) = (7, 6);
             let data = random_rows(ty, rows, cols, 7);
             let rb = ty.row_bytes(cols).unwrap();
@@ -733,12 +634,13 @@ pub(super) mod tests {
         if !enabled() {
             return; // covered by the fallback check above
         }
-        let data = random_rows(GgmlType::Q5_0, 1, 64, 3);
-        let mut xs = vec![0.5f32; 64];
+        let ty = GgmlType::Q6_K;
+        let data = random_rows(ty, 1, 256, 3);
+        let mut xs = vec![0.5f32; 256];
         xs[40] = f32::NAN;
-        let x = LaneInputs::quantize(&xs, 64);
+        let x = LaneInputs::quantize(&xs, 256);
         let mut out = [0f32; 1];
-        dot_rows(GgmlType::Q5_0, &data, 2 * Q5_0_BYTES, 0, &x, &mut out);
+        dot_rows(ty, &data, ty.row_bytes(256).unwrap(), 0, &x, &mut out);
         assert!(out[0].is_nan());
     }
 }

@@ -6,9 +6,9 @@ use std::sync::{Arc, OnceLock};
 use memmap2::Mmap;
 
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
+use super::byte_tiles::{ByteTiles, TileInputs};
 use super::dot::{dot_kernel, dot_kernel_2rows, DotFn, DotMulti2Fn, DotMultiFn, MULTI};
 use super::idot::LaneInputs;
-use super::q8_tiles::{Q8Tiles, TileInputs};
 use super::reader::{GgufFile, GgufTensorInfo};
 use super::IntInputs;
 use crate::bail;
@@ -30,12 +30,12 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
-    /// Rows go through an integer kernel on this CPU: [`super::idot`], or for Q8_0
-    /// [`super::q8_tiles`].
+    /// Rows go through an integer kernel on this CPU: [`super::byte_tiles`] for Q8_0 and Q5_0,
+    /// [`super::idot`] for the others it supports.
     int_dot: bool,
-    /// Q8_0 rows re-laid in 16-row tiles, made on the first product (a device backend that only
+    /// Q8_0 / Q5_0 rows re-laid in 16-row tiles, made on the first product (a device backend that only
     /// uploads [`RowDot::layout`] never pays for it).
-    tiles: OnceLock<Q8Tiles>,
+    tiles: OnceLock<ByteTiles>,
 }
 
 impl GgufMatrix {
@@ -66,7 +66,7 @@ impl GgufMatrix {
             dot_multi,
             dot_multi2: dot_kernel_2rows(ty),
             dequant,
-            int_dot: super::idot::supports(ty) || super::q8_tiles::supports(ty),
+            int_dot: super::idot::supports(ty) || super::byte_tiles::supports(ty),
             tiles: OnceLock::new(),
         })
     }
@@ -166,7 +166,7 @@ impl RowDot for GgufMatrix {
             return None;
         }
         Some(match self.ggml_type {
-            GgmlType::Q8_0 => IntInputs::Tiles(TileInputs::quantize(xs, self.cols)),
+            GgmlType::Q8_0 | GgmlType::Q5_0 => IntInputs::Tiles(TileInputs::quantize(xs, self.cols, self.ggml_type)),
             _ => IntInputs::Lanes(LaneInputs::quantize(xs, self.cols)),
         })
     }
@@ -179,8 +179,9 @@ impl RowDot for GgufMatrix {
         match xs {
             IntInputs::Lanes(x) => super::idot::dot_rows(self.ggml_type, data, self.row_bytes, start, x, outs),
             IntInputs::Tiles(x) => {
-                let tiles = self.tiles.get_or_init(|| Q8Tiles::from_q8_0(data, self.rows, self.row_bytes));
-                super::q8_tiles::dot_rows(tiles, start, x, outs)
+                let tiles =
+                    self.tiles.get_or_init(|| ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes));
+                super::byte_tiles::dot_rows(tiles, start, x, outs)
             }
         }
     }

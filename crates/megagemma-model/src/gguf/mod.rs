@@ -6,6 +6,7 @@
 //! `ggml-common.h`, `dequantize_row_*` in `ggml-quants.c`).
 
 mod blocks;
+pub mod byte_tiles;
 mod dot;
 #[cfg(target_arch = "x86_64")]
 mod dot256;
@@ -13,7 +14,6 @@ mod dot256;
 mod dot512;
 pub mod idot;
 mod matrix;
-pub mod q8_tiles;
 mod reader;
 
 pub use blocks::{dequantize_row, f16_to_f32, GgmlType, SUPPORTED_TYPES};
@@ -22,11 +22,11 @@ pub use matrix::GgufMatrix;
 pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
 /// Activation vectors prepared once per product for a GGUF integer kernel
-/// ([`crate::matrix::RowDot::prepare_inputs`]): 22-bit lanes for Q5_0 / Q4_K / Q6_K rows
-/// ([`idot`]), or 20-bit digits per 32 values for Q8_0 tiles ([`q8_tiles`]).
+/// ([`crate::matrix::RowDot::prepare_inputs`]): 22-bit lanes for Q4_K / Q6_K rows ([`idot`]),
+/// or 20- / 23-bit digits per 32 values for Q8_0 / Q5_0 tiles ([`byte_tiles`]).
 pub enum IntInputs {
     Lanes(idot::LaneInputs),
-    Tiles(q8_tiles::TileInputs),
+    Tiles(byte_tiles::TileInputs),
 }
 
 impl IntInputs {

@@ -1,27 +1,31 @@
-//! GGUF Q8_0 matrices as integer dot products over 16 rows at once (AVX-512 VNNI).
+//! GGUF Q8_0 and Q5_0 matrices as integer dot products over 16 rows at once (AVX-512 VNNI).
 //!
-//! Q8_0 weights are `d·q` per 32 values (`q` a signed byte, `d` an f16). The f32 kernel spends
-//! one fused multiply-add per weight and vector, so a verify pass's LM head (Gemma 3 270M:
-//! 262,144 × 640 in Q8_0, 72% of the bytes a token reads) ran at the FMA units' limit; and
-//! [`super::idot`]'s lane layout (one row at a time, lanes summed across at the end) measured no
-//! faster than f32 for Q8_0. Here the matrix is re-laid once, on first use, in *tiles* of 16 rows:
-//! per tile and 32-value block, the 512 codes as `q + 128` (unsigned) in the order `vpdpbusd`
-//! reads them against one broadcast activation word — step `i` (values `4i .. 4i + 4`), row `r`,
-//! byte `e` at `64·i + 4·r + e` — then the 16 rows' f16 scales: 544 bytes, as many as the 16
-//! Q8_0 blocks they come from. One `vpdpbusd` adds four products to each of the 16 rows: no byte
-//! permutes, no horizontal sums.
+//! Q8_0 weights are `d·q` per 32 values (`q` a signed byte, `d` an f16); Q5_0 weights are
+//! `d·(u − 16)`, the same form with `q = u − 16` in `[−16, 15]`. The f32 kernel spends one fused
+//! multiply-add per weight and vector, so a verify pass's LM head (Gemma 3 270M: 262,144 × 640 in
+//! Q8_0, 72% of the bytes a token reads) ran at the FMA units' limit; and [`super::idot`]'s lane
+//! layout (one row at a time, its bytes permuted into lanes, lanes summed across at the end)
+//! measured no faster than f32 for Q8_0, and 3–4× slower than tiles for Q5_0. Here the matrix is
+//! re-laid once, on first use, in *tiles* of 16 rows: per tile and 32-value block, the 512 codes
+//! as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast activation
+//! word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16
+//! rows' f16 scales: 544 bytes (as many as 16 Q8_0 blocks; 1.55× the 16 Q5_0 blocks they come
+//! from). One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no
+//! horizontal sums.
 //!
-//! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / (2^19 − 1)` (error at most
-//! `s/2`, ≈9.5e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256
-//! digits `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 8`). Per block and row,
-//! three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
+//! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1`
+//! against Q8_0 codes and `2^22 − 1` against Q5_0's (error at most `s/2`: ≈9.5e-7 and ≈1.2e-7
+//! of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
+//! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`). Per block and row, three
+//! `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
 //! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
-//! true value fits, `128·(2^19 − 1)·32 < 2^31`); then `acc = fma(f32(Σ q·x_q), d·s, acc)` block
-//! after block. Every step is per token, so a column of a multi-token call is bit-identical to a
-//! one-token call. With two tokens or more, on CPUs with AMX (and `MEGAGEMMA_AMX` not `0`), one
-//! `tdpbsud` per tile and block computes the same `S_p` for up to five tokens at once (the digit
-//! rows of the tokens' three planes against the tile's codes, exactly the layout above): integer
-//! sums are exact in any order, so the results are the same bits; [`tests`] check the kernel against a scalar transcription of the same
+//! true value fits, `128·(2^19 − 1)·32 < 2^31` and `16·(2^22 − 1)·32 < 2^31`); then
+//! `acc = fma(f32(Σ q·x_q), d·s, acc)` block after block. Every step is per token, so a column
+//! of a multi-token call is bit-identical to a one-token call. With two tokens or more, on CPUs
+//! with AMX (and `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same
+//! `S_p` for up to five tokens at once (the digit rows of the tokens' three planes against the
+//! tile's codes, exactly the layout above): integer sums are exact in any order, so the results
+//! are the same bits; [`tests`] check the kernel against a scalar transcription of the same
 //! arithmetic, bit for bit, and against an f64 dot product.
 
 #![allow(clippy::missing_safety_doc)]
@@ -37,10 +41,18 @@ pub const TILE_ROWS: usize = 16;
 const BLOCK: usize = 32;
 /// Q8_0 block bytes: f16 `d`, 32 signed codes.
 const Q8_0_BYTES: usize = 34;
+/// Q5_0 block bytes: f16 `d`, 32 fifth bits `qh`, 16 bytes of nibbles.
+const Q5_0_BYTES: usize = 22;
 /// One tile's block: 16 rows × 32 codes, then 16 f16 scales.
 const TILE_BLOCK_BYTES: usize = TILE_ROWS * BLOCK + 2 * TILE_ROWS;
-/// The largest quantized activation magnitude (20-bit signed).
-const Q_MAX: f32 = 524_287.0;
+/// The largest quantized activation magnitude against codes of `ty`: the largest that keeps a
+/// block's `Σ q·x_q` within i32 (`|q| ≤ 128` for Q8_0, `≤ 16` for Q5_0).
+fn q_max(ty: GgmlType) -> f32 {
+    match ty {
+        GgmlType::Q5_0 => 4_194_303.0,
+        _ => 524_287.0,
+    }
+}
 /// Tokens whose digits stay in L2 while a call's tiles are multiplied with them.
 const TOKEN_BLOCK: usize = 128;
 /// Vectors quantized per parallel task.
@@ -55,21 +67,35 @@ pub fn enabled() -> bool {
     super::idot::enabled()
 }
 
-/// A Q8_0 matrix re-laid in tiles of 16 rows (see the module documentation). Rows past the
-/// matrix in the last tile are zero (codes 128, scales 0).
-pub struct Q8Tiles {
+/// A Q8_0 or Q5_0 matrix re-laid in tiles of 16 rows (see the module documentation). Rows past
+/// the matrix in the last tile are zero (codes 128, scales 0).
+pub struct ByteTiles {
+    /// The format the codes came from (it bounds them, and so the inputs' width).
+    ty: GgmlType,
     rows: usize,
     blocks: usize,
     /// `[tile][block]` of [`TILE_BLOCK_BYTES`].
     data: Vec<u8>,
 }
 
-impl Q8Tiles {
+impl ByteTiles {
     /// Re-lay `rows` Q8_0 rows of `row_bytes` bytes each (`bytes`, rows contiguous).
-    pub fn from_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> Q8Tiles {
-        assert!(row_bytes.is_multiple_of(Q8_0_BYTES), "Q8_0 rows of {row_bytes} bytes are not whole blocks");
-        assert_eq!(bytes.len(), rows * row_bytes, "Q8_0 matrix: {} bytes for {rows} rows", bytes.len());
-        let blocks = row_bytes / Q8_0_BYTES;
+    pub fn from_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
+        ByteTiles::from_rows(GgmlType::Q8_0, bytes, rows, row_bytes)
+    }
+
+    /// Re-lay `rows` rows of `ty` (Q8_0 or Q5_0; see [`supports`]) of `row_bytes` bytes each.
+    /// A Q5_0 weight `d·(u − 16)` is the Q8_0 weight `d·q` with `q = u − 16`, so both formats
+    /// share one tile layout and one kernel, exactly.
+    pub fn from_rows(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
+        let block_bytes = match ty {
+            GgmlType::Q8_0 => Q8_0_BYTES,
+            GgmlType::Q5_0 => Q5_0_BYTES,
+            _ => panic!("Q8_0 tiles: no tile layout for {ty}"),
+        };
+        assert!(row_bytes.is_multiple_of(block_bytes), "{ty} rows of {row_bytes} bytes are not whole blocks");
+        assert_eq!(bytes.len(), rows * row_bytes, "{ty} matrix: {} bytes for {rows} rows", bytes.len());
+        let blocks = row_bytes / block_bytes;
         let tiles = rows.div_ceil(TILE_ROWS);
         let tile_bytes = blocks * TILE_BLOCK_BYTES;
         let mut data = vec![0u8; tiles * tile_bytes];
@@ -82,15 +108,15 @@ impl Q8Tiles {
                     if row >= rows {
                         break;
                     }
-                    let blk = &bytes[row * row_bytes + b * Q8_0_BYTES..][..Q8_0_BYTES];
+                    let blk = &bytes[row * row_bytes + b * block_bytes..][..block_bytes];
                     scales[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
-                    for (v, &q) in blk[2..].iter().enumerate() {
-                        codes[64 * (v / 4) + 4 * r + v % 4] = (q as i8 as i32 + 128) as u8;
+                    for (v, q) in block_codes(ty, blk).into_iter().enumerate() {
+                        codes[64 * (v / 4) + 4 * r + v % 4] = (q as i32 + 128) as u8;
                     }
                 }
             }
         });
-        Q8Tiles { rows, blocks, data }
+        ByteTiles { ty, rows, blocks, data }
     }
 
     pub fn rows(&self) -> usize {
@@ -103,8 +129,24 @@ impl Q8Tiles {
     }
 }
 
-/// `T` activation vectors quantized for [`Q8Tiles`] (see the module documentation).
+/// The 32 signed codes of one Q8_0 or Q5_0 block (whose f16 scale is its first two bytes).
+fn block_codes(ty: GgmlType, blk: &[u8]) -> [i8; BLOCK] {
+    match ty {
+        GgmlType::Q5_0 => {
+            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+            std::array::from_fn(|v| {
+                let nibble = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
+                ((nibble as u32 | ((qh >> v) & 1) << 4) as i32 - 16) as i8
+            })
+        }
+        _ => std::array::from_fn(|v| blk[2 + v] as i8),
+    }
+}
+
+/// `T` activation vectors quantized for [`ByteTiles`] (see the module documentation).
 pub struct TileInputs {
+    /// The format of the tiles these inputs are for ([`q_max`]).
+    ty: GgmlType,
     t: usize,
     cols: usize,
     /// `[t][plane][cols]`: the high, middle and low signed digits of `x_q`.
@@ -116,8 +158,9 @@ pub struct TileInputs {
 }
 
 impl TileInputs {
-    /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32).
-    pub fn quantize(xs: &[f32], cols: usize) -> TileInputs {
+    /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32) for tiles of `ty`.
+    pub fn quantize(xs: &[f32], cols: usize, ty: GgmlType) -> TileInputs {
+        assert!(matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0), "no byte tiles for {ty}");
         assert!(cols > 0 && cols.is_multiple_of(BLOCK), "Q8_0 tiles: {cols} values per vector is not whole blocks");
         assert_eq!(xs.len() % cols, 0, "Q8_0 tiles: input is not [T, {cols}]");
         assert!(enabled(), "Q8_0 tile inputs prepared on a CPU without AVX-512 VNNI");
@@ -133,7 +176,7 @@ impl TileInputs {
                     &mut c[k * blocks..][..blocks],
                 );
                 // SAFETY: `enabled()` (checked above) includes the kernel's CPU features.
-                unsafe { avx512::quantize_one(x, d, s, c) };
+                unsafe { avx512::quantize_one(x, q_max(ty), d, s, c) };
             }
         };
         if t <= QUANT_TASK {
@@ -146,7 +189,7 @@ impl TileInputs {
                 .zip(xs.par_chunks(cols * QUANT_TASK))
                 .for_each(|(bufs, xs)| work(bufs, xs));
         }
-        TileInputs { t, cols, digits, scale, corr }
+        TileInputs { ty, t, cols, digits, scale, corr }
     }
 
     /// Number of vectors.
@@ -159,19 +202,20 @@ impl TileInputs {
     }
 }
 
-/// Whether rows of `ty` go through [`Q8Tiles`] here.
+/// Whether rows of `ty` go through [`ByteTiles`] here.
 pub fn supports(ty: GgmlType) -> bool {
-    ty == GgmlType::Q8_0 && enabled()
+    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0) && enabled()
 }
 
 /// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows.
-pub fn dot_rows(w: &Q8Tiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
+pub fn dot_rows(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
     dot_rows_on(w, start, x, outs, amx::available())
 }
 
 /// [`dot_rows`], with several tokens on AMX when `use_amx` (and it is [`amx::available`]).
-fn dot_rows_on(w: &Q8Tiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+fn dot_rows_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
     assert!(enabled(), "Q8_0 tiles on a CPU without AVX-512 VNNI");
+    assert_eq!(x.ty, w.ty, "byte tiles: inputs for {} tiles against {} tiles", x.ty, w.ty);
     assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "Q8_0 tiles: {} outputs for {} vectors", outs.len(), x.t);
     assert_eq!(x.cols, w.blocks * BLOCK, "Q8_0 tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
     let n = outs.len() / x.t;
@@ -290,7 +334,7 @@ mod avx512 {
     /// Every tile of `tiles` × vectors `t0 .. t0 + N`, `R` tiles at a time (then one at a time).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn tiles_times<const R: usize, const N: usize>(
-        w: &Q8Tiles,
+        w: &ByteTiles,
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
         t0: usize,
@@ -319,7 +363,7 @@ mod avx512 {
     /// vectors four at a time over one tile, then the rest with more tiles at a time (each
     /// (row, vector) dot is the same arithmetic whatever the grouping).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn rows(w: &Q8Tiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+    pub(super) unsafe fn rows(w: &ByteTiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
         let tiles = start / TILE_ROWS..(start + n).div_ceil(TILE_ROWS);
         let span = (start, n);
         if x.t >= 2 && use_amx {
@@ -347,23 +391,23 @@ mod avx512 {
         }
     }
 
-    /// Quantize one vector: per 32 values `s = amax / Q_MAX` and `x_q = round(x / s)` (half to
-    /// even: `x·(Q_MAX/amax)` plus and minus 1.5·2^23), split into balanced digits, with
+    /// Quantize one vector: per 32 values `s = amax / q_max` and `x_q = round(x / s)` (half to
+    /// even: `x·(q_max/amax)` plus and minus 1.5·2^23), split into balanced digits, with
     /// `128·Σ x_q`. A non-finite value makes its block's scale NaN, so it reaches the result as
     /// the f32 kernel's would (the integers cannot carry it).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn quantize_one(x: &[f32], digits: &mut [i8], scale: &mut [f32], corr: &mut [i32]) {
+    pub(super) unsafe fn quantize_one(x: &[f32], q_max: f32, digits: &mut [i8], scale: &mut [f32], corr: &mut [i32]) {
         let cols = x.len();
         let abs = _mm512_set1_epi32(0x7fff_ffff);
-        let (rounder, limit) = (_mm512_set1_ps(super::super::idot::ROUNDER), _mm512_set1_ps(Q_MAX));
+        let (rounder, limit) = (_mm512_set1_ps(super::super::idot::ROUNDER), _mm512_set1_ps(q_max));
         for (b, blk) in x.chunks_exact(BLOCK).enumerate() {
             let v = [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))];
             let a = v.map(|v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs)));
             let inf = _mm512_set1_ps(f32::INFINITY);
             let finite = a.iter().all(|a| _mm512_cmp_ps_mask::<_CMP_LT_OQ>(*a, inf) == 0xffff);
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]));
-            let s = if finite { amax / Q_MAX } else { f32::NAN };
-            let inv = if finite && amax > 0.0 { Q_MAX / amax } else { 0.0 };
+            let s = if finite { amax / q_max } else { f32::NAN };
+            let inv = if finite && amax > 0.0 { q_max / amax } else { 0.0 };
             let mut sum = _mm512_setzero_si512();
             for (h, v) in v.into_iter().enumerate() {
                 let qf = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), rounder), rounder);
@@ -389,7 +433,7 @@ mod avx512 {
 
 /// The same products on Intel AMX: per tile and block, one `tdpbsud` of the digit rows of up to
 /// [`MAX_TOKENS`] tokens (A: row `3n + p` is token `n`'s plane `p`, 32 signed bytes) against the
-/// tile's codes (B: 8 rows of 64 bytes, the layout [`Q8Tiles`] keeps), giving `S_p` for every
+/// tile's codes (B: 8 rows of 64 bytes, the layout [`ByteTiles`] keeps), giving `S_p` for every
 /// token, plane and row in C. AMX instructions are written as inline assembly (their intrinsics
 /// are not in stable Rust); nothing else in the process touches the tile registers.
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -449,7 +493,7 @@ mod amx {
     /// Every tile of `tiles` × vectors `t0 .. t0 + nt` (`nt ≤ MAX_TOKENS`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn tiles_times(
-        w: &Q8Tiles,
+        w: &ByteTiles,
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
         t0: usize,
@@ -535,7 +579,7 @@ mod amx {
         false
     }
     pub(super) unsafe fn tiles_times(
-        _: &super::Q8Tiles,
+        _: &super::ByteTiles,
         _: std::ops::Range<usize>,
         _: &super::TileInputs,
         _: usize,
@@ -551,18 +595,22 @@ mod amx {
 mod tests {
     use super::*;
 
+    /// The formats with a tile layout.
+    const TYPES: [GgmlType; 2] = [GgmlType::Q8_0, GgmlType::Q5_0];
+
     /// The kernel's arithmetic transcribed for one row and vector `ti`, block by block.
-    fn reference(row: &[u8], x: &TileInputs, ti: usize) -> f32 {
-        let blocks = x.cols / BLOCK;
+    fn reference(ty: GgmlType, row: &[u8], x: &TileInputs, ti: usize) -> f32 {
+        let (blocks, block_bytes) = (x.cols / BLOCK, ty.type_size());
         let mut acc = 0f32;
         for b in 0..blocks {
-            let blk = &row[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
+            let blk = &row[b * block_bytes..(b + 1) * block_bytes];
             let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            let codes = block_codes(ty, blk);
             let mut sum = 0i64;
             for v in 0..BLOCK {
                 let digit = |p: usize| x.digits[(ti * 3 + p) * x.cols + BLOCK * b + v] as i64;
                 let xq = 65536 * digit(0) + 256 * digit(1) + digit(2);
-                sum += (blk[2 + v] as i8) as i64 * xq;
+                sum += codes[v] as i64 * xq;
             }
             let sum = i32::try_from(sum).expect("a block's integer dot fits in i32");
             let s = x.scale[ti * blocks + b];
@@ -571,12 +619,19 @@ mod tests {
         acc
     }
 
-    /// Random Q8_0 rows with sane f16 scales; code −128 appears (the format allows it).
-    fn random_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut bytes = super::super::idot::tests::random_rows(GgmlType::Q8_0, rows, cols, seed);
-        for (i, blk) in bytes.chunks_exact_mut(Q8_0_BYTES).enumerate() {
-            if i % 5 == 0 {
-                blk[2 + i % 32] = 0x80;
+    /// Random rows of `ty` with sane f16 scales; the extreme codes appear (Q8_0's −128, Q5_0's
+    /// −16 and 15).
+    fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut bytes = super::super::idot::tests::random_rows(ty, rows, cols, seed);
+        for (i, blk) in bytes.chunks_exact_mut(ty.type_size()).enumerate() {
+            match ty {
+                GgmlType::Q8_0 if i % 5 == 0 => blk[2 + i % 32] = 0x80,
+                GgmlType::Q5_0 if i % 3 == 0 => {
+                    blk[2..6].copy_from_slice(&0xffff_0000u32.to_le_bytes()); // values 16..32: u ≥ 16
+                    blk[6] = 0x0f; // value 0: u = 15 → q = −1; value 16: u = 16 → q = 0
+                    blk[7] = 0xf0; // value 1: u = 0 → q = −16; value 17: u = 31 → q = 15
+                }
+                _ => {}
             }
         }
         bytes
@@ -585,58 +640,95 @@ mod tests {
     #[test]
     fn tiles_equal_their_scalar_transcription_and_the_exact_dot() {
         if !enabled() {
-            assert!(!supports(GgmlType::Q8_0));
-            eprintln!("integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): Q8_0 keeps the f32 kernel");
+            assert!(TYPES.iter().all(|&ty| !supports(ty)));
+            eprintln!(
+                "integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): Q8_0 and Q5_0 keep the f32 kernel"
+            );
             return;
         }
-        // 37 rows (two whole tiles and a partial third), 11 vectors (tiles of 4, then 3; and
-        // each alone), 640 values; one vector has an outlier at both extremes of its block, one a
-        // zero block.
-        let (rows, cols, t) = (37, 640, 11);
-        let rb = cols / BLOCK * Q8_0_BYTES;
-        let data = random_rows(rows, cols, 5);
-        let w = Q8Tiles::from_q8_0(&data, rows, rb);
-        let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
-        xs[cols + 5] = 900.0;
-        xs[cols + 6] = -900.0;
-        xs[2 * cols..2 * cols + 32].fill(0.0);
-        let x = TileInputs::quantize(&xs, cols);
-        let mut outs = vec![0f32; t * rows];
-        dot_rows(&w, 0, &x, &mut outs);
-        // Several tokens on AMX (where it runs) and on VNNI give the same bits.
-        let mut vnni = vec![0f32; t * rows];
-        dot_rows_on(&w, 0, &x, &mut vnni, false);
-        assert!(outs.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits()), "AMX and VNNI differ");
-        eprintln!("Q8_0 tiles: several tokens on {}", if amx::available() { "AMX" } else { "VNNI" });
-        for ti in 0..t {
-            let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
-            let mut single = vec![0f32; rows];
-            dot_rows(&w, 0, &one, &mut single);
-            let xv = &xs[ti * cols..(ti + 1) * cols];
-            for r in 0..rows {
-                let row = &data[r * rb..(r + 1) * rb];
-                let got = outs[ti * rows + r];
-                let want = reference(row, &x, ti);
-                assert_eq!(got.to_bits(), want.to_bits(), "row {r} vector {ti}: kernel {got} vs reference {want}");
-                assert_eq!(got.to_bits(), single[r].to_bits(), "row {r} vector {ti}: in a group vs alone");
-                let mut wr = vec![0f32; cols];
-                crate::gguf::dequantize_row(GgmlType::Q8_0, row, &mut wr).unwrap();
-                let exact: f64 = wr.iter().zip(xv).map(|(w, x)| *w as f64 * *x as f64).sum();
-                let scale: f64 = wr.iter().zip(xv).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum();
-                assert!((got as f64 - exact).abs() <= 4e-6 * scale, "row {r} vector {ti}: {got} vs exact {exact}");
+        eprintln!("byte tiles: several tokens on {}", if amx::available() { "AMX" } else { "VNNI" });
+        for ty in TYPES {
+            // 37 rows (two whole tiles and a partial third), 11 vectors (tiles of 4, then 3; and
+            // each alone), 640 values; one vector has an outlier at both extremes of its block,
+            // one a zero block.
+            let (rows, cols, t) = (37, 640, 11);
+            let rb = ty.row_bytes(cols).unwrap();
+            let data = random_rows(ty, rows, cols, 5);
+            let w = ByteTiles::from_rows(ty, &data, rows, rb);
+            let mut xs: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+            xs[cols + 5] = 900.0;
+            xs[cols + 6] = -900.0;
+            xs[2 * cols..2 * cols + 32].fill(0.0);
+            let x = TileInputs::quantize(&xs, cols, ty);
+            let mut outs = vec![0f32; t * rows];
+            dot_rows(&w, 0, &x, &mut outs);
+            // Several tokens on AMX (where it runs) and on VNNI give the same bits.
+            let mut vnni = vec![0f32; t * rows];
+            dot_rows_on(&w, 0, &x, &mut vnni, false);
+            assert!(outs.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: AMX and VNNI differ");
+            for ti in 0..t {
+                let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols, ty);
+                let mut single = vec![0f32; rows];
+                dot_rows(&w, 0, &one, &mut single);
+                let xv = &xs[ti * cols..(ti + 1) * cols];
+                for r in 0..rows {
+                    let row = &data[r * rb..(r + 1) * rb];
+                    let got = outs[ti * rows + r];
+                    let want = reference(ty, row, &x, ti);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty} row {r} vector {ti}: kernel {got} vs reference {want}"
+                    );
+                    assert_eq!(got.to_bits(), single[r].to_bits(), "{ty} row {r} vector {ti}: in a group vs alone");
+                    let mut wr = vec![0f32; cols];
+                    crate::gguf::dequantize_row(ty, row, &mut wr).unwrap();
+                    let exact: f64 = wr.iter().zip(xv).map(|(w, x)| *w as f64 * *x as f64).sum();
+                    let scale: f64 = wr.iter().zip(xv).map(|(w, x)| (*w as f64 * *x as f64).abs()).sum();
+                    assert!(
+                        (got as f64 - exact).abs() <= 4e-6 * scale,
+                        "{ty} row {r} vector {ti}: {got} vs exact {exact}"
+                    );
+                }
+            }
+            // Rows from the middle, across a tile boundary (a partial tile on each side).
+            let mut part = vec![0f32; t * 9];
+            dot_rows(&w, 12, &x, &mut part);
+            for ti in 0..t {
+                for r in 0..9 {
+                    let (got, want) = (part[ti * 9 + r], outs[ti * rows + 12 + r]);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty} row {} vector {ti}", 12 + r);
+                }
             }
         }
-        // Rows from the middle, across a tile boundary (a partial tile on each side).
-        let mut part = vec![0f32; t * 9];
-        dot_rows(&w, 12, &x, &mut part);
-        for ti in 0..t {
-            for r in 0..9 {
-                assert_eq!(
-                    part[ti * 9 + r].to_bits(),
-                    outs[ti * rows + 12 + r].to_bits(),
-                    "row {} vector {ti}",
-                    12 + r
-                );
+    }
+
+    /// The widest inputs against the largest codes: the block sums that bound `q_max` stay exact.
+    #[test]
+    fn extreme_codes_against_full_scale_inputs_stay_exact() {
+        if !enabled() {
+            return;
+        }
+        for ty in TYPES {
+            let cols = 64;
+            let mut data = random_rows(ty, 1, cols, 11);
+            // Every code at the format's most negative value (Q8_0 −128, Q5_0 −16).
+            for blk in data.chunks_exact_mut(ty.type_size()) {
+                match ty {
+                    GgmlType::Q8_0 => blk[2..].fill(0x80),
+                    _ => blk[2..].fill(0),
+                }
+            }
+            let w = ByteTiles::from_rows(ty, &data, 1, data.len());
+            for sign in [1.0f32, -1.0] {
+                let xs = vec![sign * 3.5; cols];
+                let x = TileInputs::quantize(&xs, cols, ty);
+                let mut out = [0f32; 1];
+                dot_rows(&w, 0, &x, &mut out);
+                let mut wr = vec![0f32; cols];
+                crate::gguf::dequantize_row(ty, &data, &mut wr).unwrap();
+                let exact: f64 = wr.iter().zip(&xs).map(|(w, x)| *w as f64 * *x as f64).sum();
+                assert!((out[0] as f64 - exact).abs() <= 1e-6 * exact.abs(), "{ty} sign {sign}: {} vs {exact}", out[0]);
             }
         }
     }
@@ -646,20 +738,22 @@ mod tests {
         if !enabled() {
             return; // the kernel cannot run here (checked by the test above)
         }
-        let (rows, cols, t) = (20, 64, TOKEN_BLOCK + 6);
-        let rb = cols / BLOCK * Q8_0_BYTES;
-        let data = random_rows(rows, cols, 9);
-        let w = Q8Tiles::from_q8_0(&data, rows, rb);
-        let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
-        let x = TileInputs::quantize(&xs, cols);
-        let mut outs = vec![0f32; t * rows];
-        dot_rows(&w, 0, &x, &mut outs);
-        for ti in [0, 3, TOKEN_BLOCK - 1, TOKEN_BLOCK, t - 2, t - 1] {
-            let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols);
-            let mut single = vec![0f32; rows];
-            dot_rows(&w, 0, &one, &mut single);
-            for r in 0..rows {
-                assert_eq!(outs[ti * rows + r].to_bits(), single[r].to_bits(), "row {r} vector {ti} of {t}");
+        for ty in TYPES {
+            let (rows, cols, t) = (20, 64, TOKEN_BLOCK + 6);
+            let rb = ty.row_bytes(cols).unwrap();
+            let data = random_rows(ty, rows, cols, 9);
+            let w = ByteTiles::from_rows(ty, &data, rows, rb);
+            let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
+            let x = TileInputs::quantize(&xs, cols, ty);
+            let mut outs = vec![0f32; t * rows];
+            dot_rows(&w, 0, &x, &mut outs);
+            for ti in [0, 3, TOKEN_BLOCK - 1, TOKEN_BLOCK, t - 2, t - 1] {
+                let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols, ty);
+                let mut single = vec![0f32; rows];
+                dot_rows(&w, 0, &one, &mut single);
+                for r in 0..rows {
+                    assert_eq!(outs[ti * rows + r].to_bits(), single[r].to_bits(), "{ty} row {r} vector {ti} of {t}");
+                }
             }
         }
     }
@@ -669,13 +763,15 @@ mod tests {
         if !enabled() {
             return;
         }
-        let data = random_rows(1, 64, 3);
-        let w = Q8Tiles::from_q8_0(&data, 1, 2 * Q8_0_BYTES);
-        let mut xs = vec![0.5f32; 64];
-        xs[40] = f32::INFINITY;
-        let x = TileInputs::quantize(&xs, 64);
-        let mut out = [0f32; 1];
-        dot_rows(&w, 0, &x, &mut out);
-        assert!(out[0].is_nan());
+        for ty in TYPES {
+            let data = random_rows(ty, 1, 64, 3);
+            let w = ByteTiles::from_rows(ty, &data, 1, data.len());
+            let mut xs = vec![0.5f32; 64];
+            xs[40] = f32::INFINITY;
+            let x = TileInputs::quantize(&xs, 64, ty);
+            let mut out = [0f32; 1];
+            dot_rows(&w, 0, &x, &mut out);
+            assert!(out[0].is_nan(), "{ty}");
+        }
     }
 }
