@@ -1,56 +1,77 @@
-//! GGUF Q8_0 and Q5_0 matrices as integer dot products over 16 rows at once (AVX-512 VNNI).
+//! GGUF Q8_0, Q5_0, Q4_K and Q6_K matrices as integer dot products over 16 rows at once
+//! (AVX-512 VNNI).
 //!
-//! Q8_0 weights are `d·q` per 32 values (`q` a signed byte, `d` an f16); Q5_0 weights are
-//! `d·(u − 16)`, the same form with `q = u − 16` in `[−16, 15]`. The f32 kernel spends one fused
-//! multiply-add per weight and vector, so a verify pass's LM head (Gemma 3 270M: 262,144 × 640 in
-//! Q8_0, 72% of the bytes a token reads) ran at the FMA units' limit; and [`super::idot`]'s lane
-//! layout (one row at a time, its bytes permuted into lanes, lanes summed across at the end)
-//! measured no faster than f32 for Q8_0, and 3–4× slower than tiles for Q5_0. Here the matrix is
-//! re-laid once, on first use, in *tiles* of 16 rows: per tile and 32-value block, the 512 codes
+//! These weights are small integers times a float per 16 or 32 values: `d·q` (Q8_0, `q` a
+//! signed byte), `d·(u − 16)` (Q5_0), `d·sc·q − dmin·m` (Q4_K, per 32 values of a 256-value
+//! super-block), `d·sc·(u − 32)` (Q6_K, per 16 values). The f32 kernels spend one fused
+//! multiply-add per weight and vector, so a verify pass (Gemma 3 270M: four tokens, the 262,144 ×
+//! 640 Q8_0 LM head 72% of the bytes) ran at the FMA units' limit. Here each matrix is re-laid
+//! once, on first use, in *tiles* of 16 rows: per tile and 32-value block, the 512 signed codes
 //! as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast activation
 //! word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16
-//! rows' f16 scales: 544 bytes (as many as 16 Q8_0 blocks; 1.55× the 16 Q5_0 blocks they come
-//! from). One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no
-//! horizontal sums.
+//! rows' scales: f16 `d` for Q8_0 and Q5_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55× the Q5_0
+//! ones), f32 `d·sc` per 16-value half for Q6_K, f32 `d·sc` and `dmin·m` for Q4_K (640 bytes).
+//! One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no horizontal sums.
+//! (An earlier lane layout, one row at a time with its bytes permuted into 16 lanes and the lanes
+//! summed at the end, measured 3–4× slower a token for Q5_0, Q4_K and Q6_K.)
 //!
 //! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1`
-//! against Q8_0 codes and `2^22 − 1` against Q5_0's (error at most `s/2`: ≈9.5e-7 and ≈1.2e-7
-//! of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
-//! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`). Per block and row, three
-//! `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
-//! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
-//! true value fits, `128·(2^19 − 1)·32 < 2^31` and `16·(2^22 − 1)·32 < 2^31`); then
-//! `acc = fma(f32(Σ q·x_q), d·s, acc)` block after block. Every step is per token, so a column
-//! of a multi-token call is bit-identical to a one-token call. With two tokens or more, on CPUs
-//! with AMX (and `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same
-//! `S_p` for up to five tokens at once (the digit rows of the tokens' three planes against the
-//! tile's codes, exactly the layout above): integer sums are exact in any order, so the results
-//! are the same bits; [`tests`] check the kernel against a scalar transcription of the same
-//! arithmetic, bit for bit, and against an f64 dot product.
+//! against Q8_0 codes and `2^22 − 1` against the others' (error at most `s/2`: ≈9.5e-7 and
+//! ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
+//! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`), and `Σ x_q` per 16 values.
+//! Per block (Q6_K: per half) and row, three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`,
+//! and `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
+//! true value fits in i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and for Q4_K
+//! `acc −= (dmin·m·s)·f32(Σ x_q)` (fused). Every step is per token, so a column of a multi-token
+//! call is bit-identical to a one-token call. With two tokens or more, on CPUs with AMX (and
+//! `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same `S_p` of Q8_0 and
+//! Q5_0 tiles for up to five tokens at once (the digit rows of the tokens' three planes against
+//! the tile's codes, exactly the layout above): integer sums are exact in any order, so the
+//! results are the same bits; [`tests`] check the kernel against a scalar transcription of the
+//! same arithmetic, bit for bit, and against an f64 dot product.
 
 #![allow(clippy::missing_safety_doc)]
-// Indexed loops over fixed-size register arrays unroll into straight-line code (as idot.rs).
+// Indexed loops over fixed-size register arrays unroll into straight-line code.
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::GgmlType;
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Rows per tile: the 16 i32 lanes of one `vpdpbusd`.
 pub const TILE_ROWS: usize = 16;
-/// Values per Q8_0 block (and per activation scale).
+/// Values per tile block (and per activation scale).
 const BLOCK: usize = 32;
-/// Q8_0 block bytes: f16 `d`, 32 signed codes.
-const Q8_0_BYTES: usize = 34;
-/// Q5_0 block bytes: f16 `d`, 32 fifth bits `qh`, 16 bytes of nibbles.
-const Q5_0_BYTES: usize = 22;
-/// One tile's block: 16 rows × 32 codes, then 16 f16 scales.
-const TILE_BLOCK_BYTES: usize = TILE_ROWS * BLOCK + 2 * TILE_ROWS;
-/// The largest quantized activation magnitude against codes of `ty`: the largest that keeps a
-/// block's `Σ q·x_q` within i32 (`|q| ≤ 128` for Q8_0, `≤ 16` for Q5_0).
+/// One tile block's codes: 16 rows × 32 values.
+const CODE_BYTES: usize = TILE_ROWS * BLOCK;
+
+/// How a tile block's 16 rows are scaled (`u8` constants: the kernels are generic over them).
+/// [`F16`]: one f16 `d` per row (Q8_0, Q5_0: `w = d·q`), 16 × 2 bytes after the codes.
+const F16: u8 = 0;
+/// [`HALVES`]: one f32 `d·sc` per row and 16-value half (Q6_K: `w = (d·sc)·q`), the first
+/// halves' 16 then the second halves'.
+const HALVES: u8 = 1;
+/// [`MIN`]: one f32 `d·sc` and one f32 `dmin·m` per row (Q4_K: `w = (d·sc)·q − dmin·m`), the
+/// 16 scales then the 16 minimums.
+const MIN: u8 = 2;
+
+/// The tile layout of `ty`: its scale kind and its tile block's bytes.
+fn layout(ty: GgmlType) -> Option<(u8, usize)> {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q5_0 => Some((F16, CODE_BYTES + 2 * TILE_ROWS)),
+        GgmlType::Q6_K => Some((HALVES, CODE_BYTES + 8 * TILE_ROWS)),
+        GgmlType::Q4_K => Some((MIN, CODE_BYTES + 8 * TILE_ROWS)),
+        _ => None,
+    }
+}
+
+/// The largest quantized activation magnitude against codes of `ty`: the largest that keeps the
+/// integer sum between two scales within i32 (Q8_0: 32 values of `|q| ≤ 128`; Q5_0: 32 of
+/// `|q| ≤ 16`; Q4_K: 32 of `0 ≤ q ≤ 15`; Q6_K: 16 of `|q| ≤ 32`).
 fn q_max(ty: GgmlType) -> f32 {
     match ty {
-        GgmlType::Q5_0 => 4_194_303.0,
-        _ => 524_287.0,
+        GgmlType::Q8_0 => 524_287.0,
+        _ => 4_194_303.0,
     }
 }
 /// Tokens whose digits stay in L2 while a call's tiles are multiplied with them.
@@ -62,19 +83,42 @@ const QUANT_TASK: usize = 8;
 /// blocks; 1 to 16 KiB and the T1/T2 hints measured alike on the 2-core Xeon VM).
 const PREFETCH_AHEAD: usize = 4096;
 
-/// Whether this CPU runs the tiled kernel: the integer kernels' switch ([`super::idot::enabled`]).
+/// Whether the tile kernels run on this machine: AVX-512 with VNNI (and the byte/word forms and
+/// F16C), unless `MEGAGEMMA_INT_DOT=0` turns them off.
 pub fn enabled() -> bool {
-    super::idot::enabled()
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        if std::env::var("MEGAGEMMA_INT_DOT").is_ok_and(|v| v == "0") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            crate::simd::level() == crate::simd::Level::Avx512
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
 }
 
-/// A Q8_0 or Q5_0 matrix re-laid in tiles of 16 rows (see the module documentation). Rows past
-/// the matrix in the last tile are zero (codes 128, scales 0).
+/// Adding and subtracting 1.5·2^23 rounds an f32 below 2^22 to an integer, half to even.
+const ROUNDER: f32 = 12_582_912.0;
+
+/// A GGUF matrix re-laid in tiles of 16 rows (see the module documentation). Rows past the
+/// matrix in the last tile are zero (codes 128, scales 0).
 pub struct ByteTiles {
     /// The format the codes came from (it bounds them, and so the inputs' width).
     ty: GgmlType,
+    /// [`F16`], [`HALVES`] or [`MIN`].
+    kind: u8,
     rows: usize,
     blocks: usize,
-    /// `[tile][block]` of [`TILE_BLOCK_BYTES`].
+    /// Bytes of one tile block: the codes, then the scales.
+    block_bytes: usize,
+    /// `[tile][block]` of `block_bytes`.
     data: Vec<u8>,
 }
 
@@ -84,39 +128,40 @@ impl ByteTiles {
         ByteTiles::from_rows(GgmlType::Q8_0, bytes, rows, row_bytes)
     }
 
-    /// Re-lay `rows` rows of `ty` (Q8_0 or Q5_0; see [`supports`]) of `row_bytes` bytes each.
-    /// A Q5_0 weight `d·(u − 16)` is the Q8_0 weight `d·q` with `q = u − 16`, so both formats
-    /// share one tile layout and one kernel, exactly.
+    /// Re-lay `rows` rows of `ty` (see [`supports`]) of `row_bytes` bytes each: per 32-value
+    /// block and row the signed codes ([`decode_block`]) and the scales of its kind.
     pub fn from_rows(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
-        let block_bytes = match ty {
-            GgmlType::Q8_0 => Q8_0_BYTES,
-            GgmlType::Q5_0 => Q5_0_BYTES,
-            _ => panic!("Q8_0 tiles: no tile layout for {ty}"),
-        };
-        assert!(row_bytes.is_multiple_of(block_bytes), "{ty} rows of {row_bytes} bytes are not whole blocks");
+        let Some((kind, block_bytes)) = layout(ty) else { panic!("byte tiles: no tile layout for {ty}") };
+        assert!(row_bytes.is_multiple_of(ty.type_size()), "{ty} rows of {row_bytes} bytes are not whole blocks");
         assert_eq!(bytes.len(), rows * row_bytes, "{ty} matrix: {} bytes for {rows} rows", bytes.len());
-        let blocks = row_bytes / block_bytes;
+        let blocks = row_bytes / ty.type_size() * ty.block_size() / BLOCK;
         let tiles = rows.div_ceil(TILE_ROWS);
-        let tile_bytes = blocks * TILE_BLOCK_BYTES;
+        let tile_bytes = blocks * block_bytes;
         let mut data = vec![0u8; tiles * tile_bytes];
         data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
-            for (b, tb) in out.chunks_exact_mut(TILE_BLOCK_BYTES).enumerate() {
-                let (codes, scales) = tb.split_at_mut(TILE_ROWS * BLOCK);
+            for (b, tb) in out.chunks_exact_mut(block_bytes).enumerate() {
+                let (codes, scales) = tb.split_at_mut(CODE_BYTES);
                 codes.fill(128);
                 for r in 0..TILE_ROWS {
                     let row = tile * TILE_ROWS + r;
                     if row >= rows {
                         break;
                     }
-                    let blk = &bytes[row * row_bytes + b * block_bytes..][..block_bytes];
-                    scales[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
-                    for (v, q) in block_codes(ty, blk).into_iter().enumerate() {
+                    let (q, [a, b2]) = decode_block(ty, &bytes[row * row_bytes..][..row_bytes], b);
+                    for (v, q) in q.into_iter().enumerate() {
                         codes[64 * (v / 4) + 4 * r + v % 4] = (q as i32 + 128) as u8;
+                    }
+                    if kind == F16 {
+                        // The f16 `d` came through f32 exactly and goes back exactly.
+                        scales[2 * r..2 * r + 2].copy_from_slice(&half::f16::from_f32(a).to_le_bytes());
+                    } else {
+                        scales[4 * r..4 * r + 4].copy_from_slice(&a.to_le_bytes());
+                        scales[64 + 4 * r..64 + 4 * r + 4].copy_from_slice(&b2.to_le_bytes());
                     }
                 }
             }
         });
-        ByteTiles { ty, rows, blocks, data }
+        ByteTiles { ty, kind, rows, blocks, block_bytes, data }
     }
 
     pub fn rows(&self) -> usize {
@@ -124,22 +169,58 @@ impl ByteTiles {
     }
 
     fn tile(&self, t: usize) -> &[u8] {
-        let tb = self.blocks * TILE_BLOCK_BYTES;
+        let tb = self.blocks * self.block_bytes;
         &self.data[t * tb..(t + 1) * tb]
     }
 }
 
-/// The 32 signed codes of one Q8_0 or Q5_0 block (whose f16 scale is its first two bytes).
-fn block_codes(ty: GgmlType, blk: &[u8]) -> [i8; BLOCK] {
+/// 32-value block `b` of a row of `ty`, from the format's description (ggml's `block_*`
+/// structs): its signed codes `q` and two scales — Q8_0 / Q5_0 `[d, 0]` (`w = d·q`), Q6_K the two
+/// 16-value halves' `[d·sc₀, d·sc₁]`, Q4_K `[d·sc, dmin·m]` (`w = d·sc·q − dmin·m`). The
+/// products are exact in f32 (an f16 times a 6- or 8-bit integer).
+fn decode_block(ty: GgmlType, row: &[u8], b: usize) -> ([i8; BLOCK], [f32; 2]) {
+    let f16 = |p: &[u8]| half::f16::from_le_bytes([p[0], p[1]]).to_f32();
     match ty {
+        GgmlType::Q8_0 => {
+            let blk = &row[34 * b..34 * (b + 1)];
+            (std::array::from_fn(|v| blk[2 + v] as i8), [f16(blk), 0.0])
+        }
         GgmlType::Q5_0 => {
+            let blk = &row[22 * b..22 * (b + 1)];
             let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            std::array::from_fn(|v| {
+            let q = std::array::from_fn(|v| {
                 let nibble = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
                 ((nibble as u32 | ((qh >> v) & 1) << 4) as i32 - 16) as i8
-            })
+            });
+            (q, [f16(blk), 0.0])
         }
-        _ => std::array::from_fn(|v| blk[2 + v] as i8),
+        GgmlType::Q4_K => {
+            // 256-value super-blocks: d, dmin, 12 bytes of 6-bit scales and minimums, then
+            // 4 × 32 bytes of nibbles (low nibbles: values 64c .. 64c + 32, high: the next 32).
+            let (sb, j) = (&row[144 * (b / 8)..144 * (b / 8 + 1)], b % 8);
+            let (sc, mn) = super::blocks::k4_scales_mins(sb[4..16].try_into().unwrap());
+            let (c, high) = (j / 2, j % 2 == 1);
+            let q = std::array::from_fn(|v| {
+                let byte = sb[16 + 32 * c + v];
+                (if high { byte >> 4 } else { byte & 0xf }) as i8
+            });
+            (q, [f16(sb) * sc[j] as f32, f16(&sb[2..]) * mn[j] as f32])
+        }
+        GgmlType::Q6_K => {
+            // 256-value super-blocks: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed
+            // scales (one per 16 values), d. Value `V`: half `h = V / 128`, part `(V % 128) / 32`.
+            let (sb, j) = (&row[210 * (b / 8)..210 * (b / 8 + 1)], b % 8);
+            let (h, part) = (j / 4, j % 4);
+            let q = std::array::from_fn(|l| {
+                let ql = sb[64 * h + 32 * (part % 2) + l];
+                let nib = if part < 2 { ql & 0xf } else { ql >> 4 };
+                let hb = (sb[128 + 32 * h + l] >> (2 * part)) & 3;
+                ((nib | (hb << 4)) as i32 - 32) as i8
+            });
+            let d = f16(&sb[208..]);
+            (q, [d * (sb[192 + 2 * j] as i8) as f32, d * (sb[193 + 2 * j] as i8) as f32])
+        }
+        _ => panic!("byte tiles: no tile layout for {ty}"),
     }
 }
 
@@ -153,43 +234,43 @@ pub struct TileInputs {
     digits: Vec<i8>,
     /// `[t][block]`: the block's scale `s` (NaN when the block holds a non-finite value).
     scale: Vec<f32>,
-    /// `[t][block]`: `128·Σ x_q` over the block (wrapping).
-    corr: Vec<i32>,
+    /// `[t][2·block]`: `Σ x_q` over each 16-value half of a block.
+    sums: Vec<i32>,
 }
 
 impl TileInputs {
     /// Quantize `xs` (`[T, cols]`, `cols` a multiple of 32) for tiles of `ty`.
     pub fn quantize(xs: &[f32], cols: usize, ty: GgmlType) -> TileInputs {
-        assert!(matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0), "no byte tiles for {ty}");
-        assert!(cols > 0 && cols.is_multiple_of(BLOCK), "Q8_0 tiles: {cols} values per vector is not whole blocks");
-        assert_eq!(xs.len() % cols, 0, "Q8_0 tiles: input is not [T, {cols}]");
-        assert!(enabled(), "Q8_0 tile inputs prepared on a CPU without AVX-512 VNNI");
+        assert!(layout(ty).is_some(), "no byte tiles for {ty}");
+        assert!(cols > 0 && cols.is_multiple_of(BLOCK), "byte tiles: {cols} values per vector is not whole blocks");
+        assert_eq!(xs.len() % cols, 0, "byte tiles: input is not [T, {cols}]");
+        assert!(enabled(), "byte tile inputs prepared on a CPU without AVX-512 VNNI");
         let (t, blocks) = (xs.len() / cols, cols / BLOCK);
         let mut digits = vec![0i8; t * 3 * cols];
         let mut scale = vec![0f32; t * blocks];
-        let mut corr = vec![0i32; t * blocks];
+        let mut sums = vec![0i32; t * 2 * blocks];
         let work = |((d, s), c): ((&mut [i8], &mut [f32]), &mut [i32]), xs: &[f32]| {
             for (k, x) in xs.chunks_exact(cols).enumerate() {
                 let (d, s, c) = (
                     &mut d[k * 3 * cols..][..3 * cols],
                     &mut s[k * blocks..][..blocks],
-                    &mut c[k * blocks..][..blocks],
+                    &mut c[k * 2 * blocks..][..2 * blocks],
                 );
                 // SAFETY: `enabled()` (checked above) includes the kernel's CPU features.
                 unsafe { avx512::quantize_one(x, q_max(ty), d, s, c) };
             }
         };
         if t <= QUANT_TASK {
-            work(((&mut digits[..], &mut scale[..]), &mut corr[..]), xs);
+            work(((&mut digits[..], &mut scale[..]), &mut sums[..]), xs);
         } else {
             digits
                 .par_chunks_mut(3 * cols * QUANT_TASK)
                 .zip(scale.par_chunks_mut(blocks * QUANT_TASK))
-                .zip(corr.par_chunks_mut(blocks * QUANT_TASK))
+                .zip(sums.par_chunks_mut(2 * blocks * QUANT_TASK))
                 .zip(xs.par_chunks(cols * QUANT_TASK))
                 .for_each(|(bufs, xs)| work(bufs, xs));
         }
-        TileInputs { ty, t, cols, digits, scale, corr }
+        TileInputs { ty, t, cols, digits, scale, sums }
     }
 
     /// Number of vectors.
@@ -204,7 +285,7 @@ impl TileInputs {
 
 /// Whether rows of `ty` go through [`ByteTiles`] here.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q8_0 | GgmlType::Q5_0) && enabled()
+    layout(ty).is_some() && enabled()
 }
 
 /// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows.
@@ -214,12 +295,12 @@ pub fn dot_rows(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
 
 /// [`dot_rows`], with several tokens on AMX when `use_amx` (and it is [`amx::available`]).
 fn dot_rows_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
-    assert!(enabled(), "Q8_0 tiles on a CPU without AVX-512 VNNI");
+    assert!(enabled(), "byte tiles on a CPU without AVX-512 VNNI");
     assert_eq!(x.ty, w.ty, "byte tiles: inputs for {} tiles against {} tiles", x.ty, w.ty);
-    assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "Q8_0 tiles: {} outputs for {} vectors", outs.len(), x.t);
-    assert_eq!(x.cols, w.blocks * BLOCK, "Q8_0 tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
+    assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "byte tiles: {} outputs for {} vectors", outs.len(), x.t);
+    assert_eq!(x.cols, w.blocks * BLOCK, "byte tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
     let n = outs.len() / x.t;
-    assert!(start + n <= w.rows, "Q8_0 tiles: rows {start}..{} out of range", start + n);
+    assert!(start + n <= w.rows, "byte tiles: rows {start}..{} out of range", start + n);
     if n == 0 {
         return;
     }
@@ -235,29 +316,54 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// One tile × vectors `t0 .. t0 + N`: per vector, the 16 rows' dots.
+    /// One tile × vectors `t0 .. t0 + N`: per vector, the 16 rows' dots. `K` is the tile's
+    /// scale kind; a [`HALVES`] block is two 16-value halves (steps 0–3 and 4–7), each summed and
+    /// scaled alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_dots<const N: usize>(tile: &[u8], x: &TileInputs, t0: usize) -> [__m512; N] {
+    unsafe fn tile_dots<const N: usize, const K: u8>(
+        tile: &[u8],
+        block_bytes: usize,
+        x: &TileInputs,
+        t0: usize,
+    ) -> [__m512; N] {
         let cols = x.cols;
         let blocks = cols / BLOCK;
+        let halves = if K == HALVES { 2 } else { 1 };
+        let steps = BLOCK / 4 / halves;
         let mut acc = [_mm512_setzero_ps(); N];
         for b in 0..blocks {
-            prefetch_block(tile, b);
-            let z = _mm512_setzero_si512();
-            let mut s = [[z; 3]; N];
-            for i in 0..BLOCK / 4 {
-                let w = _mm512_loadu_si512(tile.as_ptr().add(b * TILE_BLOCK_BYTES + 64 * i) as *const _);
-                for n in 0..N {
-                    let at = x.digits.as_ptr().add((t0 + n) * 3 * cols + BLOCK * b + 4 * i);
-                    let word = |p: usize| _mm512_set1_epi32((at.add(p * cols) as *const i32).read_unaligned());
-                    s[n][0] = _mm512_dpbusd_epi32(s[n][0], w, word(0));
-                    s[n][1] = _mm512_dpbusd_epi32(s[n][1], w, word(1));
-                    s[n][2] = _mm512_dpbusd_epi32(s[n][2], w, word(2));
+            let blk = tile.as_ptr().add(b * block_bytes);
+            prefetch_block(blk, block_bytes);
+            for h in 0..halves {
+                let z = _mm512_setzero_si512();
+                let mut s = [[z; 3]; N];
+                for i in h * steps..(h + 1) * steps {
+                    let w = _mm512_loadu_si512(blk.add(64 * i) as *const _);
+                    for n in 0..N {
+                        let at = x.digits.as_ptr().add((t0 + n) * 3 * cols + BLOCK * b + 4 * i);
+                        let word = |p: usize| _mm512_set1_epi32((at.add(p * cols) as *const i32).read_unaligned());
+                        s[n][0] = _mm512_dpbusd_epi32(s[n][0], w, word(0));
+                        s[n][1] = _mm512_dpbusd_epi32(s[n][1], w, word(1));
+                        s[n][2] = _mm512_dpbusd_epi32(s[n][2], w, word(2));
+                    }
                 }
-            }
-            let d = block_scales(tile, b);
-            for n in 0..N {
-                acc[n] = combine(acc[n], s[n], d, x, (t0 + n) * blocks + b);
+                let scales = blk.add(CODE_BYTES);
+                let d = if K == F16 { block_scales(blk) } else { _mm512_loadu_ps(scales.add(64 * h) as *const f32) };
+                for n in 0..N {
+                    let v = (t0 + n) * blocks + b;
+                    let scale = *x.scale.get_unchecked(v);
+                    let xsum = if K == HALVES {
+                        *x.sums.get_unchecked(2 * v + h)
+                    } else {
+                        x.sums.get_unchecked(2 * v).wrapping_add(*x.sums.get_unchecked(2 * v + 1))
+                    };
+                    acc[n] = combine(acc[n], s[n], d, scale, xsum);
+                    if K == MIN {
+                        // − (dmin·m)·s·Σx_q
+                        let m = _mm512_mul_ps(_mm512_loadu_ps(scales.add(64) as *const f32), _mm512_set1_ps(scale));
+                        acc[n] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xsum as f32), acc[n]);
+                    }
+                }
             }
         }
         acc
@@ -282,47 +388,42 @@ mod avx512 {
         }
     }
 
-    /// `acc = fma(f32(65536·S_h + 256·S_m + S_l − corr), d·s, acc)` for vector `v` (`[t][block]`
-    /// index) of one tile and block: the three planes' sums to the block's dot, accumulated.
+    /// `acc = fma(f32(65536·S_h + 256·S_m + S_l − 128·Σx_q), d·s, acc)` for one tile, block (or
+    /// half) and vector with scale `s` and `Σx_q` `xsum` there: the three planes' sums to the
+    /// dot of the codes, scaled and accumulated.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
-    pub(super) unsafe fn combine(
-        acc: __m512,
-        [sh, sm, sl]: [__m512i; 3],
-        d: __m512,
-        x: &TileInputs,
-        v: usize,
-    ) -> __m512 {
+    pub(super) unsafe fn combine(acc: __m512, [sh, sm, sl]: [__m512i; 3], d: __m512, s: f32, xsum: i32) -> __m512 {
         let upper = _mm512_add_epi32(_mm512_slli_epi32::<8>(sh), sm);
         let sum = _mm512_add_epi32(_mm512_slli_epi32::<8>(upper), sl);
-        let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(*x.corr.get_unchecked(v)));
-        let ds = _mm512_mul_ps(d, _mm512_set1_ps(*x.scale.get_unchecked(v)));
+        let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(xsum.wrapping_mul(128)));
+        let ds = _mm512_mul_ps(d, _mm512_set1_ps(s));
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, acc)
     }
 
-    /// The prefetches of one tile's block `b`: the stream ahead (the tile's later blocks, then the
-    /// next tiles), so that loads and dot products overlap instead of taking turns.
+    /// The prefetches for the tile block at `blk`: the stream ahead (the tile's later blocks,
+    /// then the next tiles), so that loads and dot products overlap instead of taking turns.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) unsafe fn prefetch_block(tile: &[u8], b: usize) {
-        let p = tile.as_ptr().wrapping_add(b * TILE_BLOCK_BYTES + PREFETCH_AHEAD);
-        for line in (0..TILE_BLOCK_BYTES).step_by(64) {
+    pub(super) unsafe fn prefetch_block(blk: *const u8, block_bytes: usize) {
+        let p = blk.wrapping_add(PREFETCH_AHEAD);
+        for line in (0..block_bytes).step_by(64) {
             _mm_prefetch(p.wrapping_add(line) as *const i8, _MM_HINT_T0);
         }
     }
 
-    /// The 16 rows' scales of one tile's block `b`, as f32.
+    /// The 16 rows' f16 scales of the [`F16`] tile block at `blk`, as f32.
     #[target_feature(enable = "avx512f,f16c")]
     #[inline]
-    pub(super) unsafe fn block_scales(tile: &[u8], b: usize) -> __m512 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(tile.as_ptr().add(b * TILE_BLOCK_BYTES + TILE_ROWS * BLOCK) as *const _))
+    pub(super) unsafe fn block_scales(blk: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(CODE_BYTES) as *const _))
     }
 
     /// Every tile of `tiles` × vectors `t0 .. t0 + N`, one tile at a time: a single stream of
     /// weights (on the AVX-512 VNNI AMD EPYC VM one token's LM head took 13 ms with four tiles
     /// at a time, 8–10 ms with one).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tiles_times<const N: usize>(
+    unsafe fn tiles_times<const N: usize, const K: u8>(
         w: &ByteTiles,
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
@@ -331,10 +432,27 @@ mod avx512 {
         outs: &mut [f32],
     ) {
         for tile in tiles {
-            let dots = tile_dots::<N>(w.tile(tile), x, t0);
+            let dots = tile_dots::<N, K>(w.tile(tile), w.block_bytes, x, t0);
             for j in 0..N {
                 store(dots[j], tile, t0 + j, start, n, outs);
             }
+        }
+    }
+
+    /// [`tiles_times`] for the tiles' scale kind.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn by_kind<const N: usize>(
+        w: &ByteTiles,
+        tiles: std::ops::Range<usize>,
+        x: &TileInputs,
+        t0: usize,
+        span: (usize, usize),
+        outs: &mut [f32],
+    ) {
+        match w.kind {
+            F16 => tiles_times::<N, F16>(w, tiles, x, t0, span, outs),
+            HALVES => tiles_times::<N, HALVES>(w, tiles, x, t0, span, outs),
+            _ => tiles_times::<N, MIN>(w, tiles, x, t0, span, outs),
         }
     }
 
@@ -345,7 +463,7 @@ mod avx512 {
     pub(super) unsafe fn rows(w: &ByteTiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
         let tiles = start / TILE_ROWS..(start + n).div_ceil(TILE_ROWS);
         let span = (start, n);
-        if x.t >= 2 && use_amx {
+        if x.t >= 2 && use_amx && w.kind == F16 {
             let mut ti = 0;
             while ti < x.t {
                 let nt = amx::MAX_TOKENS.min(x.t - ti);
@@ -358,13 +476,13 @@ mod avx512 {
             let end = x.t.min(tb + TOKEN_BLOCK);
             let mut ti = tb;
             while ti + 4 <= end {
-                tiles_times::<4>(w, tiles.clone(), x, ti, span, outs);
+                by_kind::<4>(w, tiles.clone(), x, ti, span, outs);
                 ti += 4;
             }
             match end - ti {
-                3 => tiles_times::<3>(w, tiles.clone(), x, ti, span, outs),
-                2 => tiles_times::<2>(w, tiles.clone(), x, ti, span, outs),
-                1 => tiles_times::<1>(w, tiles.clone(), x, ti, span, outs),
+                3 => by_kind::<3>(w, tiles.clone(), x, ti, span, outs),
+                2 => by_kind::<2>(w, tiles.clone(), x, ti, span, outs),
+                1 => by_kind::<1>(w, tiles.clone(), x, ti, span, outs),
                 _ => {}
             }
         }
@@ -372,13 +490,13 @@ mod avx512 {
 
     /// Quantize one vector: per 32 values `s = amax / q_max` and `x_q = round(x / s)` (half to
     /// even: `x·(q_max/amax)` plus and minus 1.5·2^23), split into balanced digits, with
-    /// `128·Σ x_q`. A non-finite value makes its block's scale NaN, so it reaches the result as
+    /// `Σ x_q` per 16 values. A non-finite value makes its block's scale NaN, so it reaches the result as
     /// the f32 kernel's would (the integers cannot carry it).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn quantize_one(x: &[f32], q_max: f32, digits: &mut [i8], scale: &mut [f32], corr: &mut [i32]) {
+    pub(super) unsafe fn quantize_one(x: &[f32], q_max: f32, digits: &mut [i8], scale: &mut [f32], sums: &mut [i32]) {
         let cols = x.len();
         let abs = _mm512_set1_epi32(0x7fff_ffff);
-        let (rounder, limit) = (_mm512_set1_ps(super::super::idot::ROUNDER), _mm512_set1_ps(q_max));
+        let (rounder, limit) = (_mm512_set1_ps(ROUNDER), _mm512_set1_ps(q_max));
         for (b, blk) in x.chunks_exact(BLOCK).enumerate() {
             let v = [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))];
             let a = v.map(|v| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs)));
@@ -387,12 +505,11 @@ mod avx512 {
             let amax = _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]));
             let s = if finite { amax / q_max } else { f32::NAN };
             let inv = if finite && amax > 0.0 { q_max / amax } else { 0.0 };
-            let mut sum = _mm512_setzero_si512();
             for (h, v) in v.into_iter().enumerate() {
                 let qf = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), rounder), rounder);
                 let qf = _mm512_min_ps(_mm512_max_ps(qf, _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
                 let q = _mm512_cvttps_epi32(qf);
-                sum = _mm512_add_epi32(sum, q);
+                sums[2 * b + h] = _mm512_reduce_add_epi32(q);
                 // Balanced digits: l = q's low byte as signed, then the same for (q − l) / 256.
                 let low = |v: __m512i| _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(v));
                 let l = low(q);
@@ -405,7 +522,6 @@ mod avx512 {
                 }
             }
             scale[b] = s;
-            corr[b] = _mm512_reduce_add_epi32(sum).wrapping_mul(128);
         }
     }
 }
@@ -429,7 +545,7 @@ mod amx {
     /// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), the integer kernels are on and
     /// `MEGAGEMMA_AMX` is not `0`.
     pub fn available() -> bool {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        static ON: OnceLock<bool> = OnceLock::new();
         *ON.get_or_init(|| {
             if std::env::var("MEGAGEMMA_AMX").is_ok_and(|v| v == "0") || !enabled() {
                 return false;
@@ -489,14 +605,14 @@ mod amx {
             let tb = w.tile(tile);
             let mut acc = [_mm512_setzero_ps(); MAX_TOKENS];
             let a = |b: usize| x.digits.as_ptr().add(t0 * 3 * cols + BLOCK * b);
-            let bp = |b: usize| tb.as_ptr().add(b * TILE_BLOCK_BYTES);
+            let bp = |b: usize| tb.as_ptr().add(b * w.block_bytes);
             // Two blocks per round (C in tmm0 and tmm3), so one block's products overlap the
             // other's store and reload; an odd last block runs alone.
             let mut b = 0;
             while b < blocks {
-                prefetch_block(tb, b);
+                prefetch_block(bp(b), w.block_bytes);
                 if b + 1 < blocks {
-                    prefetch_block(tb, b + 1);
+                    prefetch_block(bp(b + 1), w.block_bytes);
                     asm!(
                         "tilezero tmm0",
                         "tilezero tmm3",
@@ -534,10 +650,12 @@ mod amx {
                     );
                 }
                 for (i, c) in c.iter().enumerate().take((blocks - b).min(2)) {
-                    let d = block_scales(tb, b + i);
+                    let d = block_scales(bp(b + i));
                     for k in 0..nt {
                         let row = |p: usize| _mm512_load_si512(c.0[3 * k + p].as_ptr() as *const _);
-                        acc[k] = combine(acc[k], [row(0), row(1), row(2)], d, x, (t0 + k) * blocks + b + i);
+                        let v = (t0 + k) * blocks + b + i;
+                        let xsum = x.sums[2 * v].wrapping_add(x.sums[2 * v + 1]);
+                        acc[k] = combine(acc[k], [row(0), row(1), row(2)], d, x.scale[v], xsum);
                     }
                 }
                 b += 2;
@@ -575,33 +693,64 @@ mod tests {
     use super::*;
 
     /// The formats with a tile layout.
-    const TYPES: [GgmlType; 2] = [GgmlType::Q8_0, GgmlType::Q5_0];
+    const TYPES: [GgmlType; 4] = [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K];
 
     /// The kernel's arithmetic transcribed for one row and vector `ti`, block by block.
     fn reference(ty: GgmlType, row: &[u8], x: &TileInputs, ti: usize) -> f32 {
-        let (blocks, block_bytes) = (x.cols / BLOCK, ty.type_size());
+        let blocks = x.cols / BLOCK;
+        let (kind, _) = layout(ty).unwrap();
         let mut acc = 0f32;
         for b in 0..blocks {
-            let blk = &row[b * block_bytes..(b + 1) * block_bytes];
-            let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-            let codes = block_codes(ty, blk);
-            let mut sum = 0i64;
-            for v in 0..BLOCK {
-                let digit = |p: usize| x.digits[(ti * 3 + p) * x.cols + BLOCK * b + v] as i64;
-                let xq = 65536 * digit(0) + 256 * digit(1) + digit(2);
-                sum += codes[v] as i64 * xq;
+            let (codes, [a, m]) = decode_block(ty, row, b);
+            let v0 = ti * blocks + b;
+            let s = x.scale[v0];
+            let halves = if kind == HALVES { 2 } else { 1 };
+            for h in 0..halves {
+                let mut sum = 0i64;
+                for v in h * BLOCK / halves..(h + 1) * BLOCK / halves {
+                    let digit = |p: usize| x.digits[(ti * 3 + p) * x.cols + BLOCK * b + v] as i64;
+                    sum += codes[v] as i64 * (65536 * digit(0) + 256 * digit(1) + digit(2));
+                }
+                let sum = i32::try_from(sum).expect("a block's integer dot fits in i32");
+                let d = if kind == HALVES && h == 1 { m } else { a };
+                acc = (sum as f32).mul_add(d * s, acc);
+                if kind == MIN {
+                    let xsum = x.sums[2 * v0] + x.sums[2 * v0 + 1];
+                    acc = -(m * s).mul_add(xsum as f32, -acc);
+                }
             }
-            let sum = i32::try_from(sum).expect("a block's integer dot fits in i32");
-            let s = x.scale[ti * blocks + b];
-            acc = (sum as f32).mul_add(d * s, acc);
         }
         acc
+    }
+
+    /// Random rows of `ty` with sane f16 scales.
+    fn random_rows_of(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
+        let scale_at: &[usize] = match ty {
+            GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+            GgmlType::Q4_K => &[0, 2],
+            _ => &[208],
+        };
+        for blk in bytes.chunks_exact_mut(ty.type_size()) {
+            for &at in scale_at {
+                let d = half::f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5);
+                blk[at..at + 2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        bytes
     }
 
     /// Random rows of `ty` with sane f16 scales; the extreme codes appear (Q8_0's −128, Q5_0's
     /// −16 and 15).
     fn random_rows(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let mut bytes = super::super::idot::tests::random_rows(ty, rows, cols, seed);
+        let mut bytes = random_rows_of(ty, rows, cols, seed);
         for (i, blk) in bytes.chunks_exact_mut(ty.type_size()).enumerate() {
             match ty {
                 GgmlType::Q8_0 if i % 5 == 0 => blk[2 + i % 32] = 0x80,
@@ -621,16 +770,17 @@ mod tests {
         if !enabled() {
             assert!(TYPES.iter().all(|&ty| !supports(ty)));
             eprintln!(
-                "integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): Q8_0 and Q5_0 keep the f32 kernel"
+                "integer kernels off (no AVX-512 VNNI, or MEGAGEMMA_INT_DOT=0): the GGUF formats keep the f32 kernels"
             );
             return;
         }
         eprintln!("byte tiles: several tokens on {}", if amx::available() { "AMX" } else { "VNNI" });
         for ty in TYPES {
             // 37 rows (two whole tiles and a partial third), 11 vectors (tiles of 4, then 3; and
-            // each alone), 640 values; one vector has an outlier at both extremes of its block,
-            // one a zero block.
-            let (rows, cols, t) = (37, 640, 11);
+            // each alone), 640 values (the K-quants' 768); one vector has an outlier at both
+            // extremes of its block, one a zero block.
+            let cols = if ty.block_size() == 256 { 768 } else { 640 };
+            let (rows, t) = (37, 11);
             let rb = ty.row_bytes(cols).unwrap();
             let data = random_rows(ty, rows, cols, 5);
             let w = ByteTiles::from_rows(ty, &data, rows, rb);
@@ -689,13 +839,15 @@ mod tests {
             return;
         }
         for ty in TYPES {
-            let cols = 64;
+            let cols = ty.block_size().max(64);
             let mut data = random_rows(ty, 1, cols, 11);
-            // Every code at the format's most negative value (Q8_0 −128, Q5_0 −16).
+            // Every code at the format's extreme: Q8_0 −128, Q5_0 −16, Q4_K 15, Q6_K −32.
             for blk in data.chunks_exact_mut(ty.type_size()) {
                 match ty {
                     GgmlType::Q8_0 => blk[2..].fill(0x80),
-                    _ => blk[2..].fill(0),
+                    GgmlType::Q5_0 => blk[2..].fill(0),
+                    GgmlType::Q4_K => blk[16..].fill(0xff),
+                    _ => blk[..192].fill(0),
                 }
             }
             let w = ByteTiles::from_rows(ty, &data, 1, data.len());
@@ -718,7 +870,7 @@ mod tests {
             return; // the kernel cannot run here (checked by the test above)
         }
         for ty in TYPES {
-            let (rows, cols, t) = (20, 64, TOKEN_BLOCK + 6);
+            let (rows, cols, t) = (20, ty.block_size().max(64), TOKEN_BLOCK + 6);
             let rb = ty.row_bytes(cols).unwrap();
             let data = random_rows(ty, rows, cols, 9);
             let w = ByteTiles::from_rows(ty, &data, rows, rb);
@@ -743,11 +895,12 @@ mod tests {
             return;
         }
         for ty in TYPES {
-            let data = random_rows(ty, 1, 64, 3);
+            let cols = ty.block_size().max(64);
+            let data = random_rows(ty, 1, cols, 3);
             let w = ByteTiles::from_rows(ty, &data, 1, data.len());
-            let mut xs = vec![0.5f32; 64];
+            let mut xs = vec![0.5f32; cols];
             xs[40] = f32::INFINITY;
-            let x = TileInputs::quantize(&xs, 64, ty);
+            let x = TileInputs::quantize(&xs, cols, ty);
             let mut out = [0f32; 1];
             dot_rows(&w, 0, &x, &mut out);
             assert!(out[0].is_nan(), "{ty}");

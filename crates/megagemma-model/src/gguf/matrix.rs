@@ -8,7 +8,6 @@ use memmap2::Mmap;
 use super::blocks::{dequant_fn, DequantFn, GgmlType};
 use super::byte_tiles::{ByteTiles, TileInputs};
 use super::dot::{dot_kernel, dot_kernel_2rows, DotFn, DotMulti2Fn, DotMultiFn, MULTI};
-use super::idot::LaneInputs;
 use super::reader::{GgufFile, GgufTensorInfo};
 use super::IntInputs;
 use crate::bail;
@@ -30,10 +29,10 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
-    /// Rows go through an integer kernel on this CPU: [`super::byte_tiles`] for Q8_0 and Q5_0,
-    /// [`super::idot`] for the others it supports.
+    /// Rows go through the integer kernel on this CPU ([`super::byte_tiles`]: Q8_0, Q5_0, Q4_K,
+    /// Q6_K on AVX-512 VNNI).
     int_dot: bool,
-    /// Q8_0 / Q5_0 rows re-laid in 16-row tiles, made on the first product (a device backend that only
+    /// Rows re-laid in 16-row tiles, made on the first product (a device backend that only
     /// uploads [`RowDot::layout`] never pays for it).
     tiles: OnceLock<ByteTiles>,
 }
@@ -66,7 +65,7 @@ impl GgufMatrix {
             dot_multi,
             dot_multi2: dot_kernel_2rows(ty),
             dequant,
-            int_dot: super::idot::supports(ty) || super::byte_tiles::supports(ty),
+            int_dot: super::byte_tiles::supports(ty),
             tiles: OnceLock::new(),
         })
     }
@@ -165,10 +164,7 @@ impl RowDot for GgufMatrix {
         if !self.int_dot {
             return None;
         }
-        Some(match self.ggml_type {
-            GgmlType::Q8_0 | GgmlType::Q5_0 => IntInputs::Tiles(TileInputs::quantize(xs, self.cols, self.ggml_type)),
-            _ => IntInputs::Lanes(LaneInputs::quantize(xs, self.cols)),
-        })
+        Some(TileInputs::quantize(xs, self.cols, self.ggml_type))
     }
 
     fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [f32]) {
@@ -176,14 +172,8 @@ impl RowDot for GgufMatrix {
         let n = outs.len() / xs.len().max(1);
         assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
         let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
-        match xs {
-            IntInputs::Lanes(x) => super::idot::dot_rows(self.ggml_type, data, self.row_bytes, start, x, outs),
-            IntInputs::Tiles(x) => {
-                let tiles =
-                    self.tiles.get_or_init(|| ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes));
-                super::byte_tiles::dot_rows(tiles, start, x, outs)
-            }
-        }
+        let tiles = self.tiles.get_or_init(|| ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes));
+        super::byte_tiles::dot_rows(tiles, start, xs, outs)
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {

@@ -12,7 +12,6 @@ mod dot;
 mod dot256;
 #[cfg(target_arch = "x86_64")]
 mod dot512;
-pub mod idot;
 mod matrix;
 mod reader;
 
@@ -21,24 +20,6 @@ pub use dot::{dot_row, dot_row_avx2, dot_row_multi, dot_row_portable, dot_rows2_
 pub use matrix::GgufMatrix;
 pub use reader::{GgufArray, GgufFile, GgufTensorInfo, GgufValue, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC};
 
-/// Activation vectors prepared once per product for a GGUF integer kernel
-/// ([`crate::matrix::RowDot::prepare_inputs`]): 22-bit lanes for Q4_K / Q6_K rows ([`idot`]),
-/// or 20- / 23-bit digits per 32 values for Q8_0 / Q5_0 tiles ([`byte_tiles`]).
-pub enum IntInputs {
-    Lanes(idot::LaneInputs),
-    Tiles(byte_tiles::TileInputs),
-}
-
-impl IntInputs {
-    /// Number of vectors.
-    pub fn len(&self) -> usize {
-        match self {
-            IntInputs::Lanes(x) => x.len(),
-            IntInputs::Tiles(x) => x.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+/// Activation vectors prepared once per product for the integer kernel
+/// ([`crate::matrix::RowDot::prepare_inputs`]): digits per 32 values ([`byte_tiles`]).
+pub type IntInputs = byte_tiles::TileInputs;
