@@ -1,31 +1,33 @@
-//! GGUF Q8_0, Q5_0, Q4_K and Q6_K matrices as integer dot products over 16 rows at once
-//! (AVX-512 VNNI).
+//! GGUF Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q4_K, Q5_K and Q6_K matrices as integer dot products over
+//! 16 rows at once (AVX-512 VNNI).
 //!
 //! These weights are small integers times a float per 16 or 32 values: `d·q` (Q8_0, `q` a
-//! signed byte), `d·(u − 16)` (Q5_0), `d·sc·q − dmin·m` (Q4_K, per 32 values of a 256-value
-//! super-block), `d·sc·(u − 32)` (Q6_K, per 16 values). The f32 kernels spend one fused
+//! signed byte), `d·(u − 16)` (Q5_0), `d·(u − 8)` (Q4_0), `d·u + m` (Q4_1, Q5_1), `d·sc·q −
+//! dmin·m` (Q4_K, Q5_K, per 32 values of a 256-value super-block), `d·sc·(u − 32)` (Q6_K, per 16
+//! values). The f32 kernels spend one fused
 //! multiply-add per weight and vector, so a verify pass (Gemma 3 270M: four tokens, the 262,144 ×
 //! 640 Q8_0 LM head 72% of the bytes) ran at the FMA units' limit. Here each matrix is re-laid
 //! once, on first use, in *tiles* of 16 rows: per tile and 32-value block, the 512 signed codes
 //! as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast activation
 //! word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16
-//! rows' scales: f16 `d` for Q8_0 and Q5_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55× the Q5_0
-//! ones), f32 `d·sc` per 16-value half for Q6_K, f32 `d·sc` and `dmin·m` for Q4_K (640 bytes).
+//! rows' scales: f16 `d` for Q8_0, Q5_0 and Q4_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55×
+//! the Q5_0 ones), f32 `d·sc` per 16-value half for Q6_K, f32 scales and minimums for the others
+//! (640 bytes).
 //! One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no horizontal sums.
 //! (An earlier lane layout, one row at a time with its bytes permuted into 16 lanes and the lanes
 //! summed at the end, measured 3–4× slower a token for Q5_0, Q4_K and Q6_K.)
 //!
 //! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1`
-//! against Q8_0 codes and `2^22 − 1` against the others' (error at most `s/2`: ≈9.5e-7 and
-//! ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
+//! against Q8_0 codes, `2^21 − 1` against 5-bit unsigned ones and `2^22 − 1` against the others'
+//! (error at most `s/2`: ≈9.5e-7, ≈2.4e-7 and ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
 //! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`), and `Σ x_q` per 16 values.
 //! Per block (Q6_K: per half) and row, three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`,
 //! and `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
-//! true value fits in i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and for Q4_K
-//! `acc −= (dmin·m·s)·f32(Σ x_q)` (fused). Every step is per token, so a column of a multi-token
+//! true value fits in i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and with a
+//! minimum `acc −= (dmin·m·s)·f32(Σ x_q)` (fused). Every step is per token, so a column of a multi-token
 //! call is bit-identical to a one-token call. With two tokens or more, on CPUs with AMX (and
-//! `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same `S_p` of Q8_0 and
-//! Q5_0 tiles for up to five tokens at once (the digit rows of the tokens' three planes against
+//! `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same `S_p` of f16-scaled
+//! tiles for up to five tokens at once (the digit rows of the tokens' three planes against
 //! the tile's codes, exactly the layout above): integer sums are exact in any order, so the
 //! results are the same bits; [`tests`] check the kernel against a scalar transcription of the
 //! same arithmetic, bit for bit, and against an f64 dot product.
@@ -51,26 +53,28 @@ const F16: u8 = 0;
 /// [`HALVES`]: one f32 `d·sc` per row and 16-value half (Q6_K: `w = (d·sc)·q`), the first
 /// halves' 16 then the second halves'.
 const HALVES: u8 = 1;
-/// [`MIN`]: one f32 `d·sc` and one f32 `dmin·m` per row (Q4_K: `w = (d·sc)·q − dmin·m`), the
-/// 16 scales then the 16 minimums.
+/// [`MIN`]: one f32 `d·sc` and one f32 `dmin·m` per row (Q4_K, Q5_K: `w = (d·sc)·q − dmin·m`;
+/// Q4_1, Q5_1: `w = d·q + m`, so `dmin·m` is `−m`), the 16 scales then the 16 minimums.
 const MIN: u8 = 2;
 
 /// The tile layout of `ty`: its scale kind and its tile block's bytes.
 fn layout(ty: GgmlType) -> Option<(u8, usize)> {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q5_0 => Some((F16, CODE_BYTES + 2 * TILE_ROWS)),
+        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0 => Some((F16, CODE_BYTES + 2 * TILE_ROWS)),
         GgmlType::Q6_K => Some((HALVES, CODE_BYTES + 8 * TILE_ROWS)),
-        GgmlType::Q4_K => Some((MIN, CODE_BYTES + 8 * TILE_ROWS)),
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => Some((MIN, CODE_BYTES + 8 * TILE_ROWS)),
         _ => None,
     }
 }
 
-/// The largest quantized activation magnitude against codes of `ty`: the largest that keeps the
-/// integer sum between two scales within i32 (Q8_0: 32 values of `|q| ≤ 128`; Q5_0: 32 of
-/// `|q| ≤ 16`; Q4_K: 32 of `0 ≤ q ≤ 15`; Q6_K: 16 of `|q| ≤ 32`).
+/// The largest quantized activation magnitude against codes of `ty`: the largest power of two
+/// less one that keeps the integer sum between two scales within i32 (Q8_0: 32 values of
+/// `|q| ≤ 128`; Q5_1, Q5_K: 32 of `q ≤ 31`; Q4_0, Q4_1, Q5_0, Q4_K: 32 of `|q| ≤ 16`; Q6_K:
+/// 16 of `|q| ≤ 32`).
 fn q_max(ty: GgmlType) -> f32 {
     match ty {
         GgmlType::Q8_0 => 524_287.0,
+        GgmlType::Q5_1 | GgmlType::Q5_K => 2_097_151.0,
         _ => 4_194_303.0,
     }
 }
@@ -174,10 +178,21 @@ impl ByteTiles {
     }
 }
 
+/// Value `v` (0..32) of a block's 16 nibble bytes: the low nibbles hold values 0..16, the high
+/// ones 16..32.
+fn nibble(qs: &[u8], v: usize) -> u8 {
+    if v < 16 {
+        qs[v] & 0xf
+    } else {
+        qs[v - 16] >> 4
+    }
+}
+
 /// 32-value block `b` of a row of `ty`, from the format's description (ggml's `block_*`
-/// structs): its signed codes `q` and two scales — Q8_0 / Q5_0 `[d, 0]` (`w = d·q`), Q6_K the two
-/// 16-value halves' `[d·sc₀, d·sc₁]`, Q4_K `[d·sc, dmin·m]` (`w = d·sc·q − dmin·m`). The
-/// products are exact in f32 (an f16 times a 6- or 8-bit integer).
+/// structs): its signed codes `q` and two scales — Q8_0 / Q5_0 / Q4_0 `[d, 0]` (`w = d·q`), Q6_K
+/// the two 16-value halves' `[d·sc₀, d·sc₁]`, Q4_K / Q5_K `[d·sc, dmin·m]` (`w = d·sc·q −
+/// dmin·m`), Q4_1 / Q5_1 `[d, −m]`. The products are exact in f32 (an f16 times a 6- or 8-bit
+/// integer).
 fn decode_block(ty: GgmlType, row: &[u8], b: usize) -> ([i8; BLOCK], [f32; 2]) {
     let f16 = |p: &[u8]| half::f16::from_le_bytes([p[0], p[1]]).to_f32();
     match ty {
@@ -188,21 +203,36 @@ fn decode_block(ty: GgmlType, row: &[u8], b: usize) -> ([i8; BLOCK], [f32; 2]) {
         GgmlType::Q5_0 => {
             let blk = &row[22 * b..22 * (b + 1)];
             let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-            let q = std::array::from_fn(|v| {
-                let nibble = if v < 16 { blk[6 + v] & 0xf } else { blk[6 + v - 16] >> 4 };
-                ((nibble as u32 | ((qh >> v) & 1) << 4) as i32 - 16) as i8
-            });
+            let q = std::array::from_fn(|v| ((nibble(&blk[6..], v) as u32 | ((qh >> v) & 1) << 4) as i32 - 16) as i8);
             (q, [f16(blk), 0.0])
         }
-        GgmlType::Q4_K => {
-            // 256-value super-blocks: d, dmin, 12 bytes of 6-bit scales and minimums, then
-            // 4 × 32 bytes of nibbles (low nibbles: values 64c .. 64c + 32, high: the next 32).
-            let (sb, j) = (&row[144 * (b / 8)..144 * (b / 8 + 1)], b % 8);
+        GgmlType::Q4_0 => {
+            let blk = &row[18 * b..18 * (b + 1)];
+            let q = std::array::from_fn(|v| (nibble(&blk[2..], v) as i32 - 8) as i8);
+            (q, [f16(blk), 0.0])
+        }
+        GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            // d, m, (Q5_1: 32 fifth bits), 16 bytes of nibbles; `w = d·u + m`.
+            let five = ty == GgmlType::Q5_1;
+            let size = if five { 24 } else { 20 };
+            let blk = &row[size * b..size * (b + 1)];
+            let qh = if five { u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]) } else { 0 };
+            let q = std::array::from_fn(|v| (nibble(&blk[size - 16..], v) as u32 | ((qh >> v) & 1) << 4) as i8);
+            (q, [f16(blk), -f16(&blk[2..])])
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            // 256-value super-blocks: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32
+            // bytes whose bit j is the fifth bit of sub-block j's values,) then 4 × 32 bytes of
+            // nibbles (low nibbles: values 64c .. 64c + 32, high: the next 32).
+            let five = ty == GgmlType::Q5_K;
+            let size = if five { 176 } else { 144 };
+            let (sb, j) = (&row[size * (b / 8)..size * (b / 8 + 1)], b % 8);
             let (sc, mn) = super::blocks::k4_scales_mins(sb[4..16].try_into().unwrap());
-            let (c, high) = (j / 2, j % 2 == 1);
+            let (qs, c, high) = (&sb[size - 128..], j / 2, j % 2 == 1);
             let q = std::array::from_fn(|v| {
-                let byte = sb[16 + 32 * c + v];
-                (if high { byte >> 4 } else { byte & 0xf }) as i8
+                let byte = qs[32 * c + v];
+                let fifth = if five { ((sb[16 + v] >> j) & 1) << 4 } else { 0 };
+                ((if high { byte >> 4 } else { byte & 0xf }) | fifth) as i8
             });
             (q, [f16(sb) * sc[j] as f32, f16(&sb[2..]) * mn[j] as f32])
         }
@@ -693,7 +723,16 @@ mod tests {
     use super::*;
 
     /// The formats with a tile layout.
-    const TYPES: [GgmlType; 4] = [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K];
+    const TYPES: [GgmlType; 8] = [
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_1,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
 
     /// The kernel's arithmetic transcribed for one row and vector `ti`, block by block.
     fn reference(ty: GgmlType, row: &[u8], x: &TileInputs, ti: usize) -> f32 {
@@ -734,8 +773,8 @@ mod tests {
         };
         let mut bytes: Vec<u8> = (0..rows * ty.row_bytes(cols).unwrap()).map(|_| next() as u8).collect();
         let scale_at: &[usize] = match ty {
-            GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-            GgmlType::Q4_K => &[0, 2],
+            GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_0 => &[0],
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
             _ => &[208],
         };
         for blk in bytes.chunks_exact_mut(ty.type_size()) {
@@ -841,12 +880,14 @@ mod tests {
         for ty in TYPES {
             let cols = ty.block_size().max(64);
             let mut data = random_rows(ty, 1, cols, 11);
-            // Every code at the format's extreme: Q8_0 −128, Q5_0 −16, Q4_K 15, Q6_K −32.
+            // Every code at the format's extreme: Q8_0 −128, Q5_0 −16, Q4_0 −8, Q4_1 / Q4_K 15,
+            // Q5_1 / Q5_K 31, Q6_K −32.
             for blk in data.chunks_exact_mut(ty.type_size()) {
                 match ty {
                     GgmlType::Q8_0 => blk[2..].fill(0x80),
-                    GgmlType::Q5_0 => blk[2..].fill(0),
-                    GgmlType::Q4_K => blk[16..].fill(0xff),
+                    GgmlType::Q5_0 | GgmlType::Q4_0 => blk[2..].fill(0),
+                    GgmlType::Q4_1 | GgmlType::Q5_1 => blk[4..].fill(0xff),
+                    GgmlType::Q4_K | GgmlType::Q5_K => blk[16..].fill(0xff),
                     _ => blk[..192].fill(0),
                 }
             }
