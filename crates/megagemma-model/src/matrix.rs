@@ -37,6 +37,10 @@ pub trait RowDot: Send + Sync {
     fn dot_rows_prepared(&self, _start: usize, _xs: &crate::gguf::IntInputs, _outs: &mut [f32]) {
         unreachable!("dot_rows_prepared on a matrix that prepares no inputs")
     }
+    /// Build now any layout this matrix's CPU kernel re-lays its weights into on first use (GGUF
+    /// byte tiles), so that a CPU backend pays for it while loading instead of in its first
+    /// product. A no-op for the others.
+    fn prepare_cpu_layout(&self) {}
     /// Dequantize / convert one row into `out` (`out.len() == cols()`), exactly.
     fn row_to_f32(&self, row: usize, out: &mut [f32]);
     /// Bytes of weight data streamed by one full matvec (for bandwidth figures).

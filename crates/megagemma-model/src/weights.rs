@@ -75,6 +75,25 @@ pub struct ModelWeights {
 }
 
 impl ModelWeights {
+    /// Every matrix a forward pass multiplies with (the LM head, the PLE projection, each
+    /// layer's; not the embedding tables it only gathers rows from, unless the head is tied).
+    pub fn matrices(&self) -> Vec<&dyn RowDot> {
+        let mut m: Vec<&dyn RowDot> = vec![self.lm_head.as_ref().unwrap_or(&self.embed).as_ref()];
+        m.extend(self.ple.iter().map(|p| p.proj.as_ref()));
+        for l in &self.layers {
+            let a = &l.attn;
+            m.extend([a.q.as_ref(), a.o.as_ref()]);
+            m.extend(a.k.iter().chain(&a.v).map(|x| x.as_ref()));
+            let mlps = std::iter::once(&l.mlp).chain(l.moe.iter().flat_map(|moe| &moe.experts));
+            for mlp in mlps {
+                m.extend([mlp.gate.as_ref(), mlp.up.as_ref(), mlp.down.as_ref()]);
+            }
+            m.extend(l.ple.iter().flat_map(|p| [p.gate.as_ref(), p.proj.as_ref()]));
+            m.extend(l.moe.iter().map(|moe| moe.router_proj.as_ref()));
+        }
+        m
+    }
+
     /// Bytes of weights one decode step streams (everything but the embedding gathers); MoE
     /// layers count the `moe_top_k` routed experts a token reads.
     pub fn decode_bytes(&self, moe_top_k: usize) -> usize {

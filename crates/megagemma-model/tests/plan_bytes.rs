@@ -19,3 +19,16 @@ fn plan_decode_bytes_equal_the_loaded_weights() {
     }
     assert_eq!(checked, 7);
 }
+
+/// `ModelWeights::matrices` (the matrices the CPU backend prepares its kernel layouts for) lists
+/// exactly the matrices a decode step streams, with every MoE expert counted.
+#[test]
+fn every_multiplied_matrix_is_listed_once() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    for name in ["ple_shared_dw", "keqv_global", "moe", "sliding_wrap", "gemma3"] {
+        let m = Model::load(&root.join(name)).unwrap();
+        let experts = m.weights.layers.iter().filter_map(|l| l.moe.as_ref()).map(|moe| moe.experts.len()).max();
+        let listed: usize = m.weights.matrices().iter().map(|w| w.stored_bytes()).sum();
+        assert_eq!(listed, m.weights.decode_bytes(experts.unwrap_or(0)), "{name}");
+    }
+}

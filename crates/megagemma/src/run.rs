@@ -216,7 +216,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     };
     let decode = args.decode.as_deref().map(str::parse).transpose()?;
     let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
+    // Opening the backend is loading too (weights uploaded to a device, CPU kernel layouts built).
+    let t_open = Instant::now();
     let mut backend = open_backend_with(model.clone(), assistant, &opts)?;
+    let load_secs = load_secs + t_open.elapsed().as_secs_f64();
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {
         (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),

@@ -12,6 +12,7 @@ use crate::plan::ModelPlan;
 use crate::Result;
 use forward::{forward_batch, ChunkOut, Segment};
 use kv::KvCache;
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -46,6 +47,9 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(model: Arc<Model>) -> CpuBackend {
+        // Kernel layouts built once here (GGUF byte tiles: ~0.35 s for Gemma 3 270M), not in the
+        // first request's prefill.
+        model.weights.matrices().into_par_iter().for_each(|m| m.prepare_cpu_layout());
         CpuBackend {
             model,
             assistant: None,

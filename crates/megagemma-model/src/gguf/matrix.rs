@@ -74,6 +74,14 @@ impl GgufMatrix {
         self.ggml_type
     }
 
+    /// The rows as byte tiles, re-laid on the first call.
+    fn byte_tiles(&self) -> &ByteTiles {
+        self.tiles.get_or_init(|| {
+            let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
+            ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes)
+        })
+    }
+
     /// The encoded bytes of row `r`.
     pub fn row_bytes(&self, r: usize) -> &[u8] {
         assert!(r < self.rows, "row {r} out of range for a {}-row matrix", self.rows);
@@ -171,9 +179,13 @@ impl RowDot for GgufMatrix {
         assert!(self.int_dot, "dot_rows_prepared on a matrix without an integer kernel");
         let n = outs.len() / xs.len().max(1);
         assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
-        let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
-        let tiles = self.tiles.get_or_init(|| ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes));
-        super::byte_tiles::dot_rows(tiles, start, xs, outs)
+        super::byte_tiles::dot_rows(self.byte_tiles(), start, xs, outs)
+    }
+
+    fn prepare_cpu_layout(&self) {
+        if self.int_dot {
+            self.byte_tiles();
+        }
     }
 
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {
