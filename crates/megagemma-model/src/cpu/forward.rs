@@ -53,6 +53,13 @@ pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, token
 /// each token's own cache. `out` is reused across calls (no per-step allocation of the
 /// vocab-sized logits once it has grown). A column's arithmetic never depends on the others.
 pub fn forward_batch(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment<'_>], out: &mut ChunkOut) {
+    // The pass runs on a pool thread, so its ~200 parallel products and loops are forked from a
+    // worker (a hot hand-off) instead of each being injected from outside the pool and waited
+    // for with a sleep and a wake-up.
+    rayon::scope(|_| forward_batch_in_pool(plan, w, segs, out));
+}
+
+fn forward_batch_in_pool(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment<'_>], out: &mut ChunkOut) {
     let h = plan.hidden;
     let tokens: Vec<u32> = segs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let t = tokens.len();
