@@ -1,36 +1,33 @@
-//! GGUF Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q4_K, Q5_K and Q6_K matrices as integer dot products over
-//! 16 rows at once (AVX-512 VNNI).
+//! GGUF Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q4_K, Q5_K and Q6_K matrices as integer dot products over 16 rows at once
+//! (AVX-512 VNNI).
 //!
-//! These weights are small integers times a float per 16 or 32 values: `d·q` (Q8_0, `q` a
-//! signed byte), `d·(u − 16)` (Q5_0), `d·(u − 8)` (Q4_0), `d·u + m` (Q4_1, Q5_1), `d·sc·q −
-//! dmin·m` (Q4_K, Q5_K, per 32 values of a 256-value super-block), `d·sc·(u − 32)` (Q6_K, per 16
-//! values). The f32 kernels spend one fused
-//! multiply-add per weight and vector, so a verify pass (Gemma 3 270M: four tokens, the 262,144 ×
-//! 640 Q8_0 LM head 72% of the bytes) ran at the FMA units' limit. Here each matrix is re-laid
-//! once, on first use, in *tiles* of 16 rows: per tile and 32-value block, the 512 signed codes
-//! as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast activation
-//! word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16
-//! rows' scales: f16 `d` for Q8_0, Q5_0 and Q4_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55×
-//! the Q5_0 ones), f32 `d·sc` per 16-value half for Q6_K, f32 scales and minimums for the others
-//! (640 bytes).
-//! One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no horizontal sums.
-//! (An earlier lane layout, one row at a time with its bytes permuted into 16 lanes and the lanes
-//! summed at the end, measured 3–4× slower a token for Q5_0, Q4_K and Q6_K.)
+//! These weights are small integers times a float per 16 or 32 values: `d·q` (Q8_0, `q` a signed byte),
+//! `d·(u − 16)` (Q5_0), `d·(u − 8)` (Q4_0), `d·u + m` (Q4_1, Q5_1), `d·sc·q − dmin·m` (Q4_K, Q5_K, per 32 values of
+//! a 256-value super-block), `d·sc·(u − 32)` (Q6_K, per 16 values). The f32 kernels spend one fused multiply-add
+//! per weight and vector, so a verify pass (Gemma 3 270M: four tokens, the 262,144 × 640 Q8_0 LM head 72% of the
+//! bytes) ran at the FMA units' limit. Here each matrix is re-laid once (when a CPU backend opens,
+//! [`crate::matrix::RowDot::prepare_cpu_layout`], or on first use) in *tiles* of 16 rows: per tile and 32-value
+//! block, the 512 signed codes as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast
+//! activation word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16 rows'
+//! scales: f16 `d` for Q8_0, Q5_0 and Q4_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55× the Q5_0 ones), f32 `d·sc`
+//! per 16-value half for Q6_K, f32 scales and minimums for the others (640 bytes). One `vpdpbusd` adds four
+//! products to each of the 16 rows: no byte permutes, no horizontal sums. (An earlier lane layout, one row at a
+//! time with its bytes permuted into 16 lanes and the lanes summed at the end, measured 3–4× slower a token for
+//! Q5_0, Q4_K and Q6_K.)
 //!
-//! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1`
-//! against Q8_0 codes, `2^21 − 1` against 5-bit unsigned ones and `2^22 − 1` against the others'
-//! (error at most `s/2`: ≈9.5e-7, ≈2.4e-7 and ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
-//! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`), and `Σ x_q` per 16 values.
-//! Per block (Q6_K: per half) and row, three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`,
-//! and `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the
-//! true value fits in i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and with a
-//! minimum `acc −= (dmin·m·s)·f32(Σ x_q)` (fused). Every step is per token, so a column of a multi-token
-//! call is bit-identical to a one-token call. With two tokens or more, on CPUs with AMX (and
-//! `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes the same `S_p` of f16-scaled
-//! tiles for up to five tokens at once (the digit rows of the tokens' three planes against
-//! the tile's codes, exactly the layout above): integer sums are exact in any order, so the
-//! results are the same bits; [`tests`] check the kernel against a scalar transcription of the
-//! same arithmetic, bit for bit, and against an f64 dot product.
+//! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1` against Q8_0 codes,
+//! `2^21 − 1` against 5-bit unsigned ones and `2^22 − 1` against the others' (error at most `s/2`: ≈9.5e-7, ≈2.4e-7
+//! and ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
+//! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`), and `Σ x_q` per 16 values. Per block (Q6_K: per
+//! half) and row, three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
+//! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the true value fits in
+//! i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and with a minimum `acc −= (dmin·m·s)·f32(Σ x_q)`
+//! (fused). Every step is per token, so a column of a multi-token call is bit-identical to a one-token call. With
+//! two tokens or more, on CPUs with AMX (and `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes
+//! the same `S_p` of f16-scaled tiles for up to five tokens at once (the digit rows of the tokens' three planes
+//! against the tile's codes, exactly the layout above): integer sums are exact in any order, so the results are the
+//! same bits; [`tests`] check the kernel against a scalar transcription of the same arithmetic, bit for bit, and
+//! against an f64 dot product.
 
 #![allow(clippy::missing_safety_doc)]
 // Indexed loops over fixed-size register arrays unroll into straight-line code.
@@ -48,7 +45,7 @@ const BLOCK: usize = 32;
 const CODE_BYTES: usize = TILE_ROWS * BLOCK;
 
 /// How a tile block's 16 rows are scaled (`u8` constants: the kernels are generic over them).
-/// [`F16`]: one f16 `d` per row (Q8_0, Q5_0: `w = d·q`), 16 × 2 bytes after the codes.
+/// [`F16`]: one f16 `d` per row (Q8_0, Q5_0, Q4_0: `w = d·q`), 16 × 2 bytes after the codes.
 const F16: u8 = 0;
 /// [`HALVES`]: one f32 `d·sc` per row and 16-value half (Q6_K: `w = (d·sc)·q`), the first
 /// halves' 16 then the second halves'.
@@ -127,13 +124,9 @@ pub struct ByteTiles {
 }
 
 impl ByteTiles {
-    /// Re-lay `rows` Q8_0 rows of `row_bytes` bytes each (`bytes`, rows contiguous).
-    pub fn from_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
-        ByteTiles::from_rows(GgmlType::Q8_0, bytes, rows, row_bytes)
-    }
-
     /// Re-lay `rows` rows of `ty` (see [`supports`]) of `row_bytes` bytes each: per 32-value
-    /// block and row the signed codes ([`decode_block`]) and the scales of its kind.
+    /// block and row the signed codes ([`decode_block`]) and the scales of its kind (`bytes`: the
+    /// rows, contiguous).
     pub fn from_rows(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
         let Some((kind, block_bytes)) = layout(ty) else { panic!("byte tiles: no tile layout for {ty}") };
         assert!(row_bytes.is_multiple_of(ty.type_size()), "{ty} rows of {row_bytes} bytes are not whole blocks");
