@@ -59,7 +59,9 @@ pub fn draft(
     hidden: &[f32],
     k: usize,
 ) -> Result<Vec<u32>> {
-    run(asst, target, kv, p, token, hidden, k, |hn| greedy_token(asst, hn))
+    // On a pool thread, as the target's passes (cpu::forward::forward_batch): its products
+    // then fork from a worker instead of each waiting on a hand-off from outside the pool.
+    rayon::scope(|_| run(asst, target, kv, p, token, hidden, k, |hn| greedy_token(asst, hn)))
 }
 
 /// [`draft`] where `pick` chooses each draft from the drafter's vocabulary-sized logits (for
