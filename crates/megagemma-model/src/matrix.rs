@@ -27,7 +27,7 @@ pub trait RowDot: Send + Sync {
     }
     /// The vectors `xs` (`[T, cols]`) prepared once per product for
     /// [`RowDot::dot_rows_prepared`], when this matrix's kernel reads its input in another form
-    /// (GGUF Q8_0 / Q5_0 / Q4_K / Q6_K on AVX-512 VNNI: integers as bytes); `None` when it reads
+    /// (GGUF quantized rows on AVX-512 VNNI: integer digits as bytes); `None` when it reads
     /// f32 directly.
     fn prepare_inputs(&self, _xs: &[f32]) -> Option<crate::gguf::IntInputs> {
         None

@@ -29,11 +29,11 @@ pub struct GgufMatrix {
     /// Two rows × [`MULTI`] vectors, where this CPU has such a kernel for the type.
     dot_multi2: Option<DotMulti2Fn>,
     dequant: DequantFn,
-    /// Rows go through the integer kernel on this CPU ([`super::byte_tiles`]: Q8_0, Q5_0, Q4_K,
-    /// Q6_K on AVX-512 VNNI).
+    /// Rows go through the integer kernel on this CPU ([`super::byte_tiles`]: the formats it
+    /// lays out, on AVX-512 VNNI).
     int_dot: bool,
-    /// Rows re-laid in 16-row tiles, made on the first product (a device backend that only
-    /// uploads [`RowDot::layout`] never pays for it).
+    /// Rows re-laid in 16-row tiles, made when a CPU backend opens or on the first product (a
+    /// device backend that only uploads [`RowDot::layout`] never pays for it).
     tiles: OnceLock<ByteTiles>,
 }
 
