@@ -7,27 +7,30 @@
 //! per weight and vector, so a verify pass (Gemma 3 270M: four tokens, the 262,144 × 640 Q8_0 LM head 72% of the
 //! bytes) ran at the FMA units' limit. Here each matrix is re-laid once (when a CPU backend opens,
 //! [`crate::matrix::RowDot::prepare_cpu_layout`], or on first use) in *tiles* of 16 rows: per tile and 32-value
-//! block, the 512 signed codes as `q + 128` (unsigned) in the order `vpdpbusd` reads them against one broadcast
-//! activation word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16 rows'
-//! scales: f16 `d` for Q8_0, Q5_0 and Q4_0 (544 bytes: as many as 16 Q8_0 blocks, 1.55× the Q5_0 ones), f32 `d·sc`
-//! per 16-value half for Q6_K, f32 scales and minimums for the others (640 bytes). One `vpdpbusd` adds four
-//! products to each of the 16 rows: no byte permutes, no horizontal sums. (An earlier lane layout, one row at a
-//! time with its bytes permuted into 16 lanes and the lanes summed at the end, measured 3–4× slower a token for
-//! Q5_0, Q4_K and Q6_K.)
+//! block, 512 unsigned codes `u = q + offset` in the order `vpdpbusd` reads them against one broadcast activation
+//! word — step `i` (values `4i .. 4i + 4`), row `r`, byte `e` at `64·i + 4·r + e` — then the 16 rows' scales: f16
+//! `d` for Q8_0, Q5_0 and Q4_0, f32 `d·sc` per 16-value half for Q6_K, f32 scales and minimums for the others. Q8_0
+//! codes are stored as bytes (`offset` 128: 544 bytes a block, as the 16 Q8_0 blocks); the others packed
+//! (`pack_codes`: nibbles, plus a bit mask per step for each bit above the fourth) and unpacked a step at a time
+//! (an and or a shift, one masked add per higher bit): Q5_0 and Q4_0 take the bytes of the blocks they come from,
+//! Q4_K 1.33×, Q6_K 1.21×. One `vpdpbusd` adds four products to each of the 16 rows: no byte permutes, no
+//! horizontal sums. (An earlier lane layout, one row at a time with its bytes permuted into 16 lanes and the lanes
+//! summed at the end, measured 3–4× slower a token for Q5_0, Q4_K and Q6_K; codes as bytes, 1.2–1.5× more bytes
+//! than packed, made one token's pass 10–20% slower.)
 //!
 //! Activations, per token and 32-value block: `x ≈ s·x_q`, `s = amax / Q`, with `Q = 2^19 − 1` against Q8_0 codes,
 //! `2^21 − 1` against 5-bit unsigned ones and `2^22 − 1` against the others' (error at most `s/2`: ≈9.5e-7, ≈2.4e-7
 //! and ≈1.2e-7 of the block's largest value), `x_q` as three signed bytes (balanced base-256 digits
 //! `x_q = 65536·h + 256·m + l`, `l, m ∈ [−128, 127]`, `|h| ≤ 64`), and `Σ x_q` per 16 values. Per block (Q6_K: per
-//! half) and row, three `vpdpbusd` chains give `S_p = Σ (q + 128)·digit_p`, and
-//! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − 128·Σ x_q` in wrapping 32-bit arithmetic (exact: the true value fits in
-//! i32 — [`q_max`]); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and with a minimum `acc −= (dmin·m·s)·f32(Σ x_q)`
+//! half) and row, three `vpdpbusd` chains give `S_p = Σ u·digit_p`, and
+//! `Σ q·x_q = 65536·S_h + 256·S_m + S_l − offset·Σ x_q` in wrapping 32-bit arithmetic (exact: the true value fits
+//! in i32 — `q_max`); then `acc = fma(f32(Σ q·x_q), d·s, acc)`, and with a minimum `acc −= (dmin·m·s)·f32(Σ x_q)`
 //! (fused). Every step is per token, so a column of a multi-token call is bit-identical to a one-token call. With
 //! two tokens or more, on CPUs with AMX (and `MEGAGEMMA_AMX` not `0`), one `tdpbsud` per tile and block computes
-//! the same `S_p` of f16-scaled tiles for up to five tokens at once (the digit rows of the tokens' three planes
-//! against the tile's codes, exactly the layout above): integer sums are exact in any order, so the results are the
-//! same bits; [`tests`] check the kernel against a scalar transcription of the same arithmetic, bit for bit, and
-//! against an f64 dot product.
+//! the same `S_p` of Q8_0 tiles for up to five tokens at once (the digit rows of the tokens' three planes against
+//! the tile's codes, exactly the layout above): integer sums are exact in any order, so the results are the same
+//! bits; the `tests` check the kernel against a scalar transcription of the same arithmetic, bit for bit, and against
+//! an f64 dot product.
 
 #![allow(clippy::missing_safety_doc)]
 // Indexed loops over fixed-size register arrays unroll into straight-line code.
@@ -41,7 +44,7 @@ use std::sync::OnceLock;
 pub const TILE_ROWS: usize = 16;
 /// Values per tile block (and per activation scale).
 const BLOCK: usize = 32;
-/// One tile block's codes: 16 rows × 32 values.
+/// One tile block's codes as bytes: 16 rows × 32 values.
 const CODE_BYTES: usize = TILE_ROWS * BLOCK;
 
 /// How a tile block's 16 rows are scaled (`u8` constants: the kernels are generic over them).
@@ -54,13 +57,50 @@ const HALVES: u8 = 1;
 /// Q4_1, Q5_1: `w = d·q + m`, so `dmin·m` is `−m`), the 16 scales then the 16 minimums.
 const MIN: u8 = 2;
 
-/// The tile layout of `ty`: its scale kind and its tile block's bytes.
-fn layout(ty: GgmlType) -> Option<(u8, usize)> {
-    match ty {
-        GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::Q4_0 => Some((F16, CODE_BYTES + 2 * TILE_ROWS)),
-        GgmlType::Q6_K => Some((HALVES, CODE_BYTES + 8 * TILE_ROWS)),
-        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => Some((MIN, CODE_BYTES + 8 * TILE_ROWS)),
-        _ => None,
+/// How `ty`'s codes are tiled: its scale kind, the bits a code keeps (8: bytes `q + 128`; 4 to
+/// 6: packed, see `pack_codes`) and the unsigned offset of a stored code (`u = q + offset`).
+fn layout(ty: GgmlType) -> Option<(u8, u8, i32)> {
+    Some(match ty {
+        GgmlType::Q8_0 => (F16, 8, 128),
+        GgmlType::Q5_0 => (F16, 5, 16),
+        GgmlType::Q4_0 => (F16, 4, 8),
+        GgmlType::Q6_K => (HALVES, 6, 32),
+        GgmlType::Q4_K | GgmlType::Q4_1 => (MIN, 4, 0),
+        GgmlType::Q5_K | GgmlType::Q5_1 => (MIN, 5, 0),
+        _ => return None,
+    })
+}
+
+/// Bytes of one tile block's codes: 512 bytes, or packed 256 bytes of nibbles plus a 64-byte
+/// mask per bit above the fourth.
+fn code_bytes(bits: u8) -> usize {
+    if bits == 8 {
+        CODE_BYTES
+    } else {
+        CODE_BYTES / 2 + 64 * (bits as usize - 4)
+    }
+}
+
+/// Bytes of one tile block: its codes, then 16 f16 scales or 2 × 16 f32.
+fn block_bytes(kind: u8, bits: u8) -> usize {
+    code_bytes(bits) + if kind == F16 { 2 * TILE_ROWS } else { 8 * TILE_ROWS }
+}
+
+/// Pack a tile block's 512 unsigned codes (`u < 2^bits`, in `vpdpbusd` order: 8 steps of 64)
+/// into `out`: byte `b` of nibble vector `j` (0..4) holds step `j`'s code `b` in its low half
+/// and step `j + 4`'s in its high half; then, per bit `4 + p` above the nibble, 8 little-endian
+/// u64 masks, one per step (bit `b`: that bit of the step's code `b`).
+fn pack_codes(codes: &[u8; CODE_BYTES], bits: u8, out: &mut [u8]) {
+    for j in 0..4 {
+        for b in 0..64 {
+            out[64 * j + b] = (codes[64 * j + b] & 0xf) | (codes[64 * (j + 4) + b] & 0xf) << 4;
+        }
+    }
+    for p in 0..(bits as usize - 4) {
+        for i in 0..8 {
+            let mask = (0..64).fold(0u64, |m, b| m | (((codes[64 * i + b] >> (4 + p)) & 1) as u64) << b);
+            out[CODE_BYTES / 2 + 64 * p + 8 * i..][..8].copy_from_slice(&mask.to_le_bytes());
+        }
     }
 }
 
@@ -115,6 +155,9 @@ pub struct ByteTiles {
     ty: GgmlType,
     /// [`F16`], [`HALVES`] or [`MIN`].
     kind: u8,
+    /// Bits a stored code keeps (8, or 4 to 6 packed) and the offset added to make it unsigned.
+    bits: u8,
+    offset: i32,
     rows: usize,
     blocks: usize,
     /// Bytes of one tile block: the codes, then the scales.
@@ -125,10 +168,11 @@ pub struct ByteTiles {
 
 impl ByteTiles {
     /// Re-lay `rows` rows of `ty` (see [`supports`]) of `row_bytes` bytes each: per 32-value
-    /// block and row the signed codes ([`decode_block`]) and the scales of its kind (`bytes`: the
+    /// block and row the signed codes (`decode_block`) and the scales of its kind (`bytes`: the
     /// rows, contiguous).
     pub fn from_rows(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> ByteTiles {
-        let Some((kind, block_bytes)) = layout(ty) else { panic!("byte tiles: no tile layout for {ty}") };
+        let Some((kind, bits, offset)) = layout(ty) else { panic!("byte tiles: no tile layout for {ty}") };
+        let (block_bytes, code_bytes) = (block_bytes(kind, bits), code_bytes(bits));
         assert!(row_bytes.is_multiple_of(ty.type_size()), "{ty} rows of {row_bytes} bytes are not whole blocks");
         assert_eq!(bytes.len(), rows * row_bytes, "{ty} matrix: {} bytes for {rows} rows", bytes.len());
         let blocks = row_bytes / ty.type_size() * ty.block_size() / BLOCK;
@@ -137,8 +181,9 @@ impl ByteTiles {
         let mut data = vec![0u8; tiles * tile_bytes];
         data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
             for (b, tb) in out.chunks_exact_mut(block_bytes).enumerate() {
-                let (codes, scales) = tb.split_at_mut(CODE_BYTES);
-                codes.fill(128);
+                let (packed, scales) = tb.split_at_mut(code_bytes);
+                // Rows past the matrix: code 0 (q = −offset) with scale 0.
+                let mut codes = [0u8; CODE_BYTES];
                 for r in 0..TILE_ROWS {
                     let row = tile * TILE_ROWS + r;
                     if row >= rows {
@@ -146,7 +191,7 @@ impl ByteTiles {
                     }
                     let (q, [a, b2]) = decode_block(ty, &bytes[row * row_bytes..][..row_bytes], b);
                     for (v, q) in q.into_iter().enumerate() {
-                        codes[64 * (v / 4) + 4 * r + v % 4] = (q as i32 + 128) as u8;
+                        codes[64 * (v / 4) + 4 * r + v % 4] = (q as i32 + offset) as u8;
                     }
                     if kind == F16 {
                         // The f16 `d` came through f32 exactly and goes back exactly.
@@ -156,9 +201,14 @@ impl ByteTiles {
                         scales[64 + 4 * r..64 + 4 * r + 4].copy_from_slice(&b2.to_le_bytes());
                     }
                 }
+                if bits == 8 {
+                    packed.copy_from_slice(&codes);
+                } else {
+                    pack_codes(&codes, bits, packed);
+                }
             }
         });
-        ByteTiles { ty, kind, rows, blocks, block_bytes, data }
+        ByteTiles { ty, kind, bits, offset, rows, blocks, block_bytes, data }
     }
 
     pub fn rows(&self) -> usize {
@@ -249,7 +299,7 @@ fn decode_block(ty: GgmlType, row: &[u8], b: usize) -> ([i8; BLOCK], [f32; 2]) {
 
 /// `T` activation vectors quantized for [`ByteTiles`] (see the module documentation).
 pub struct TileInputs {
-    /// The format of the tiles these inputs are for ([`q_max`]).
+    /// The format of the tiles these inputs are for (`q_max`).
     ty: GgmlType,
     t: usize,
     cols: usize,
@@ -343,9 +393,9 @@ mod avx512 {
     /// scale kind; a [`HALVES`] block is two 16-value halves (steps 0–3 and 4–7), each summed and
     /// scaled alone.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_dots<const N: usize, const K: u8>(
+    unsafe fn tile_dots<const N: usize, const K: u8, const BITS: u8>(
         tile: &[u8],
-        block_bytes: usize,
+        (block_bytes, offset): (usize, i32),
         x: &TileInputs,
         t0: usize,
     ) -> [__m512; N] {
@@ -361,7 +411,7 @@ mod avx512 {
                 let z = _mm512_setzero_si512();
                 let mut s = [[z; 3]; N];
                 for i in h * steps..(h + 1) * steps {
-                    let w = _mm512_loadu_si512(blk.add(64 * i) as *const _);
+                    let w = step_codes::<BITS>(blk, i);
                     for n in 0..N {
                         let at = x.digits.as_ptr().add((t0 + n) * 3 * cols + BLOCK * b + 4 * i);
                         let word = |p: usize| _mm512_set1_epi32((at.add(p * cols) as *const i32).read_unaligned());
@@ -370,8 +420,12 @@ mod avx512 {
                         s[n][2] = _mm512_dpbusd_epi32(s[n][2], w, word(2));
                     }
                 }
-                let scales = blk.add(CODE_BYTES);
-                let d = if K == F16 { block_scales(blk) } else { _mm512_loadu_ps(scales.add(64 * h) as *const f32) };
+                let scales = blk.add(code_bytes(BITS));
+                let d = if K == F16 {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(scales as *const _))
+                } else {
+                    _mm512_loadu_ps(scales.add(64 * h) as *const f32)
+                };
                 for n in 0..N {
                     let v = (t0 + n) * blocks + b;
                     let scale = *x.scale.get_unchecked(v);
@@ -380,7 +434,7 @@ mod avx512 {
                     } else {
                         x.sums.get_unchecked(2 * v).wrapping_add(*x.sums.get_unchecked(2 * v + 1))
                     };
-                    acc[n] = combine(acc[n], s[n], d, scale, xsum);
+                    acc[n] = combine(acc[n], s[n], d, scale, xsum.wrapping_mul(offset));
                     if K == MIN {
                         // − (dmin·m)·s·Σx_q
                         let m = _mm512_mul_ps(_mm512_loadu_ps(scales.add(64) as *const f32), _mm512_set1_ps(scale));
@@ -390,6 +444,24 @@ mod avx512 {
             }
         }
         acc
+    }
+
+    /// Step `i`'s 64 unsigned codes of the tile block at `blk`, unpacked when `BITS < 8`
+    /// (`pack_codes`: a nibble, then a masked add per higher bit).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn step_codes<const BITS: u8>(blk: *const u8, i: usize) -> __m512i {
+        if BITS == 8 {
+            return _mm512_loadu_si512(blk.add(64 * i) as *const _);
+        }
+        let v = _mm512_loadu_si512(blk.add(64 * (i % 4)) as *const _);
+        let v = if i < 4 { v } else { _mm512_srli_epi16::<4>(v) };
+        let mut c = _mm512_and_si512(v, _mm512_set1_epi8(0x0f));
+        for p in 0..(BITS as usize).saturating_sub(4) {
+            let mask = (blk.add(CODE_BYTES / 2 + 64 * p + 8 * i) as *const u64).read_unaligned();
+            c = _mm512_mask_add_epi8(c, mask, c, _mm512_set1_epi8(16 << p));
+        }
+        c
     }
 
     /// Write tile `tile`'s 16 dots of vector `ti` into `outs` (`[vector][n]`, rows `start ..`),
@@ -411,15 +483,15 @@ mod avx512 {
         }
     }
 
-    /// `acc = fma(f32(65536·S_h + 256·S_m + S_l − 128·Σx_q), d·s, acc)` for one tile, block (or
-    /// half) and vector with scale `s` and `Σx_q` `xsum` there: the three planes' sums to the
-    /// dot of the codes, scaled and accumulated.
+    /// `acc = fma(f32(65536·S_h + 256·S_m + S_l − offset·Σx_q), d·s, acc)` for one tile, block
+    /// (or half) and vector with scale `s` there (`corr` = `offset·Σx_q`, wrapping): the three
+    /// planes' sums of the unsigned codes to the dot of the signed ones, scaled and accumulated.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
-    pub(super) unsafe fn combine(acc: __m512, [sh, sm, sl]: [__m512i; 3], d: __m512, s: f32, xsum: i32) -> __m512 {
+    pub(super) unsafe fn combine(acc: __m512, [sh, sm, sl]: [__m512i; 3], d: __m512, s: f32, corr: i32) -> __m512 {
         let upper = _mm512_add_epi32(_mm512_slli_epi32::<8>(sh), sm);
         let sum = _mm512_add_epi32(_mm512_slli_epi32::<8>(upper), sl);
-        let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(xsum.wrapping_mul(128)));
+        let sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corr));
         let ds = _mm512_mul_ps(d, _mm512_set1_ps(s));
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, acc)
     }
@@ -435,7 +507,7 @@ mod avx512 {
         }
     }
 
-    /// The 16 rows' f16 scales of the [`F16`] tile block at `blk`, as f32.
+    /// The 16 rows' f16 scales of a Q8_0 tile block at `blk`, as f32.
     #[target_feature(enable = "avx512f,f16c")]
     #[inline]
     pub(super) unsafe fn block_scales(blk: *const u8) -> __m512 {
@@ -446,7 +518,7 @@ mod avx512 {
     /// weights (on the AVX-512 VNNI AMD EPYC VM one token's LM head took 13 ms with four tiles
     /// at a time, 8–10 ms with one).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tiles_times<const N: usize, const K: u8>(
+    unsafe fn tiles_times<const N: usize, const K: u8, const BITS: u8>(
         w: &ByteTiles,
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
@@ -455,7 +527,7 @@ mod avx512 {
         outs: &mut [f32],
     ) {
         for tile in tiles {
-            let dots = tile_dots::<N, K>(w.tile(tile), w.block_bytes, x, t0);
+            let dots = tile_dots::<N, K, BITS>(w.tile(tile), (w.block_bytes, w.offset), x, t0);
             for j in 0..N {
                 store(dots[j], tile, t0 + j, start, n, outs);
             }
@@ -472,10 +544,14 @@ mod avx512 {
         span: (usize, usize),
         outs: &mut [f32],
     ) {
-        match w.kind {
-            F16 => tiles_times::<N, F16>(w, tiles, x, t0, span, outs),
-            HALVES => tiles_times::<N, HALVES>(w, tiles, x, t0, span, outs),
-            _ => tiles_times::<N, MIN>(w, tiles, x, t0, span, outs),
+        match (w.kind, w.bits) {
+            (F16, 8) => tiles_times::<N, F16, 8>(w, tiles, x, t0, span, outs),
+            (F16, 5) => tiles_times::<N, F16, 5>(w, tiles, x, t0, span, outs),
+            (F16, 4) => tiles_times::<N, F16, 4>(w, tiles, x, t0, span, outs),
+            (HALVES, 6) => tiles_times::<N, HALVES, 6>(w, tiles, x, t0, span, outs),
+            (MIN, 5) => tiles_times::<N, MIN, 5>(w, tiles, x, t0, span, outs),
+            (MIN, 4) => tiles_times::<N, MIN, 4>(w, tiles, x, t0, span, outs),
+            (kind, bits) => unreachable!("byte tiles: no kernel for kind {kind} with {bits}-bit codes"),
         }
     }
 
@@ -486,7 +562,7 @@ mod avx512 {
     pub(super) unsafe fn rows(w: &ByteTiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
         let tiles = start / TILE_ROWS..(start + n).div_ceil(TILE_ROWS);
         let span = (start, n);
-        if x.t >= 2 && use_amx && w.kind == F16 {
+        if x.t >= 2 && use_amx && w.kind == F16 && w.bits == 8 {
             let mut ti = 0;
             while ti < x.t {
                 let nt = amx::MAX_TOKENS.min(x.t - ti);
@@ -678,7 +754,7 @@ mod amx {
                         let row = |p: usize| _mm512_load_si512(c.0[3 * k + p].as_ptr() as *const _);
                         let v = (t0 + k) * blocks + b + i;
                         let xsum = x.sums[2 * v].wrapping_add(x.sums[2 * v + 1]);
-                        acc[k] = combine(acc[k], [row(0), row(1), row(2)], d, x.scale[v], xsum);
+                        acc[k] = combine(acc[k], [row(0), row(1), row(2)], d, x.scale[v], xsum.wrapping_mul(128));
                     }
                 }
                 b += 2;
@@ -730,7 +806,7 @@ mod tests {
     /// The kernel's arithmetic transcribed for one row and vector `ti`, block by block.
     fn reference(ty: GgmlType, row: &[u8], x: &TileInputs, ti: usize) -> f32 {
         let blocks = x.cols / BLOCK;
-        let (kind, _) = layout(ty).unwrap();
+        let (kind, _, _) = layout(ty).unwrap();
         let mut acc = 0f32;
         for b in 0..blocks {
             let (codes, [a, m]) = decode_block(ty, row, b);
