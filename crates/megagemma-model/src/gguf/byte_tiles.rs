@@ -571,6 +571,9 @@ mod avx512 {
             }
             return;
         }
+        if w.bits < 8 && x.t > 4 {
+            return rows_unpacked(w, tiles, x, span, outs);
+        }
         for tb in (0..x.t).step_by(TOKEN_BLOCK) {
             let end = x.t.min(tb + TOKEN_BLOCK);
             let mut ti = tb;
@@ -584,6 +587,84 @@ mod avx512 {
                 1 => by_kind::<1>(w, tiles.clone(), x, ti, span, outs),
                 _ => {}
             }
+        }
+    }
+
+    /// [`rows`] for packed codes and more than four vectors (prefill): per block of at most
+    /// [`TOKEN_BLOCK`] vectors and tile, the tile's codes unpacked once into bytes (the same
+    /// codes, so the same bits) and multiplied with every group of four vectors from there.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn rows_unpacked(
+        w: &ByteTiles,
+        tiles: std::ops::Range<usize>,
+        x: &TileInputs,
+        (start, n): (usize, usize),
+        outs: &mut [f32],
+    ) {
+        let (scale_bytes, packed_code_bytes) = (w.block_bytes - code_bytes(w.bits), code_bytes(w.bits));
+        let unpacked_bytes = CODE_BYTES + scale_bytes;
+        let mut buf = vec![0u8; w.blocks * unpacked_bytes];
+        for tb in (0..x.t).step_by(TOKEN_BLOCK) {
+            let end = x.t.min(tb + TOKEN_BLOCK);
+            for tile in tiles.clone() {
+                let packed = w.tile(tile);
+                for b in 0..w.blocks {
+                    let (src, dst) = (packed.as_ptr().add(b * w.block_bytes), buf.as_mut_ptr().add(b * unpacked_bytes));
+                    for i in 0..BLOCK / 4 {
+                        let c = match w.bits {
+                            4 => step_codes::<4>(src, i),
+                            5 => step_codes::<5>(src, i),
+                            _ => step_codes::<6>(src, i),
+                        };
+                        _mm512_storeu_si512(dst.add(64 * i) as *mut _, c);
+                    }
+                    std::ptr::copy_nonoverlapping(src.add(packed_code_bytes), dst.add(CODE_BYTES), scale_bytes);
+                }
+                let geometry = (unpacked_bytes, w.offset);
+                let mut ti = tb;
+                while ti < end {
+                    let group = (end - ti).min(4);
+                    match (w.kind, group) {
+                        (F16, 4) => {
+                            store_all(tile_dots::<4, F16, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs)
+                        }
+                        (HALVES, 4) => {
+                            store_all(tile_dots::<4, HALVES, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs)
+                        }
+                        (_, 4) => store_all(tile_dots::<4, MIN, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs),
+                        (F16, _) => {
+                            for t in ti..end {
+                                store_all(tile_dots::<1, F16, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
+                            }
+                        }
+                        (HALVES, _) => {
+                            for t in ti..end {
+                                store_all(tile_dots::<1, HALVES, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
+                            }
+                        }
+                        _ => {
+                            for t in ti..end {
+                                store_all(tile_dots::<1, MIN, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
+                            }
+                        }
+                    }
+                    ti += group;
+                }
+            }
+        }
+    }
+
+    /// [`store`] of vectors `t0 .. t0 + N`'s dots of one tile.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_all<const N: usize>(
+        dots: [__m512; N],
+        tile: usize,
+        t0: usize,
+        (start, n): (usize, usize),
+        outs: &mut [f32],
+    ) {
+        for (j, d) in dots.into_iter().enumerate() {
+            store(d, tile, t0 + j, start, n, outs);
         }
     }
 
