@@ -598,7 +598,7 @@ mod avx512 {
         w: &ByteTiles,
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
-        (start, n): (usize, usize),
+        span: (usize, usize),
         outs: &mut [f32],
     ) {
         let (scale_bytes, packed_code_bytes) = (w.block_bytes - code_bytes(w.bits), code_bytes(w.bits));
@@ -621,36 +621,34 @@ mod avx512 {
                     std::ptr::copy_nonoverlapping(src.add(packed_code_bytes), dst.add(CODE_BYTES), scale_bytes);
                 }
                 let geometry = (unpacked_bytes, w.offset);
-                let mut ti = tb;
-                while ti < end {
-                    let group = (end - ti).min(4);
-                    match (w.kind, group) {
-                        (F16, 4) => {
-                            store_all(tile_dots::<4, F16, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs)
-                        }
-                        (HALVES, 4) => {
-                            store_all(tile_dots::<4, HALVES, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs)
-                        }
-                        (_, 4) => store_all(tile_dots::<4, MIN, 8>(&buf, geometry, x, ti), tile, ti, (start, n), outs),
-                        (F16, _) => {
-                            for t in ti..end {
-                                store_all(tile_dots::<1, F16, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
-                            }
-                        }
-                        (HALVES, _) => {
-                            for t in ti..end {
-                                store_all(tile_dots::<1, HALVES, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
-                            }
-                        }
-                        _ => {
-                            for t in ti..end {
-                                store_all(tile_dots::<1, MIN, 8>(&buf, geometry, x, t), tile, t, (start, n), outs);
-                            }
-                        }
-                    }
-                    ti += group;
+                match w.kind {
+                    F16 => unpacked_times::<F16>(&buf, geometry, x, tb..end, tile, span, outs),
+                    HALVES => unpacked_times::<HALVES>(&buf, geometry, x, tb..end, tile, span, outs),
+                    _ => unpacked_times::<MIN>(&buf, geometry, x, tb..end, tile, span, outs),
                 }
             }
+        }
+    }
+
+    /// One unpacked tile (`buf`, blocks of `geometry.0` bytes) × vectors `vectors`: four at a
+    /// time, then one at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn unpacked_times<const K: u8>(
+        buf: &[u8],
+        geometry: (usize, i32),
+        x: &TileInputs,
+        vectors: std::ops::Range<usize>,
+        tile: usize,
+        span: (usize, usize),
+        outs: &mut [f32],
+    ) {
+        let mut ti = vectors.start;
+        while ti + 4 <= vectors.end {
+            store_all(tile_dots::<4, K, 8>(buf, geometry, x, ti), tile, ti, span, outs);
+            ti += 4;
+        }
+        for t in ti..vectors.end {
+            store_all(tile_dots::<1, K, 8>(buf, geometry, x, t), tile, t, span, outs);
         }
     }
 
