@@ -280,16 +280,16 @@ fn decode_block(ty: GgmlType, row: &[u8], b: usize) -> ([i8; BLOCK], [f32; 2]) {
             (q, [f16(sb) * sc[j] as f32, f16(&sb[2..]) * mn[j] as f32])
         }
         GgmlType::Q6_K => {
-            // 256-value super-blocks: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed
-            // scales (one per 16 values), d. Value `V`: half `h = V / 128`, part `(V % 128) / 32`.
+            // 256-value super-blocks: 128 bytes of low nibbles, 64 of high 2-bit pairs (two
+            // 128-value halves, decoded by the dequantizer's `q6k_half`), 16 signed scales (one
+            // per 16 values), d.
             let (sb, j) = (&row[210 * (b / 8)..210 * (b / 8 + 1)], b % 8);
-            let (h, part) = (j / 4, j % 4);
-            let q = std::array::from_fn(|l| {
-                let ql = sb[64 * h + 32 * (part % 2) + l];
-                let nib = if part < 2 { ql & 0xf } else { ql >> 4 };
-                let hb = (sb[128 + 32 * h + l] >> (2 * part)) & 3;
-                ((nib | (hb << 4)) as i32 - 32) as i8
-            });
+            let h = j / 4;
+            let half = super::blocks::q6k_half(
+                sb[64 * h..64 * h + 64].try_into().unwrap(),
+                sb[128 + 32 * h..128 + 32 * h + 32].try_into().unwrap(),
+            );
+            let q = std::array::from_fn(|l| half[32 * (j % 4) + l]);
             let d = f16(&sb[208..]);
             (q, [d * (sb[192 + 2 * j] as i8) as f32, d * (sb[193 + 2 * j] as i8) as f32])
         }
