@@ -136,14 +136,14 @@ for ids in $(python3 -c "import json; [print(','.join(map(str,c['prompt_ids'])))
   done
 done
 # Sampled decoding on CUDA (top-k 40, seeded): the pipelined graph path drawing on the device
-# (MEGAGEMMA_CUDA_DEVICE_DRAW=1) gives the tokens of one step at a time drawn on the host (the
-# default) and of the megakernel.
+# (the default) gives the tokens of one step at a time drawn on the host (MEGAGEMMA_CUDA_DEVICE_DRAW=0)
+# and of the megakernel.
 for dir in tests/fixtures/ple_shared_dw tests/fixtures/gemma3; do
   ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$dir/expected.json'))['cases'][0]['prompt_ids'])))")
   for q in "" "--quant q4"; do
     run_sampled() { "$MG" run --model "$dir" $q --prompt-ids "$ids" --temperature 1.3 --top-k 40 --top-p 0.95 --seed 5 \
       --ignore-eos -n 40 --output ids --backend cuda "$@" 2>>"$OUT/cli_fixtures.err"; }
-    a=$(MEGAGEMMA_CUDA_DEVICE_DRAW=1 run_sampled); b=$(run_sampled); c=$(run_sampled --decode megakernel)
+    a=$(run_sampled); b=$(MEGAGEMMA_CUDA_DEVICE_DRAW=0 run_sampled); c=$(run_sampled --decode megakernel)
     if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ]; then r=ok; else r=DIFF; fail=1; fi
     echo "$r $(basename "$dir") sampled ${q:-stored}: pipelined = one at a time = megakernel" >> "$OUT/cli_fixtures.log"
   done
@@ -185,11 +185,12 @@ for m in e4b e2b; do
 done
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 256 --draft oracle --acceptance 0.8 --k 3 2>&1 | tee "$OUT/bench_e4b_oracle.log" || fail=1
 timeout 300 "$MG" bench --synthetic e4b --quant q4 --backend cuda --prompt-len 64 --tokens 128 --batch 4 2>&1 | tee "$OUT/bench_e4b_batch4.log" || fail=1
-# Sampled decoding (temperature 1, top-p 0.95): top-k 64 takes the device's candidates, 65 whole rows;
-# "device" draws on the device, pipelined (MEGAGEMMA_CUDA_DEVICE_DRAW=1).
-for k in 64 65 device; do
-  env $([ $k = device ] && echo MEGAGEMMA_CUDA_DEVICE_DRAW=1) timeout 300 "$MG" bench --synthetic e4b --quant q4 \
-    --backend cuda --prompt-len 64 --tokens 128 --temperature 1 --top-k ${k/device/64} 2>&1 \
+# Sampled decoding (temperature 1, top-p 0.95): top-k 64 draws on the device, pipelined; "host" takes
+# the device's 64 candidates and draws on the host a step at a time (MEGAGEMMA_CUDA_DEVICE_DRAW=0);
+# top-k 65 takes whole rows.
+for k in 64 65 host; do
+  env $([ $k = host ] && echo MEGAGEMMA_CUDA_DEVICE_DRAW=0) timeout 300 "$MG" bench --synthetic e4b --quant q4 \
+    --backend cuda --prompt-len 64 --tokens 128 --temperature 1 --top-k ${k/host/64} 2>&1 \
     | tee "$OUT/bench_e4b_sampled_k$k.log" || fail=1
 done
 if [ -z "${QUICK:-}" ]; then

@@ -10,8 +10,7 @@ use crate::model::CudaModel;
 use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
-    check_draw, check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut,
-    SeqId, Want,
+    check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
 };
 use megagemma_model::cpu::ops::softmax;
 use megagemma_model::draw::DrawParams;
@@ -325,7 +324,7 @@ impl Backend for CudaBackend {
         uniforms: &[f64],
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize> {
-        check_draw(params)?;
+        // Both ways check `params` (`check_draw`) before they step.
         if !self.seq_mut(seq)?.draws_on_device(params) {
             return decode_sampled_steps(self, seq, token, params, uniforms, on_token);
         }

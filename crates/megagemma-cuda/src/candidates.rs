@@ -2,15 +2,15 @@
 //! sampling needs (`Want::Candidates`) without copying a 262,144-float row to the host and
 //! selecting there.
 
-use crate::device::{Arg, DevBuf};
+use crate::device::{Arg, DevBuf, Gpu};
 use crate::seq::CudaSeq;
 use megagemma_model::Result;
 use std::sync::Mutex;
 
 /// The most candidates the device selection returns per row.
 pub const MAX_CANDIDATES: usize = 64;
-/// Logits one block of `top_candidates_blocks` sorts, and the most keys `top_candidates_merge`
-/// sorts (`CAND_BLOCK` in kernels/sample.cu).
+/// Logits one block of `top_candidates_blocks` takes (`CAND_BLOCK` in kernels/sample.cu); each
+/// block hands its k best on to the merge.
 pub(crate) const CAND_BLOCK: usize = 4096;
 /// Threads of the selection's blocks (and of `sample_draw`'s one block).
 pub(crate) const CAND_THREADS: u32 = 1024;
@@ -20,7 +20,12 @@ pub type Candidates = Vec<(u32, f32)>;
 
 /// Whether `CudaSeq::candidates` serves `k` candidates of a `vocab`-wide row.
 pub(crate) fn candidates_on_device(vocab: usize, k: usize) -> bool {
-    (1..=MAX_CANDIDATES).contains(&k) && vocab.div_ceil(CAND_BLOCK) * k <= CAND_BLOCK
+    (1..=MAX_CANDIDATES).contains(&k) && vocab <= i32::MAX as usize
+}
+
+/// Keys the blocks of `top_candidates_blocks` hand on to the merge for one `vocab`-wide row: k each.
+pub(crate) fn survivors(vocab: usize, k: usize) -> usize {
+    vocab.div_ceil(CAND_BLOCK) * k
 }
 
 /// The blocks' survivors and the merged keys of a pass's rows: one buffer per model, grown to the
@@ -34,37 +39,48 @@ pub(crate) struct CandidateKeys {
 impl CudaSeq {
     /// The `k` highest logits of each of the last pass's first `rows` output rows, exactly as
     /// `megagemma_model::backend::top_candidates` lists them from the downloaded row; `None` when
-    /// the device selection cannot serve `k` (0, above [`MAX_CANDIDATES`], or a vocabulary whose
-    /// blocks' survivors would not fit one merge).
+    /// the device selection cannot serve `k` (0 or above [`MAX_CANDIDATES`]).
     pub fn candidates(&self, rows: usize, k: usize) -> Result<Option<Vec<Candidates>>> {
         let vocab = self.model.plan.vocab_size;
         if !candidates_on_device(vocab, k) {
             return Ok(None);
         }
-        let blocks = vocab.div_ceil(CAND_BLOCK);
-        let (survivors, merged_at) = (blocks * k, rows * CAND_BLOCK * 8);
-        let gpu = &self.model.gpu;
         let mut buf = self.model.cand_keys.buf.lock().unwrap_or_else(|e| e.into_inner());
-        let bytes = merged_at + rows * MAX_CANDIDATES * 8;
-        if buf.as_ref().is_none_or(|b| b.bytes < bytes) {
-            *buf = Some(gpu.alloc(bytes)?);
-        }
-        let keys = buf.as_ref().map_or(0, |b| b.ptr);
-        let merged = keys + merged_at as u64;
-        let (n, k32, rows32) = (vocab as i32, k as i32, rows as u32);
-        let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(n), Arg::I32(k32), Arg::Ptr(keys)];
-        gpu.launch_2d("top_candidates_blocks", (blocks as u32, rows32), CAND_THREADS, 0, &args)?;
-        let args = [Arg::Ptr(keys), Arg::I32(survivors as i32), Arg::I32(k32), Arg::Ptr(merged)];
-        gpu.launch_2d("top_candidates_merge", (1, rows32), CAND_THREADS, 0, &args)?;
-        let mut host = vec![0u64; rows * k];
-        gpu.download(&mut host, merged)?;
-        // Key 0 is a NaN or −∞ (or padding): the listed ones come first.
-        let all = host
-            .chunks(k)
-            .map(|row| row.iter().take_while(|&&key| key != 0).map(|&key| token_logit(key)).collect())
-            .collect();
-        Ok(Some(all))
+        select_candidates(&self.model.gpu, &mut buf, self.s.logits.ptr, rows, vocab, k).map(Some)
     }
+}
+
+/// The `k` highest logits of each of `rows` rows of `n` floats at `logits` on the device, as
+/// `megagemma_model::backend::top_candidates` lists them; `keys` is scratch, grown as needed.
+/// `k` is one the device serves (`candidates_on_device`).
+pub(crate) fn select_candidates(
+    gpu: &Gpu,
+    keys: &mut Option<DevBuf>,
+    logits: u64,
+    rows: usize,
+    n: usize,
+    k: usize,
+) -> Result<Vec<Candidates>> {
+    let (blocks, survivors) = (n.div_ceil(CAND_BLOCK), survivors(n, k));
+    let merged_at = rows * survivors * 8;
+    let bytes = merged_at + rows * MAX_CANDIDATES * 8;
+    if keys.as_ref().is_none_or(|b| b.bytes < bytes) {
+        *keys = Some(gpu.alloc(bytes)?);
+    }
+    let at = keys.as_ref().map_or(0, |b| b.ptr);
+    let merged = at + merged_at as u64;
+    let (n32, k32, rows32) = (n as i32, k as i32, rows as u32);
+    let args = [Arg::Ptr(logits), Arg::I32(n32), Arg::I32(k32), Arg::Ptr(at)];
+    gpu.launch_2d("top_candidates_blocks", (blocks as u32, rows32), CAND_THREADS, 0, &args)?;
+    let args = [Arg::Ptr(at), Arg::I32(survivors as i32), Arg::I32(k32), Arg::Ptr(merged)];
+    gpu.launch_2d("top_candidates_merge", (1, rows32), CAND_THREADS, 0, &args)?;
+    let mut host = vec![0u64; rows * k];
+    gpu.download(&mut host, merged)?;
+    // Key 0 is a NaN or −∞ (or padding): the listed ones come first.
+    Ok(host
+        .chunks(k)
+        .map(|row| row.iter().take_while(|&&key| key != 0).map(|&key| token_logit(key)).collect())
+        .collect())
 }
 
 /// A sort key back to (token, logit): the logit's total-order bits above, !token below.

@@ -660,6 +660,118 @@ pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> s
     Ok(compared)
 }
 
+/// The device's selection (`top_candidates_blocks`, `top_candidates_merge`) and draw
+/// (`sample_draw`) on rows as wide as Gemma's vocabulary, where 64 blocks' lists are merged (the
+/// fixtures' vocabularies fit one block), and on a row that ends inside a block, against
+/// `top_candidates` and `draw_candidates` on the host: ties, NaN, ±∞, fewer finite logits than k,
+/// the best keys all in one block or in the last, k from 1 to 64. Returns the comparisons made.
+pub fn wide_rows_match_host(cm: &CudaModel) -> std::result::Result<usize, String> {
+    let gpu = &cm.gpu;
+    use crate::candidates::{select_candidates, survivors, CAND_BLOCK, CAND_THREADS};
+    use crate::device::Arg;
+    use megagemma_model::backend::top_candidates;
+    use megagemma_model::draw::{draw_candidates, DrawParams};
+    let err = |e: Error| e.to_string();
+    let hash = |i: usize| (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+    let mut compared = 0;
+    for n in [262_144, 262_144 - 5 * CAND_BLOCK + 123] {
+        let mut rows: Vec<Vec<f32>> = vec![];
+        // Many ties: 5,000 values over the row.
+        rows.push((0..n).map(|i| (hash(i) % 5000) as f32 * 1e-3 - 2.5).collect());
+        // Mostly −∞ and NaN, 70 finite values and two +∞ scattered.
+        let mut sparse: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { f32::NAN } else { f32::NEG_INFINITY }).collect();
+        for j in 0..70 {
+            sparse[(hash(j) as usize) % n] = (j % 9) as f32 - 4.0;
+        }
+        sparse[n / 3] = f32::INFINITY;
+        sparse[n - 1] = f32::INFINITY;
+        rows.push(sparse);
+        // Ten finite logits: fewer than most k.
+        let mut few = vec![f32::NEG_INFINITY; n];
+        (0..10).for_each(|j| few[(j * 7919 + 11) % n] = -(j as f32) * 0.5);
+        rows.push(few);
+        // The best 100 in one block, and the best 100 at the row's end.
+        let small: Vec<f32> = (0..n).map(|i| -10.0 - (hash(i) % 1000) as f32 * 1e-2).collect();
+        let mut one = small.clone();
+        (0..100).for_each(|j| one[7 * CAND_BLOCK + 5 + j] = j as f32 * 0.125);
+        rows.push(one);
+        let mut last = small;
+        (0..100).for_each(|j| last[n - 1 - j] = (j % 37) as f32);
+        rows.push(last);
+        let logits = gpu.alloc(rows.len() * n * 4).map_err(err)?;
+        gpu.upload(logits.ptr, &rows.concat()).map_err(err)?;
+        let mut keys = None;
+        for k in [1, 2, 17, 64] {
+            let got = select_candidates(gpu, &mut keys, logits.ptr, rows.len(), n, k).map_err(err)?;
+            for (i, (row, g)) in rows.iter().zip(&got).enumerate() {
+                let want = top_candidates(row, k);
+                compared += 1;
+                let bits = |c: &[(u32, f32)]| c.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+                if bits(g) != bits(&want) {
+                    return Err(format!("{n}-wide row {i}, k {k}: device {g:?}, host {want:?}"));
+                }
+            }
+        }
+        // Draws: each row's block lists, then `sample_draw` with a uniform the meta word points at.
+        let (uniforms, meta, ids, flag) = (
+            gpu.alloc(8 * 8).map_err(err)?,
+            gpu.alloc(8).map_err(err)?,
+            gpu.alloc(8).map_err(err)?,
+            gpu.alloc(8).map_err(err)?,
+        );
+        let us = [0.0, 0.37, 0.999_999, 0.5, 0.81, 0.02, 0.64, 0.25];
+        gpu.upload(uniforms.ptr, &us).map_err(err)?;
+        let survivor_keys = gpu.alloc(survivors(n, 64) * 8).map_err(err)?;
+        let draws = [
+            DrawParams { temperature: 1.0, top_k: 64, top_p: 0.95, min_p: 0.0 },
+            DrawParams { temperature: 0.3, top_k: 17, top_p: 1.0, min_p: 0.05 },
+            DrawParams { temperature: 2.0, top_k: 2, top_p: 1.0, min_p: 0.0 },
+        ];
+        for (i, row) in rows.iter().enumerate() {
+            for (d, params) in draws.iter().enumerate() {
+                let at = (i + d) % us.len();
+                let k = params.top_k;
+                let args = [
+                    Arg::Ptr(logits.ptr + (i * n * 4) as u64),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::Ptr(survivor_keys.ptr),
+                ];
+                gpu.launch_2d("top_candidates_blocks", (n.div_ceil(CAND_BLOCK) as u32, 1), CAND_THREADS, 0, &args)
+                    .map_err(err)?;
+                gpu.upload(meta.ptr, &[at as u32, 0]).map_err(err)?;
+                gpu.upload(flag.ptr, &[0u32]).map_err(err)?;
+                let args = [
+                    Arg::Ptr(survivor_keys.ptr),
+                    Arg::I32(survivors(n, k) as i32),
+                    Arg::I32(k as i32),
+                    Arg::F32(params.temperature),
+                    Arg::F32(params.top_p),
+                    Arg::F32(params.min_p),
+                    Arg::Ptr(uniforms.ptr),
+                    Arg::Ptr(meta.ptr),
+                    Arg::Ptr(ids.ptr),
+                    Arg::Ptr(flag.ptr),
+                ];
+                gpu.launch("sample_draw", 1, CAND_THREADS, 0, &args).map_err(err)?;
+                let (mut id, mut set) = ([0u32], [0u32]);
+                gpu.download(&mut id, ids.ptr).map_err(err)?;
+                gpu.download(&mut set, flag.ptr).map_err(err)?;
+                let device = (set[0] == 0).then_some(id[0]);
+                let host = draw_candidates(&top_candidates(row, k), params, us[at]);
+                compared += 1;
+                if device != host {
+                    return Err(format!(
+                        "{n}-wide row {i}, {params:?}, u {}: device {device:?}, host {host:?}",
+                        us[at]
+                    ));
+                }
+            }
+        }
+    }
+    Ok(compared)
+}
+
 /// Pipelined sampled decoding (`CudaSeq::decode_sampled`, the draw on the device) against the
 /// host's: first the device's `exp_det` against the host's, bit for bit, over the exponents a
 /// draw meets (0 down past the subnormals); then `conformance::sampled_in_one_call` on the graph

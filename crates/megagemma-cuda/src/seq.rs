@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::candidates::{candidates_on_device, CAND_BLOCK, CAND_THREADS};
+use crate::candidates::{candidates_on_device, survivors, CAND_BLOCK, CAND_THREADS, MAX_CANDIDATES};
 use crate::device::{
     cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, HostLog, MmaFill,
     FMT_Q4, FMT_Q4T,
@@ -500,9 +500,8 @@ pub struct CudaSeq {
     sample_stage: Option<DrawParams>,
     /// `decode_sampled`'s device buffers (`SampleBuf`), allocated on first use.
     sample_buf: Option<SampleBuf>,
-    /// Whether `decode_sampled` draws on the device in the pipelined loop
-    /// (`MEGAGEMMA_CUDA_DEVICE_DRAW=1`); off by default until the H200 has run its GPU test
-    /// (`sampled_decoding_draws_what_the_host_draws`): one step at a time, drawn on the host.
+    /// Whether `decode_sampled` draws on the device in the pipelined loop (the default;
+    /// `MEGAGEMMA_CUDA_DEVICE_DRAW=0`: one step at a time, drawn on the host).
     device_draw: bool,
 }
 
@@ -616,7 +615,7 @@ impl CudaSeq {
             sample_graphs: None,
             sample_stage: None,
             sample_buf: None,
-            device_draw: std::env::var("MEGAGEMMA_CUDA_DEVICE_DRAW").is_ok_and(|v| v == "1"),
+            device_draw: std::env::var("MEGAGEMMA_CUDA_DEVICE_DRAW").map_or(true, |v| v != "0"),
         };
         seq.upload_kv_table()?;
         Ok(seq)
@@ -749,7 +748,7 @@ impl CudaSeq {
     }
 
     /// Whether `decode_sampled` draws each step's token on the device and pipelines the steps
-    /// (default off until checked on the H200: `MEGAGEMMA_CUDA_DEVICE_DRAW=1` turns it on).
+    /// (default on; off with `MEGAGEMMA_CUDA_DEVICE_DRAW=0`).
     pub fn set_device_draw(&mut self, on: bool) {
         self.device_draw = on;
     }
@@ -1008,11 +1007,12 @@ impl CudaSeq {
         let buf = self.sample_buf.as_ref().ok_or_else(|| megagemma_model::Error::msg("sampling buffers missing"))?;
         let vocab = self.model.plan.vocab_size;
         let (blocks, k) = (vocab.div_ceil(CAND_BLOCK), params.top_k);
+        debug_assert!(candidates_on_device(vocab, k), "draws_on_device checked the top-k");
         let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(vocab as i32), Arg::I32(k as i32), Arg::Ptr(buf.keys.ptr)];
         self.gpu().launch_2d("top_candidates_blocks", (blocks as u32, 1), CAND_THREADS, 0, &args)?;
         let args = [
             Arg::Ptr(buf.keys.ptr),
-            Arg::I32((blocks * k) as i32),
+            Arg::I32(survivors(vocab, k) as i32),
             Arg::I32(k as i32),
             Arg::F32(params.temperature),
             Arg::F32(params.top_p),
@@ -1030,7 +1030,7 @@ impl CudaSeq {
         if self.sample_buf.is_none() {
             let gpu = &self.model.gpu;
             self.sample_buf = Some(SampleBuf {
-                keys: gpu.alloc(CAND_BLOCK * 8)?,
+                keys: gpu.alloc(survivors(self.model.plan.vocab_size, MAX_CANDIDATES) * 8)?,
                 flag: gpu.alloc_zeros(4)?,
                 uniforms: gpu.alloc_zeros(self.max_len.max(1) * 8)?,
             });

@@ -129,6 +129,16 @@ fn candidates_equal_the_host_selection() {
     }
 }
 
+/// On rows as wide as Gemma's vocabulary (64 blocks' lists merged) the device selects and draws
+/// what the host does (`check::wide_rows_match_host`).
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn wide_rows_select_and_draw_as_the_host() {
+    let cm = CudaModel::synthetic("tiny", "q4").expect("synthetic");
+    let n = check::wide_rows_match_host(&cm).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(n, 2 * (4 * 5 + 5 * 3));
+}
+
 /// Pipelined sampled decoding draws on the device exactly the tokens the host draws from the same
 /// candidates and uniforms (`check::sampled_match_host`: `exp_det` bit for bit, then
 /// `conformance::sampled_in_one_call` on the graph and megakernel paths).

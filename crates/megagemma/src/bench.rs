@@ -11,9 +11,9 @@ use crate::run::{resolve_model, DraftArgs};
 use anyhow::{bail, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions, Decode};
-use megagemma_engine::generate::decode::want_for;
+use megagemma_engine::generate::decode::{choose, want_for};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
-use megagemma_engine::sampling::SamplingParams;
+use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{Backend, Want};
 use std::path::PathBuf;
@@ -233,11 +233,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
     let launches = b.launches_per_token();
     let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
     let sampled_tps = match sampling_params(args) {
-        Some(sampling) => {
-            sampling.validate()?;
-            let params = GenerateParams { sampling, ..GenerateParams::greedy(args.tokens) };
-            Some(generate(b, &prompt, &params, |_| true)?.decode_tokens_per_second())
-        }
+        Some(sampling) => Some(measure_sampled(b, args, &prompt, sampling)?),
         None => None,
     };
     Ok(Figures {
@@ -253,6 +249,39 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         batch_ms,
         sampled_tps,
     })
+}
+
+/// Sampled tok/s as `run` decodes (the k highest logits drawn through `decode_sampled` where the
+/// top-k allows it, whole rows a step at a time otherwise), timed as greedy decoding is: after the
+/// prefill and one untimed sampled step of the timed sequence (graphs are captured per sequence,
+/// on its first step).
+fn measure_sampled(b: &mut dyn Backend, args: &BenchArgs, prompt: &[u32], sampling: SamplingParams) -> Result<f64> {
+    let mut sampler = Sampler::new(sampling.clone())?;
+    let want = want_for(&sampling, false);
+    let seq = b.new_sequence()?;
+    let out = b.prefill(seq, prompt, want)?;
+    let mut tok = choose(&mut sampler, &out, want)?;
+    let mut steps = |b: &mut dyn Backend, n: usize| -> Result<()> {
+        if let Want::Candidates(_) = want {
+            let uniforms = sampler.uniforms_ahead(n);
+            let ran = b.decode_sampled(seq, tok, &sampling.draw_params(), &uniforms, &mut |t| {
+                tok = t;
+                true
+            })?;
+            sampler.skip(ran);
+        } else {
+            for _ in 0..n {
+                tok = choose(&mut sampler, &b.decode(seq, tok, want)?, want)?;
+            }
+        }
+        Ok(())
+    };
+    steps(b, 1)?;
+    let t0 = Instant::now();
+    steps(b, args.tokens)?;
+    let tps = args.tokens as f64 / t0.elapsed().as_secs_f64();
+    b.free(seq)?;
+    Ok(tps)
 }
 
 /// ms per decode step of `--batch` sequences stepped together (after a prefill of each and one
