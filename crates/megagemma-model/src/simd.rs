@@ -165,6 +165,61 @@ pub fn weighted_sum(ps: &[f32], rows: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// [`dot_f32_rows`] of several vectors against the same rows (the query heads that share a key
+/// head): `outs[h][j] = dot_f32(qs[h], bs[j])`, bit for bit; on AVX-512 each row's loads serve
+/// up to four vectors.
+pub fn dot_f32_rows_shared(qs: &[&[f32]], bs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    assert_eq!(qs.len(), outs.len(), "dot_f32_rows_shared: {} vectors, {} outputs", qs.len(), outs.len());
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512 {
+        for (q, o) in qs.chunks(4).zip(outs.chunks_mut(4)) {
+            assert!(o.iter().all(|o| o.len() == bs.len()), "dot_f32_rows_shared: outputs of the wrong length");
+            // SAFETY: the CPU supports AVX-512F and FMA (checked at run time); lengths checked above.
+            unsafe {
+                match q.len() {
+                    4 => avx512::dot_rows_shared::<4>(q, bs, o),
+                    3 => avx512::dot_rows_shared::<3>(q, bs, o),
+                    2 => avx512::dot_rows_shared::<2>(q, bs, o),
+                    _ => avx512::dot_f32_rows(q[0], bs, o[0]),
+                }
+            }
+        }
+        return;
+    }
+    for (q, o) in qs.iter().zip(outs.iter_mut()) {
+        dot_f32_rows(q, bs, o);
+    }
+}
+
+/// [`weighted_sum`] for several weight vectors over the same rows (attention's heads that share a
+/// value head): `outs[h] = Σ_j ps[h][j] · rows[j]`, bit for bit; on AVX-512 each row's loads serve
+/// up to four heads.
+pub fn weighted_sum_shared(ps: &[&[f32]], rows: &[&[f32]], outs: &mut [&mut [f32]]) {
+    assert_eq!(ps.len(), outs.len(), "weighted_sum_shared: {} weight vectors, {} outputs", ps.len(), outs.len());
+    #[cfg(target_arch = "x86_64")]
+    if level() == Level::Avx512 {
+        for (p, o) in ps.chunks(4).zip(outs.chunks_mut(4)) {
+            assert!(p.iter().all(|p| p.len() == rows.len()), "weighted_sum_shared: weights of the wrong length");
+            let width = o[0].len();
+            assert!(o.iter().all(|o| o.len() == width), "weighted_sum_shared: outputs of different widths");
+            assert!(rows.iter().all(|r| r.len() >= width), "weighted_sum_shared: row shorter than the output");
+            // SAFETY: the CPU supports AVX-512F and FMA (checked at run time); lengths checked above.
+            unsafe {
+                match p.len() {
+                    4 => avx512::weighted_sum_shared::<4>(p, rows, o),
+                    3 => avx512::weighted_sum_shared::<3>(p, rows, o),
+                    2 => avx512::weighted_sum_shared::<2>(p, rows, o),
+                    _ => avx512::weighted_sum(p[0], rows, o[0]),
+                }
+            }
+        }
+        return;
+    }
+    for (p, o) in ps.iter().zip(outs.iter_mut()) {
+        weighted_sum(p, rows, o);
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Level {
     Portable,
@@ -264,6 +319,81 @@ mod avx512 {
         }
     }
 
+    /// [`super::dot_f32_rows_shared`] for `H` vectors: rows two at a time, each row's two loads a
+    /// step used by every vector; each (vector, row) keeps `dot_f32`'s accumulators and reduction.
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn dot_rows_shared<const H: usize>(qs: &[&[f32]], bs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        let mut j = 0;
+        while j + 2 <= bs.len() {
+            let n = bs[j..j + 2].iter().chain(qs).fold(usize::MAX, |n, b| n.min(b.len()));
+            let z = _mm512_setzero_ps();
+            let (mut acc0, mut acc1) = ([[z; 2]; H], [[z; 2]; H]);
+            let steps = n / 32;
+            for i in 0..steps {
+                let (pb0, pb1) = (bs[j].as_ptr().add(32 * i), bs[j + 1].as_ptr().add(32 * i));
+                let b0 = [_mm512_loadu_ps(pb0), _mm512_loadu_ps(pb1)];
+                let b1 = [_mm512_loadu_ps(pb0.add(16)), _mm512_loadu_ps(pb1.add(16))];
+                for h in 0..H {
+                    let pa = qs[h].as_ptr().add(32 * i);
+                    let (a0, a1) = (_mm512_loadu_ps(pa), _mm512_loadu_ps(pa.add(16)));
+                    for r in 0..2 {
+                        acc0[h][r] = _mm512_fmadd_ps(a0, b0[r], acc0[h][r]);
+                        acc1[h][r] = _mm512_fmadd_ps(a1, b1[r], acc1[h][r]);
+                    }
+                }
+            }
+            for h in 0..H {
+                for r in 0..2 {
+                    let (a, b) = (qs[h], bs[j + r]);
+                    let tail: f32 = (32 * steps..n).map(|i| a[i] * b[i]).sum();
+                    outs[h][j + r] = finish(acc0[h][r], acc1[h][r], tail);
+                }
+            }
+            j += 2;
+        }
+        for j in j..bs.len() {
+            for h in 0..H {
+                outs[h][j] = dot_f32(qs[h], bs[j]);
+            }
+        }
+    }
+
+    /// [`super::weighted_sum_shared`] for `H` weight vectors: 64 outputs at a time (four
+    /// registers a vector), each row's four loads used by every vector. Every output is
+    /// `fma(p_j, row_j, ·)` over `j` in order from zero, as in `weighted_sum` and `axpy`.
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn weighted_sum_shared<const H: usize>(ps: &[&[f32]], rows: &[&[f32]], outs: &mut [&mut [f32]]) {
+        const W: usize = 64;
+        let width = outs[0].len();
+        let mut c0 = 0;
+        while c0 + W <= width {
+            let mut acc = [[_mm512_setzero_ps(); W / 16]; H];
+            for (j, r) in rows.iter().enumerate() {
+                let pr = r.as_ptr().add(c0);
+                let v: [__m512; W / 16] = std::array::from_fn(|l| _mm512_loadu_ps(pr.add(16 * l)));
+                for h in 0..H {
+                    let pv = _mm512_set1_ps(*ps[h].get_unchecked(j));
+                    for (a, v) in acc[h].iter_mut().zip(&v) {
+                        *a = _mm512_fmadd_ps(pv, *v, *a);
+                    }
+                }
+            }
+            for (out, acc) in outs.iter_mut().zip(&acc) {
+                for (l, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.as_mut_ptr().add(c0 + 16 * l), *a);
+                }
+            }
+            c0 += W;
+        }
+        for h in 0..H {
+            let rest = &mut outs[h][c0..];
+            rest.fill(0.0);
+            for (&p, r) in ps[h].iter().zip(rows) {
+                axpy(p, &r[c0..c0 + rest.len()], rest);
+            }
+        }
+    }
+
     /// [`super::weighted_sum`]: 256 outputs at a time held in 16 registers across all rows.
     #[target_feature(enable = "avx512f,fma")]
     pub unsafe fn weighted_sum(ps: &[f32], rows: &[&[f32]], out: &mut [f32]) {
@@ -346,6 +476,39 @@ mod tests {
         let exact16: f64 = a16.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
         assert!((dot_bf16(&bf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));
         assert!((dot_f16(&hf, &b) as f64 - exact16).abs() < 1e-3 * exact16.abs().max(1.0));
+    }
+
+    /// The shared forms (several query heads against the same key and value rows) give each head
+    /// exactly what the one-head forms give: 1 to 9 heads (groups of four and every tail), 0 to 9
+    /// rows, widths with and without 32- and 64-wide tails.
+    #[test]
+    fn shared_row_kernels_equal_the_one_head_forms_bit_for_bit() {
+        let val = |i: usize, k: usize| (((i * 53 + k * 29) % 97) as f32 / 13.0 - 3.7) * (1.0 + (k % 3) as f32 * 0.3);
+        for width in [256, 80, 512] {
+            for heads in 1..=9 {
+                for n in [0, 1, 2, 3, 9] {
+                    let qs: Vec<Vec<f32>> = (0..heads).map(|h| (0..width).map(|i| val(i, h + 7)).collect()).collect();
+                    let rows: Vec<Vec<f32>> = (0..n).map(|r| (0..width).map(|i| val(i, r + 100)).collect()).collect();
+                    let (qr, rr): (Vec<&[f32]>, Vec<&[f32]>) =
+                        (qs.iter().map(|v| v.as_slice()).collect(), rows.iter().map(|v| v.as_slice()).collect());
+                    let mut got = vec![vec![f32::NAN; n]; heads];
+                    dot_f32_rows_shared(&qr, &rr, &mut got.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>());
+                    let ps: Vec<Vec<f32>> = (0..heads).map(|h| (0..n).map(|j| val(j, h) * 0.01).collect()).collect();
+                    let pr: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
+                    let mut sums = vec![vec![f32::NAN; width]; heads];
+                    weighted_sum_shared(&pr, &rr, &mut sums.iter_mut().map(|v| v.as_mut_slice()).collect::<Vec<_>>());
+                    for h in 0..heads {
+                        let mut want = vec![0f32; n];
+                        dot_f32_rows(&qs[h], &rr, &mut want);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got[h]), bits(&want), "dots: width {width}, head {h} of {heads}, {n} rows");
+                        let mut want = vec![0f32; width];
+                        weighted_sum(&ps[h], &rr, &mut want);
+                        assert_eq!(bits(&sums[h]), bits(&want), "sums: width {width}, head {h} of {heads}, {n} rows");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -215,16 +215,20 @@ fn layer(
 
 /// Scaled dot-product attention for every (token, head), keys in chronological order: the
 /// committed cache (inside the window) followed by this chunk's staged rows up to the query.
+/// The query heads that share a K/V head are computed together, each K/V row loaded once for all
+/// of them (the same arithmetic per head, so the same bits), when there are enough (token, K/V
+/// head) pairs to keep every thread busy; otherwise (a decode step) the work splits by query head.
 fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], out: &mut [f32], t: usize, p0: usize) {
     let hd = lp.head_dim;
     let group = lp.num_heads / lp.num_kv_heads;
     let src = kv.layer(lp.kv_source);
     debug_assert_eq!(out.len(), t * lp.q_width());
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-        let (ti, head) = (idx / lp.num_heads, idx % lp.num_heads);
+    let heads_per_task = if t * lp.num_kv_heads >= 2 * rayon::current_num_threads() { group } else { 1 };
+    out.par_chunks_mut(heads_per_task * hd).enumerate().for_each(|(idx, o)| {
+        let first = idx * heads_per_task;
+        let (ti, head) = (first / lp.num_heads, first % lp.num_heads);
         let pos = p0 + ti;
         let kvh = head / group;
-        let qv = &q[ti * lp.q_width() + head * hd..ti * lp.q_width() + (head + 1) * hd];
         let lo = lp.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let key = |j: usize| -> &[f32] {
             let row = if j < p0 { src.key(j) } else { src.staged_key(j - p0) };
@@ -234,13 +238,21 @@ fn attention(plan: &ModelPlan, lp: &LayerPlan, kv: &KvCache, q: &[f32], out: &mu
             let row = if j < p0 { src.value(j) } else { src.staged_value(j - p0) };
             &row[kvh * hd..(kvh + 1) * hd]
         };
+        let qs: Vec<&[f32]> = (head..head + heads_per_task)
+            .map(|h| &q[ti * lp.q_width() + h * hd..ti * lp.q_width() + (h + 1) * hd])
+            .collect();
         let keys: Vec<&[f32]> = (lo..=pos).map(key).collect();
-        let mut scores = vec![0f32; keys.len()];
-        crate::simd::dot_f32_rows(qv, &keys, &mut scores);
-        scores.iter_mut().for_each(|s| *s *= plan.attn_scale);
-        softmax(&mut scores);
+        let mut scores = vec![0f32; heads_per_task * keys.len()];
+        let mut per_head: Vec<&mut [f32]> = scores.chunks_mut(keys.len()).collect();
+        crate::simd::dot_f32_rows_shared(&qs, &keys, &mut per_head);
+        for s in per_head.iter_mut() {
+            s.iter_mut().for_each(|s| *s *= plan.attn_scale);
+            softmax(s);
+        }
+        let ps: Vec<&[f32]> = scores.chunks(keys.len()).collect();
         let values: Vec<&[f32]> = (lo..=pos).map(value).collect();
-        crate::simd::weighted_sum(&scores, &values, o);
+        let mut outs: Vec<&mut [f32]> = o.chunks_mut(hd).collect();
+        crate::simd::weighted_sum_shared(&ps, &values, &mut outs);
     });
 }
 
