@@ -4,6 +4,7 @@
 
 use crate::device::{Arg, DevBuf, Gpu};
 use crate::seq::CudaSeq;
+use megagemma_model::draw::DrawParams;
 use megagemma_model::Result;
 use std::sync::Mutex;
 
@@ -81,6 +82,38 @@ pub(crate) fn select_candidates(
         .chunks(k)
         .map(|row| row.iter().take_while(|&&key| key != 0).map(|&key| token_logit(key)).collect())
         .collect())
+}
+
+/// Where a device draw (`launch_draw`) reads and writes: scratch for the blocks' survivors
+/// ([`survivors`] keys), the uniforms, the meta word whose first u32 indexes them, the drawn id,
+/// and the no-finite-logit flag.
+pub(crate) struct DrawBuffers {
+    pub keys: u64,
+    pub uniforms: u64,
+    pub meta: u64,
+    pub ids: u64,
+    pub flag: u64,
+}
+
+/// Queues the draw of one `vocab`-wide row of logits: `top_candidates_blocks`, then `sample_draw`
+/// (their k best merged, drawn with `uniforms[meta[0]]` as `draw_candidates` draws, into `ids[0]`).
+pub(crate) fn launch_draw(gpu: &Gpu, logits: u64, vocab: usize, params: &DrawParams, at: &DrawBuffers) -> Result<()> {
+    let k = params.top_k;
+    let args = [Arg::Ptr(logits), Arg::I32(vocab as i32), Arg::I32(k as i32), Arg::Ptr(at.keys)];
+    gpu.launch_2d("top_candidates_blocks", (vocab.div_ceil(CAND_BLOCK) as u32, 1), CAND_THREADS, 0, &args)?;
+    let args = [
+        Arg::Ptr(at.keys),
+        Arg::I32(survivors(vocab, k) as i32),
+        Arg::I32(k as i32),
+        Arg::F32(params.temperature),
+        Arg::F32(params.top_p),
+        Arg::F32(params.min_p),
+        Arg::Ptr(at.uniforms),
+        Arg::Ptr(at.meta),
+        Arg::Ptr(at.ids),
+        Arg::Ptr(at.flag),
+    ];
+    gpu.launch("sample_draw", 1, CAND_THREADS, 0, &args)
 }
 
 /// A sort key back to (token, logit): the logit's total-order bits above, !token below.

@@ -667,8 +667,7 @@ pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> s
 /// the best keys all in one block or in the last, k from 1 to 64. Returns the comparisons made.
 pub fn wide_rows_match_host(cm: &CudaModel) -> std::result::Result<usize, String> {
     let gpu = &cm.gpu;
-    use crate::candidates::{select_candidates, survivors, CAND_BLOCK, CAND_THREADS};
-    use crate::device::Arg;
+    use crate::candidates::{launch_draw, select_candidates, survivors, DrawBuffers, CAND_BLOCK};
     use megagemma_model::backend::top_candidates;
     use megagemma_model::draw::{draw_candidates, DrawParams};
     let err = |e: Error| e.to_string();
@@ -722,6 +721,13 @@ pub fn wide_rows_match_host(cm: &CudaModel) -> std::result::Result<usize, String
         let us = [0.0, 0.37, 0.999_999, 0.5, 0.81, 0.02, 0.64, 0.25];
         gpu.upload(uniforms.ptr, &us).map_err(err)?;
         let survivor_keys = gpu.alloc(survivors(n, 64) * 8).map_err(err)?;
+        let buffers = DrawBuffers {
+            keys: survivor_keys.ptr,
+            uniforms: uniforms.ptr,
+            meta: meta.ptr,
+            ids: ids.ptr,
+            flag: flag.ptr,
+        };
         let draws = [
             DrawParams { temperature: 1.0, top_k: 64, top_p: 0.95, min_p: 0.0 },
             DrawParams { temperature: 0.3, top_k: 17, top_p: 1.0, min_p: 0.05 },
@@ -730,35 +736,15 @@ pub fn wide_rows_match_host(cm: &CudaModel) -> std::result::Result<usize, String
         for (i, row) in rows.iter().enumerate() {
             for (d, params) in draws.iter().enumerate() {
                 let at = (i + d) % us.len();
-                let k = params.top_k;
-                let args = [
-                    Arg::Ptr(logits.ptr + (i * n * 4) as u64),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::Ptr(survivor_keys.ptr),
-                ];
-                gpu.launch_2d("top_candidates_blocks", (n.div_ceil(CAND_BLOCK) as u32, 1), CAND_THREADS, 0, &args)
-                    .map_err(err)?;
                 gpu.upload(meta.ptr, &[at as u32, 0]).map_err(err)?;
                 gpu.upload(flag.ptr, &[0u32]).map_err(err)?;
-                let args = [
-                    Arg::Ptr(survivor_keys.ptr),
-                    Arg::I32(survivors(n, k) as i32),
-                    Arg::I32(k as i32),
-                    Arg::F32(params.temperature),
-                    Arg::F32(params.top_p),
-                    Arg::F32(params.min_p),
-                    Arg::Ptr(uniforms.ptr),
-                    Arg::Ptr(meta.ptr),
-                    Arg::Ptr(ids.ptr),
-                    Arg::Ptr(flag.ptr),
-                ];
-                gpu.launch("sample_draw", 1, CAND_THREADS, 0, &args).map_err(err)?;
+                let row_at = logits.ptr + (i * n * 4) as u64;
+                launch_draw(gpu, row_at, n, params, &buffers).map_err(err)?;
                 let (mut id, mut set) = ([0u32], [0u32]);
                 gpu.download(&mut id, ids.ptr).map_err(err)?;
                 gpu.download(&mut set, flag.ptr).map_err(err)?;
                 let device = (set[0] == 0).then_some(id[0]);
-                let host = draw_candidates(&top_candidates(row, k), params, us[at]);
+                let host = draw_candidates(&top_candidates(row, params.top_k), params, us[at]);
                 compared += 1;
                 if device != host {
                     return Err(format!(

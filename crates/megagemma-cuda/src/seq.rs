@@ -5,7 +5,7 @@
 //! staging buffers, never into the cache: [`CudaSeq::commit`] copies the accepted rows in
 //! afterwards, so a candidate never overwrites a ring slot a query may still need.
 
-use crate::candidates::{candidates_on_device, survivors, CAND_BLOCK, CAND_THREADS, MAX_CANDIDATES};
+use crate::candidates::{candidates_on_device, launch_draw, survivors, DrawBuffers, MAX_CANDIDATES};
 use crate::device::{
     cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, HostLog, MmaFill,
     FMT_Q4, FMT_Q4T,
@@ -1006,23 +1006,15 @@ impl CudaSeq {
     fn draw_on_device(&self, params: &DrawParams) -> Result<()> {
         let buf = self.sample_buf.as_ref().ok_or_else(|| megagemma_model::Error::msg("sampling buffers missing"))?;
         let vocab = self.model.plan.vocab_size;
-        let (blocks, k) = (vocab.div_ceil(CAND_BLOCK), params.top_k);
-        debug_assert!(candidates_on_device(vocab, k), "draws_on_device checked the top-k");
-        let args = [Arg::Ptr(self.s.logits.ptr), Arg::I32(vocab as i32), Arg::I32(k as i32), Arg::Ptr(buf.keys.ptr)];
-        self.gpu().launch_2d("top_candidates_blocks", (blocks as u32, 1), CAND_THREADS, 0, &args)?;
-        let args = [
-            Arg::Ptr(buf.keys.ptr),
-            Arg::I32(survivors(vocab, k) as i32),
-            Arg::I32(k as i32),
-            Arg::F32(params.temperature),
-            Arg::F32(params.top_p),
-            Arg::F32(params.min_p),
-            Arg::Ptr(buf.uniforms.ptr),
-            Arg::Ptr(self.s.meta.ptr),
-            Arg::Ptr(self.s.ids.ptr),
-            Arg::Ptr(buf.flag.ptr),
-        ];
-        self.gpu().launch("sample_draw", 1, CAND_THREADS, 0, &args)
+        debug_assert!(candidates_on_device(vocab, params.top_k), "draws_on_device checked the top-k");
+        let at = DrawBuffers {
+            keys: buf.keys.ptr,
+            uniforms: buf.uniforms.ptr,
+            meta: self.s.meta.ptr,
+            ids: self.s.ids.ptr,
+            flag: buf.flag.ptr,
+        };
+        launch_draw(self.gpu(), self.s.logits.ptr, vocab, params, &at)
     }
 
     /// `decode_sampled`'s device buffers, allocated on first use for the sequence's whole length.
