@@ -649,15 +649,26 @@ pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> s
     let flat: Vec<f32> = rows.concat();
     cm.gpu.upload(seq.s.logits.ptr, &flat).map_err(err)?;
     let got = seq.candidates(rows.len(), k).map_err(err)?.ok_or("no device selection for this vocabulary")?;
-    for (i, (row, g)) in rows.iter().zip(&got).enumerate() {
+    Ok(compared + lists_match_host(&rows, &got, k, "crafted row")?)
+}
+
+/// Each device list of `got` against `top_candidates(row, k)` of its row, bit for bit (±0 and
+/// NaN payloads included); the rows compared, or the first mismatch (`what` names the row).
+fn lists_match_host(
+    rows: &[Vec<f32>],
+    got: &[crate::candidates::Candidates],
+    k: usize,
+    what: &str,
+) -> std::result::Result<usize, String> {
+    use megagemma_model::backend::top_candidates;
+    let bits = |c: &[(u32, f32)]| c.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+    for (i, (row, g)) in rows.iter().zip(got).enumerate() {
         let want = top_candidates(row, k);
-        compared += 1;
-        let bits = |c: &[(u32, f32)]| c.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
         if bits(g) != bits(&want) {
-            return Err(format!("crafted row {i}: device {g:?}, host {want:?}"));
+            return Err(format!("{what} {i}, k {k}: device {g:?}, host {want:?}"));
         }
     }
-    Ok(compared)
+    Ok(rows.len())
 }
 
 /// The device's selection (`top_candidates_blocks`, `top_candidates_merge`) and draw
@@ -702,14 +713,7 @@ pub fn wide_rows_match_host(cm: &CudaModel) -> std::result::Result<usize, String
         let mut keys = None;
         for k in [1, 2, 17, 64] {
             let got = select_candidates(gpu, &mut keys, logits.ptr, rows.len(), n, k).map_err(err)?;
-            for (i, (row, g)) in rows.iter().zip(&got).enumerate() {
-                let want = top_candidates(row, k);
-                compared += 1;
-                let bits = |c: &[(u32, f32)]| c.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
-                if bits(g) != bits(&want) {
-                    return Err(format!("{n}-wide row {i}, k {k}: device {g:?}, host {want:?}"));
-                }
-            }
+            compared += lists_match_host(&rows, &got, k, &format!("{n}-wide row"))?;
         }
         // Draws: each row's block lists, then `sample_draw` with a uniform the meta word points at.
         let (uniforms, meta, ids, flag) = (
