@@ -87,6 +87,13 @@ ABLATIONS = {
             ("attention.cu", "const float4 x = *(const float4*)(v + d);", "const float4 x = *(const float4*)(qs + d);"),
         ],
     ),
+    "attnosoftmax": (
+        "attention's two block reductions of the softmax (each thread keeps its own maximum and sum)",
+        [
+            ("attention.cu", "  mx = block_max(mx);\n", ""),
+            ("attention.cu", "  sum = block_sum(sum);\n", ""),
+        ],
+    ),
     "nostats": (
         "a folded residual step's two row statistics (1/rms taken as 1)",
         [(
@@ -106,6 +113,42 @@ ABLATIONS = {
     "noingated": (
         "the input build (GeGLU / PLE gate, digit planes) of gated matvec launches",
         [("matvec_mma.cu", BUILD_INPUTS, "      if (!GATED) " + BUILD_INPUTS.lstrip())],
+    ),
+    "halfsb": (
+        "half the tensor-core matvec's scale bytes (lanes 16-31 read lanes 0-15's: the bytes 16-bit "
+        "scale and bias pairs would take)",
+        [(
+            "matvec_mma.cu",
+            "(const float*)W.sb + (u64)tile * groups * 32 + sb_lane<F4>(lane),",
+            "(const float*)W.sb + (u64)tile * groups * 32 + (sb_lane<F4>(lane) & 15),",
+        )],
+    ),
+    "nosb": (
+        "the tensor-core matvec's scale and bias loads (every unit's taken as zero)",
+        [(
+            "matvec_mma.cu",
+            "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n",
+            "      for (int p = 0; p < UPC; p++) bt.sb[u][p] = typename ScaleOf<F4>::type{};\n",
+        )],
+    ),
+    "noshfl": (
+        "the shuffles that share a unit's four scale values across a quad (each lane uses its own for all four)",
+        [(
+            "matvec_mma.cu",
+            "    for (int q = 0; q < UPC; q++) us[q] = unit_scales(bt.sb[u][q]);\n",
+            "    for (int q = 0; q < UPC; q++) us[q] = UnitScales{bt.sb[u][q], bt.sb[u][q], bt.sb[u][q], bt.sb[u][q]};\n",
+        )],
+    ),
+    "sbonce": (
+        "all but the first chunk's scale loads of each register batch (the batch reuses the first chunk's)",
+        [(
+            "matvec_mma.cu",
+            "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n",
+            "      for (int p = 0; p < UPC; p++) {\n"
+            "        if (u == 0) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
+            "        else bt.sb[u][p] = bt.sb[0][p];\n"
+            "      }\n",
+        )],
     ),
     "mkempty": (
         "megakernel: no stage body runs; every block still waits for the previous stage and "
