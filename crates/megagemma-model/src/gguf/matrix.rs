@@ -74,11 +74,17 @@ impl GgufMatrix {
         self.ggml_type
     }
 
-    /// The rows as byte tiles, re-laid on the first call.
+    /// The rows as byte tiles, re-laid on the first call. The file's pages of these rows then
+    /// leave the process's memory ([`drop_file_pages`]): the CPU kernels read only the tiles, so
+    /// a GGUF model is not held twice. A later read of the rows (an embedding gather from a tied
+    /// head, an upload to a device) faults them back in from the file.
     fn byte_tiles(&self) -> &ByteTiles {
         self.tiles.get_or_init(|| {
-            let data = &self.mmap[self.start..self.start + self.rows * self.row_bytes];
-            ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes)
+            let len = self.rows * self.row_bytes;
+            let data = &self.mmap[self.start..self.start + len];
+            let tiles = ByteTiles::from_rows(self.ggml_type, data, self.rows, self.row_bytes);
+            drop_file_pages(&self.mmap, self.start, len);
+            tiles
         })
     }
 
@@ -88,6 +94,29 @@ impl GgufMatrix {
         let s = self.start + r * self.row_bytes;
         &self.mmap[s..s + self.row_bytes]
     }
+}
+
+/// Gives the whole pages inside `map[start .. start + len]` back to the kernel (`MADV_DONTNEED`):
+/// they are clean pages of a read-only file mapping, so a later read re-reads the file — the bytes
+/// seen never change. Pages shared with a neighbouring tensor stay. Best effort: a refusal only
+/// leaves the pages resident.
+fn drop_file_pages(map: &Mmap, start: usize, len: usize) {
+    #[cfg(unix)]
+    {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let base = map.as_ptr() as usize;
+        let first = (base + start).next_multiple_of(page) - base;
+        let end = (base + start + len) / page * page - base;
+        if end > first {
+            // SAFETY: the file is mapped read-only and never written, so dropping the pages loses no
+            // data and changes nothing any live reference reads: the next access refills them from
+            // the file (the page cache).
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, end - first) };
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (map, start, len);
 }
 
 impl GgufFile {
