@@ -48,6 +48,7 @@ NORM_AFTER_WAIT = (
     "  pdl_start();\n  float* row = h + (u64)b * hd;",
     "  pdl_start();\n  return;\n  float* row = h + (u64)b * hd;",
 )
+SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
 # name -> (what it removes, [(file, text, replacement)])
@@ -148,6 +149,53 @@ ABLATIONS = {
             "        if (u == 0) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
             "        else bt.sb[u][p] = bt.sb[0][p];\n"
             "      }\n",
+        )],
+    ),
+    "sbpf": (
+        "not an ablation (same bits): each scale load also asks L2 for the scales two register "
+        "batches ahead, so a batch's scales arrive before its codes",
+        [(
+            "matvec_mma.cu",
+            SB_LOAD_LINE,
+            SB_LOAD_LINE
+            + "      if (cc + 2 * U * ks < end)\n"
+            "        prefetch_l2(sbt + (u64)(((cc + 2 * U * ks) * 64) >> gsh) * 32);\n",
+        )],
+    ),
+    "sbpfl1": (
+        "not an ablation (same bits): as sbpf, into L1, and the scales read through L1",
+        [(
+            "matvec_mma.cu",
+            SB_LOAD_LINE,
+            SB_LOAD_LINE
+            + "      if (cc + 2 * U * ks < end)\n"
+            "        asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(sbt + (u64)(((cc + 2 * U * ks) * 64) >> gsh) * 32));\n",
+        ), (
+            "matvec_mma.cu",
+            "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }",
+            "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldca(p); }",
+        )],
+    ),
+    "pairsb": (
+        "timing model of 16-bit scales: a lane reads one (scale, bias) pair of 4 bytes, a tile's group "
+        "64 bytes, and takes its quad's other pair by one shuffle (the values read are wrong)",
+        [(
+            "matvec_mma.cu",
+            "(const float*)W.sb + (u64)tile * groups * 32 + sb_lane<F4>(lane),",
+            "(const float*)W.sb + (u64)tile * groups * 16 + ((lane >> 2) * 2 + (lane & 1)),",
+        ), (
+            "matvec_mma.cu",
+            SB_LOAD_LINE,
+            SB_LOAD_LINE.replace(") * 32);", ") * 16);"),
+        ), (
+            "matvec_mma.cu",
+            "  const int quad = (threadIdx.x & 31) & ~3;\n"
+            "  return UnitScales{__shfl_sync(0xffffffffu, v, quad), __shfl_sync(0xffffffffu, v, quad + 1),\n"
+            "                    __shfl_sync(0xffffffffu, v, quad + 2), __shfl_sync(0xffffffffu, v, quad + 3)};\n",
+            "  const float o = __shfl_xor_sync(0xffffffffu, v, 1);\n"
+            "  const unsigned a = __float_as_uint((threadIdx.x & 1) ? o : v), b = __float_as_uint((threadIdx.x & 1) ? v : o);\n"
+            "  return UnitScales{__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u), __uint_as_float(b << 16),\n"
+            "                    __uint_as_float(b & 0xffff0000u)};\n",
         )],
     ),
     "mkempty": (
