@@ -51,6 +51,15 @@ NORM_AFTER_WAIT = (
 SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
+
+def sb_load_and_prefetch(prefetch: str) -> str:
+    """`load_batch`'s scale loads (SB_LOAD_LINE), each followed by `prefetch` (a format string
+    taking the address) of the same unit's scales two register batches ahead."""
+    ahead = "sbt + (u64)(((cc + 2 * U * ks) * 64 + p * (64 / UPC)) >> gsh) * 32"
+    then = " if (cc + 2 * U * ks < end) " + prefetch.format(ahead) + "; }\n"
+    return SB_LOAD_LINE.replace("sb_load(", "{ sb_load(", 1).removesuffix("\n") + then
+
+
 # name -> (what it removes, [(file, text, replacement)])
 ABLATIONS = {
     "floor": (
@@ -128,7 +137,7 @@ ABLATIONS = {
         "the tensor-core matvec's scale and bias loads (every unit's taken as zero)",
         [(
             "matvec_mma.cu",
-            "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n",
+            SB_LOAD_LINE,
             "      for (int p = 0; p < UPC; p++) bt.sb[u][p] = typename ScaleOf<F4>::type{};\n",
         )],
     ),
@@ -144,7 +153,7 @@ ABLATIONS = {
         "all but the first chunk's scale loads of each register batch (the batch reuses the first chunk's)",
         [(
             "matvec_mma.cu",
-            "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n",
+            SB_LOAD_LINE,
             "      for (int p = 0; p < UPC; p++) {\n"
             "        if (u == 0) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
             "        else bt.sb[u][p] = bt.sb[0][p];\n"
@@ -154,23 +163,12 @@ ABLATIONS = {
     "sbpf": (
         "not an ablation (same bits): each scale load also asks L2 for the scales two register "
         "batches ahead, so a batch's scales arrive before its codes",
-        [(
-            "matvec_mma.cu",
-            SB_LOAD_LINE,
-            SB_LOAD_LINE
-            + "      if (cc + 2 * U * ks < end)\n"
-            "        prefetch_l2(sbt + (u64)(((cc + 2 * U * ks) * 64) >> gsh) * 32);\n",
-        )],
+        [("matvec_mma.cu", SB_LOAD_LINE, sb_load_and_prefetch("prefetch_l2({})"))],
     ),
     "sbpfl1": (
         "not an ablation (same bits): as sbpf, into L1, and the scales read through L1",
-        [(
-            "matvec_mma.cu",
-            SB_LOAD_LINE,
-            SB_LOAD_LINE
-            + "      if (cc + 2 * U * ks < end)\n"
-            "        asm volatile(\"prefetch.global.L1 [%0];\" ::\"l\"(sbt + (u64)(((cc + 2 * U * ks) * 64) >> gsh) * 32));\n",
-        ), (
+        [("matvec_mma.cu", SB_LOAD_LINE,
+          sb_load_and_prefetch('asm volatile("prefetch.global.L1 [%0];" ::"l"({}))')), (
             "matvec_mma.cu",
             "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }",
             "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldca(p); }",
