@@ -48,6 +48,7 @@ NORM_AFTER_WAIT = (
     "  pdl_start();\n  float* row = h + (u64)b * hd;",
     "  pdl_start();\n  return;\n  float* row = h + (u64)b * hd;",
 )
+CODE_LOAD_LINE = "      bt.q[u] = __ldcs(codes + (u64)cc * 32);\n"
 SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
@@ -164,6 +165,12 @@ ABLATIONS = {
         "not an ablation (same bits): each scale load also asks L2 for the scales two register "
         "batches ahead, so a batch's scales arrive before its codes",
         [("matvec_mma.cu", SB_LOAD_LINE, sb_load_and_prefetch("prefetch_l2({})"))],
+    ),
+    "sbfirst": (
+        "not an ablation (same bits): each chunk's scale loads issued before its codes' load, so the "
+        "smaller load is not queued behind the larger",
+        [("matvec_mma.cu", CODE_LOAD_LINE + "#pragma unroll\n" + SB_LOAD_LINE,
+          "#pragma unroll\n" + SB_LOAD_LINE + CODE_LOAD_LINE)],
     ),
     "sbpfl1": (
         "not an ablation (same bits): as sbpf, into L1, and the scales read through L1",
