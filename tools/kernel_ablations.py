@@ -172,6 +172,25 @@ ABLATIONS = {
         [("matvec_mma.cu", CODE_LOAD_LINE + "#pragma unroll\n" + SB_LOAD_LINE,
           "#pragma unroll\n" + SB_LOAD_LINE + CODE_LOAD_LINE)],
     ),
+    "sbpf1": (
+        "not an ablation (same bits): as sbpf, but one lane asks for the warp's line (sbpf's 32 "
+        "lanes each ask for the same line)",
+        [("matvec_mma.cu", SB_LOAD_LINE,
+          sb_load_and_prefetch("if ((threadIdx.x & 31) == 0) prefetch_l2({})"))],
+    ),
+    "sbdead": (
+        "the scale loads issued as before but their values unused (zeros, as nosb): whether a batch "
+        "pays for the loads themselves or for waiting on them",
+        [(
+            "matvec_mma.cu",
+            "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }",
+            "__device__ __forceinline__ void sb_load(float& v, const float* p) {\n"
+            "  float dead;\n"
+            "  asm volatile(\"ld.volatile.global.f32 %0, [%1];\" : \"=f\"(dead) : \"l\"(p));\n"
+            "  v = 0.f;\n"
+            "}",
+        )],
+    ),
     "sbpfl1": (
         "not an ablation (same bits): as sbpf, into L1, and the scales read through L1",
         [("matvec_mma.cu", SB_LOAD_LINE,
