@@ -49,6 +49,7 @@ NORM_AFTER_WAIT = (
     "  pdl_start();\n  return;\n  float* row = h + (u64)b * hd;",
 )
 CODE_LOAD_LINE = "      bt.q[u] = __ldcs(codes + (u64)cc * 32);\n"
+SB_LOAD_FN = "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }"
 SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (u64)((cc * 64 + p * (64 / UPC)) >> gsh) * 32);\n"
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
@@ -178,12 +179,21 @@ ABLATIONS = {
         [("matvec_mma.cu", SB_LOAD_LINE,
           sb_load_and_prefetch("if ((threadIdx.x & 31) == 0) prefetch_l2({})"))],
     ),
+    "sbca": (
+        "not an ablation (same bits): the scales loaded cached in L1 (`ld.global.ca`) instead of "
+        "streaming (`.cs`)",
+        [("matvec_mma.cu", SB_LOAD_FN, SB_LOAD_FN.replace("__ldcs(p)", "__ldca(p)"))],
+    ),
+    "sbldg": (
+        "not an ablation (same bits): the scales loaded through the read-only path (`ld.global.nc`)",
+        [("matvec_mma.cu", SB_LOAD_FN, SB_LOAD_FN.replace("__ldcs(p)", "__ldg(p)"))],
+    ),
     "sbdead": (
         "the scale loads issued as before but their values unused (zeros, as nosb): whether a batch "
         "pays for the loads themselves or for waiting on them",
         [(
             "matvec_mma.cu",
-            "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }",
+            SB_LOAD_FN,
             "__device__ __forceinline__ void sb_load(float& v, const float* p) {\n"
             "  float dead;\n"
             "  asm volatile(\"ld.volatile.global.f32 %0, [%1];\" : \"=f\"(dead) : \"l\"(p));\n"
@@ -196,7 +206,7 @@ ABLATIONS = {
         [("matvec_mma.cu", SB_LOAD_LINE,
           sb_load_and_prefetch('asm volatile("prefetch.global.L1 [%0];" ::"l"({}))')), (
             "matvec_mma.cu",
-            "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldcs(p); }",
+            SB_LOAD_FN,
             "__device__ __forceinline__ void sb_load(float& v, const float* p) { v = __ldca(p); }",
         )],
     ),
