@@ -119,7 +119,7 @@ fn kernels(model: &Model, cols: usize, wall: bool) {
                 if wall {
                     megagemma_model::matrix::matmul(m, &xs, &mut outn);
                 } else {
-                    m.dot_rows_multi(0, &xs, &mut outn);
+                    m.dot_rows_multi(0, &xs, &mut outn.chunks_mut(r).collect::<Vec<_>>());
                 }
             }
             bn = bn.min((clock() - t) / reps as f64);

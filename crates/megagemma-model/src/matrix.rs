@@ -15,13 +15,12 @@ pub trait RowDot: Send + Sync {
     fn cols(&self) -> usize;
     /// `out[i] = dot(row(start + i), x)` for every `i < out.len()`; `x.len() == cols()`.
     fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]);
-    /// `outs[t·n + i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols()` vectors and
-    /// `n = outs.len() / T` rows: a kernel may decode each row once for every vector. Every
+    /// `outs[t][i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols()` vectors, each with
+    /// its own output slice of the same `n` rows (the rows' place in each token's output row, so
+    /// nothing is copied afterwards): a kernel may decode each row once for every vector. Every
     /// result must be bit-identical to [`RowDot::dot_rows`] on the same row and vector.
-    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [f32]) {
-        let t = xs.len() / self.cols();
-        let n = outs.len() / t;
-        for (ti, out) in outs.chunks_exact_mut(n).enumerate() {
+    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        for (ti, out) in outs.iter_mut().enumerate() {
             self.dot_rows(start, &xs[ti * self.cols()..(ti + 1) * self.cols()], out);
         }
     }
@@ -34,7 +33,7 @@ pub trait RowDot: Send + Sync {
     }
     /// [`RowDot::dot_rows_multi`] on inputs from [`RowDot::prepare_inputs`]; the same bits as
     /// `dot_rows_multi` on the vectors they were prepared from.
-    fn dot_rows_prepared(&self, _start: usize, _xs: &crate::gguf::IntInputs, _outs: &mut [f32]) {
+    fn dot_rows_prepared(&self, _start: usize, _xs: &crate::gguf::IntInputs, _outs: &mut [&mut [f32]]) {
         unreachable!("dot_rows_prepared on a matrix that prepares no inputs")
     }
     /// Build now any layout this matrix's CPU kernel re-lays its weights into on first use (GGUF
@@ -94,13 +93,13 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
     let block = row_block(rows);
     if t == 1 {
         ys.par_chunks_mut(block).enumerate().for_each(|(b, out)| match &prepared {
-            Some(p) => w.dot_rows_prepared(b * block, p, out),
+            Some(p) => w.dot_rows_prepared(b * block, p, &mut [out]),
             None => w.dot_rows(b * block, xs, out),
         });
         return;
     }
     // Row-block-major so each block of weights is read once for all T tokens; each task writes
-    // its block's rows of every token's output (disjoint slices, so the copies run in parallel).
+    // its block's rows of every token's output in place (disjoint slices).
     let blocks = rows.div_ceil(block);
     let mut per_block: Vec<Vec<&mut [f32]>> = (0..blocks).map(|_| Vec::with_capacity(t)).collect();
     for y in ys.chunks_exact_mut(rows) {
@@ -108,15 +107,8 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
             per_block[b].push(part);
         }
     }
-    per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| {
-        let n = parts[0].len();
-        let mut block_out = vec![0f32; t * n];
-        match &prepared {
-            Some(p) => w.dot_rows_prepared(b * block, p, &mut block_out),
-            None => w.dot_rows_multi(b * block, xs, &mut block_out),
-        }
-        for (ti, part) in parts.iter_mut().enumerate() {
-            part.copy_from_slice(&block_out[ti * n..(ti + 1) * n]);
-        }
+    per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| match &prepared {
+        Some(p) => w.dot_rows_prepared(b * block, p, &mut parts),
+        None => w.dot_rows_multi(b * block, xs, &mut parts),
     });
 }

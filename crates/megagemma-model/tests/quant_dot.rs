@@ -119,7 +119,7 @@ fn multi_vector_kernels_are_bit_identical_to_single_vector_calls() {
                 // Rows from an odd start, so single-row tails follow the 4-row blocks.
                 let (start, n) = (1, m.rows() - 1);
                 let mut multi = vec![f32::NAN; t * n];
-                m.dot_rows_multi_with(kernel, start, &xs, &mut multi);
+                m.dot_rows_multi_with(kernel, start, &xs, &mut multi.chunks_mut(n).collect::<Vec<_>>());
                 for ti in 0..t {
                     let mut single = vec![0f32; n];
                     m.dot_rows_with(kernel, start, &xs[ti * m.cols()..(ti + 1) * m.cols()], &mut single);

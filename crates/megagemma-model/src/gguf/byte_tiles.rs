@@ -361,18 +361,20 @@ pub fn supports(ty: GgmlType) -> bool {
     layout(ty).is_some() && enabled()
 }
 
-/// `outs[t·n + i] = dot(row(start + i), x[t])` for `n = outs.len() / T` consecutive rows.
-pub fn dot_rows(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
+/// `outs[t][i] = dot(row(start + i), x[t])` for `n = outs[t].len()` consecutive rows (the same
+/// `n` for every vector).
+pub fn dot_rows(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [&mut [f32]]) {
     dot_rows_on(w, start, x, outs, amx::available())
 }
 
 /// [`dot_rows`], with several tokens on AMX when `use_amx` (and it is [`amx::available`]).
-fn dot_rows_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+fn dot_rows_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [&mut [f32]], use_amx: bool) {
     assert!(enabled(), "byte tiles on a CPU without AVX-512 VNNI");
     assert_eq!(x.ty, w.ty, "byte tiles: inputs for {} tiles against {} tiles", x.ty, w.ty);
-    assert!(x.t > 0 && outs.len().is_multiple_of(x.t), "byte tiles: {} outputs for {} vectors", outs.len(), x.t);
+    assert!(x.t > 0 && outs.len() == x.t, "byte tiles: {} outputs for {} vectors", outs.len(), x.t);
     assert_eq!(x.cols, w.blocks * BLOCK, "byte tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
-    let n = outs.len() / x.t;
+    let n = outs[0].len();
+    assert!(outs.iter().all(|o| o.len() == n), "byte tiles: outputs of different lengths");
     assert!(start + n <= w.rows, "byte tiles: rows {start}..{} out of range", start + n);
     if n == 0 {
         return;
@@ -464,12 +466,12 @@ mod avx512 {
         c
     }
 
-    /// Write tile `tile`'s 16 dots of vector `ti` into `outs` (`[vector][n]`, rows `start ..`),
+    /// Write tile `tile`'s 16 dots of vector `ti` into `outs[ti]` (rows `start .. start + n`),
     /// keeping only the rows in range.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn store(dots: __m512, tile: usize, ti: usize, start: usize, n: usize, outs: &mut [f32]) {
+    pub(super) unsafe fn store(dots: __m512, tile: usize, ti: usize, start: usize, n: usize, outs: &mut [&mut [f32]]) {
         let row0 = tile * TILE_ROWS;
-        let out = &mut outs[ti * n..(ti + 1) * n];
+        let out = &mut *outs[ti];
         if row0 >= start && row0 + TILE_ROWS <= start + n {
             _mm512_storeu_ps(out.as_mut_ptr().add(row0 - start), dots);
         } else {
@@ -524,7 +526,7 @@ mod avx512 {
         x: &TileInputs,
         t0: usize,
         (start, n): (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         for tile in tiles {
             let dots = tile_dots::<N, K, BITS>(w.tile(tile), (w.block_bytes, w.offset), x, t0);
@@ -542,7 +544,7 @@ mod avx512 {
         x: &TileInputs,
         t0: usize,
         span: (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         match (w.kind, w.bits) {
             (F16, 8) => tiles_times::<N, F16, 8>(w, tiles, x, t0, span, outs),
@@ -559,7 +561,14 @@ mod avx512 {
     /// vectors four at a time over each tile, then the rest together (each (row, vector) dot is
     /// the same arithmetic whatever the grouping).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn rows(w: &ByteTiles, start: usize, n: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+    pub(super) unsafe fn rows(
+        w: &ByteTiles,
+        start: usize,
+        n: usize,
+        x: &TileInputs,
+        outs: &mut [&mut [f32]],
+        use_amx: bool,
+    ) {
         let tiles = start / TILE_ROWS..(start + n).div_ceil(TILE_ROWS);
         let span = (start, n);
         if x.t >= 2 && use_amx && w.kind == F16 && w.bits == 8 {
@@ -599,7 +608,7 @@ mod avx512 {
         tiles: std::ops::Range<usize>,
         x: &TileInputs,
         span: (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         let (scale_bytes, packed_code_bytes) = (w.block_bytes - code_bytes(w.bits), code_bytes(w.bits));
         let unpacked_bytes = CODE_BYTES + scale_bytes;
@@ -640,7 +649,7 @@ mod avx512 {
         vectors: std::ops::Range<usize>,
         tile: usize,
         span: (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         let mut ti = vectors.start;
         while ti + 4 <= vectors.end {
@@ -659,7 +668,7 @@ mod avx512 {
         tile: usize,
         t0: usize,
         (start, n): (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         for (j, d) in dots.into_iter().enumerate() {
             store(d, tile, t0 + j, start, n, outs);
@@ -772,7 +781,7 @@ mod amx {
         t0: usize,
         nt: usize,
         (start, n): (usize, usize),
-        outs: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
         #[repr(C, align(64))]
         struct Sums([[i32; 16]; 16]);
@@ -869,6 +878,16 @@ mod amx {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`dot_rows`] into one flat `[T, n]` buffer.
+    fn dot_rows_flat(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32]) {
+        dot_rows_flat_on(w, start, x, outs, amx::available())
+    }
+
+    fn dot_rows_flat_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [f32], use_amx: bool) {
+        let n = outs.len() / x.t;
+        dot_rows_on(w, start, x, &mut outs.chunks_mut(n).collect::<Vec<_>>(), use_amx)
+    }
 
     /// The formats with a tile layout.
     const TYPES: [GgmlType; 8] = [
@@ -977,15 +996,15 @@ mod tests {
             xs[2 * cols..2 * cols + 32].fill(0.0);
             let x = TileInputs::quantize(&xs, cols, ty);
             let mut outs = vec![0f32; t * rows];
-            dot_rows(&w, 0, &x, &mut outs);
+            dot_rows_flat(&w, 0, &x, &mut outs);
             // Several tokens on AMX (where it runs) and on VNNI give the same bits.
             let mut vnni = vec![0f32; t * rows];
-            dot_rows_on(&w, 0, &x, &mut vnni, false);
+            dot_rows_flat_on(&w, 0, &x, &mut vnni, false);
             assert!(outs.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits()), "{ty}: AMX and VNNI differ");
             for ti in 0..t {
                 let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols, ty);
                 let mut single = vec![0f32; rows];
-                dot_rows(&w, 0, &one, &mut single);
+                dot_rows_flat(&w, 0, &one, &mut single);
                 let xv = &xs[ti * cols..(ti + 1) * cols];
                 for r in 0..rows {
                     let row = &data[r * rb..(r + 1) * rb];
@@ -1009,7 +1028,7 @@ mod tests {
             }
             // Rows from the middle, across a tile boundary (a partial tile on each side).
             let mut part = vec![0f32; t * 9];
-            dot_rows(&w, 12, &x, &mut part);
+            dot_rows_flat(&w, 12, &x, &mut part);
             for ti in 0..t {
                 for r in 0..9 {
                     let (got, want) = (part[ti * 9 + r], outs[ti * rows + 12 + r]);
@@ -1044,7 +1063,7 @@ mod tests {
                 let xs = vec![sign * 3.5; cols];
                 let x = TileInputs::quantize(&xs, cols, ty);
                 let mut out = [0f32; 1];
-                dot_rows(&w, 0, &x, &mut out);
+                dot_rows_flat(&w, 0, &x, &mut out);
                 let mut wr = vec![0f32; cols];
                 crate::gguf::dequantize_row(ty, &data, &mut wr).unwrap();
                 let exact: f64 = wr.iter().zip(&xs).map(|(w, x)| *w as f64 * *x as f64).sum();
@@ -1066,11 +1085,11 @@ mod tests {
             let xs: Vec<f32> = (0..t * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0).collect();
             let x = TileInputs::quantize(&xs, cols, ty);
             let mut outs = vec![0f32; t * rows];
-            dot_rows(&w, 0, &x, &mut outs);
+            dot_rows_flat(&w, 0, &x, &mut outs);
             for ti in [0, 3, TOKEN_BLOCK - 1, TOKEN_BLOCK, t - 2, t - 1] {
                 let one = TileInputs::quantize(&xs[ti * cols..(ti + 1) * cols], cols, ty);
                 let mut single = vec![0f32; rows];
-                dot_rows(&w, 0, &one, &mut single);
+                dot_rows_flat(&w, 0, &one, &mut single);
                 for r in 0..rows {
                     assert_eq!(outs[ti * rows + r].to_bits(), single[r].to_bits(), "{ty} row {r} vector {ti} of {t}");
                 }
@@ -1091,7 +1110,7 @@ mod tests {
             xs[40] = f32::INFINITY;
             let x = TileInputs::quantize(&xs, cols, ty);
             let mut out = [0f32; 1];
-            dot_rows(&w, 0, &x, &mut out);
+            dot_rows_flat(&w, 0, &x, &mut out);
             assert!(out[0].is_nan(), "{ty}");
         }
     }

@@ -142,17 +142,18 @@ impl RowDot for GgufMatrix {
         assert_eq!(x.len(), self.cols, "dot_rows: x has {} values, matrix has {} cols", x.len(), self.cols);
         assert!(start + out.len() <= self.rows, "dot_rows: rows {start}..{} out of range", start + out.len());
         if let Some(p) = self.prepare_inputs(x) {
-            return self.dot_rows_prepared(start, &p, out);
+            return self.dot_rows_prepared(start, &p, &mut [out]);
         }
         for (i, o) in out.iter_mut().enumerate() {
             *o = (self.dot)(self.row_bytes(start + i), x);
         }
     }
 
-    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [f32]) {
+    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
         let (cols, t) = (self.cols, xs.len() / self.cols);
-        let n = outs.len() / t;
+        let n = outs.first().map_or(0, |o| o.len());
         assert_eq!(xs.len(), t * cols, "dot_rows_multi: xs is not [T, {cols}]");
+        assert!(outs.len() == t && outs.iter().all(|o| o.len() == n), "dot_rows_multi: not {t} outputs of {n} rows");
         assert!(start + n <= self.rows, "dot_rows_multi: rows {start}..{} out of range", start + n);
         if let Some(p) = self.prepare_inputs(xs) {
             return self.dot_rows_prepared(start, &p, outs);
@@ -168,14 +169,14 @@ impl RowDot for GgufMatrix {
                     let ys = k2(rows, std::array::from_fn(|j| x(ti + j)));
                     for (dr, yr) in ys.into_iter().enumerate() {
                         for (j, y) in yr.into_iter().enumerate() {
-                            outs[(ti + j) * n + r0 + dr] = y;
+                            outs[ti + j][r0 + dr] = y;
                         }
                     }
                     ti += MULTI;
                 }
-                for ti in ti..t {
+                for (ti, out) in outs.iter_mut().enumerate().skip(ti) {
                     for (dr, bytes) in rows.into_iter().enumerate() {
-                        outs[ti * n + r0 + dr] = (self.dot)(bytes, x(ti));
+                        out[r0 + dr] = (self.dot)(bytes, x(ti));
                     }
                 }
                 r0 += 2;
@@ -187,12 +188,12 @@ impl RowDot for GgufMatrix {
             while ti + MULTI <= t {
                 let ys = (self.dot_multi)(bytes, std::array::from_fn(|j| x(ti + j)));
                 for (j, y) in ys.into_iter().enumerate() {
-                    outs[(ti + j) * n + r] = y;
+                    outs[ti + j][r] = y;
                 }
                 ti += MULTI;
             }
-            for ti in ti..t {
-                outs[ti * n + r] = (self.dot)(bytes, x(ti));
+            for (ti, out) in outs.iter_mut().enumerate().skip(ti) {
+                out[r] = (self.dot)(bytes, x(ti));
             }
         }
     }
@@ -204,9 +205,9 @@ impl RowDot for GgufMatrix {
         Some(TileInputs::quantize(xs, self.cols, self.ggml_type))
     }
 
-    fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [f32]) {
+    fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [&mut [f32]]) {
         assert!(self.int_dot, "dot_rows_prepared on a matrix without an integer kernel");
-        let n = outs.len() / xs.len().max(1);
+        let n = outs.first().map_or(0, |o| o.len());
         assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
         super::byte_tiles::dot_rows(self.byte_tiles(), start, xs, outs)
     }

@@ -83,20 +83,18 @@ pub(super) fn dot_rows(m: &QuantMatrix, kernel: Kernel, start: usize, x: &[f32],
 /// Columns the multi-vector kernels take at once.
 pub(super) const MULTI: usize = 4;
 
-/// `outs[t·n + i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols` vectors, [`MULTI`] at a
+/// `outs[t][i] = dot(row(start + i), xs[t])` for `T = xs.len() / cols` vectors, [`MULTI`] at a
 /// time (each row decoded once per group of vectors), the rest one by one.
-pub(super) fn dot_rows_multi(m: &QuantMatrix, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [f32]) {
-    let t = xs.len() / m.cols;
-    let n = outs.len() / t;
+pub(super) fn dot_rows_multi(m: &QuantMatrix, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
     let mut xcols = xs.chunks_exact(m.cols);
-    let mut ocols = outs.chunks_exact_mut(n);
+    let mut ocols = outs.iter_mut();
     while xcols.len() >= MULTI {
         let x: [&[f32]; MULTI] = std::array::from_fn(|_| xcols.next().unwrap());
-        let mut o: [&mut [f32]; MULTI] = std::array::from_fn(|_| ocols.next().unwrap());
+        let mut o: [&mut [f32]; MULTI] = std::array::from_fn(|_| &mut **ocols.next().unwrap());
         run::<MULTI>(m, kernel, start, x, &mut o);
     }
     for (x, o) in xcols.zip(ocols) {
-        run::<1>(m, kernel, start, [x], &mut [o]);
+        run::<1>(m, kernel, start, [x], &mut [&mut **o]);
     }
 }
 

@@ -219,12 +219,12 @@ impl QuantMatrix {
 
     /// [`RowDot::dot_rows_multi`] with an explicitly chosen kernel: each row decoded once for
     /// every group of vectors; every result bit-identical to [`QuantMatrix::dot_rows_with`].
-    pub fn dot_rows_multi_with(&self, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [f32]) {
+    pub fn dot_rows_multi_with(&self, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
         let t = xs.len() / self.cols;
         assert!(t > 0 && xs.len() == t * self.cols, "QuantMatrix::dot_rows_multi: xs is not [T, {}]", self.cols);
-        let n = outs.len() / t;
+        let n = outs.first().map_or(0, |o| o.len());
         assert!(
-            outs.len() == t * n && start + n <= self.rows,
+            outs.len() == t && outs.iter().all(|o| o.len() == n) && start + n <= self.rows,
             "QuantMatrix::dot_rows_multi: rows {start}..{} out of range (matrix has {})",
             start + n,
             self.rows
@@ -243,7 +243,7 @@ impl RowDot for QuantMatrix {
     fn dot_rows(&self, start: usize, x: &[f32], out: &mut [f32]) {
         self.dot_rows_with(Kernel::detect(), start, x, out);
     }
-    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [f32]) {
+    fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
         self.dot_rows_multi_with(Kernel::detect(), start, xs, outs);
     }
     fn row_to_f32(&self, row: usize, out: &mut [f32]) {
