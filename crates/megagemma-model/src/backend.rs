@@ -285,9 +285,8 @@ pub fn top_candidates(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     c
 }
 
-/// A [`PosOut`] for one logits row, as `want` asks.
-pub fn pos_out(logits: &[f32], want: Want) -> PosOut {
-    let argmax = crate::cpu::ops::argmax(logits);
+/// A [`PosOut`] for one logits row whose argmax is `argmax`, as `want` asks.
+pub fn pos_out(argmax: u32, logits: &[f32], want: Want) -> PosOut {
     match want {
         Want::Argmax => PosOut { argmax, ..Default::default() },
         Want::Logits => PosOut { argmax, logits: logits.to_vec(), ..Default::default() },

@@ -82,6 +82,13 @@ fn row_block(rows: usize) -> usize {
 /// `ys[t] = W · xs[t]` for every token `t`. `xs` is `[T, cols]`, `ys` is `[T, rows]`, row-major.
 /// Work is split over row blocks (each block's weights are read once, then reused across tokens).
 pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
+    matmul_then(w, xs, ys, &|_, _| {});
+}
+
+/// [`matmul`], then `finish(start, outs)` in each parallel task on the rows it just wrote
+/// (`outs[t]` = token t's rows `start ..`), while they are still in cache: the LM head applies
+/// its softcap and finds each task's best logit there instead of reading the logits back.
+pub fn matmul_then(w: &dyn RowDot, xs: &[f32], ys: &mut [f32], finish: &(dyn Fn(usize, &mut [&mut [f32]]) + Sync)) {
     let (rows, cols) = (w.rows(), w.cols());
     let t = xs.len() / cols;
     assert_eq!(xs.len(), t * cols, "matmul: input is not [T, {cols}]");
@@ -92,9 +99,12 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
     let prepared = w.prepare_inputs(xs);
     let block = row_block(rows);
     if t == 1 {
-        ys.par_chunks_mut(block).enumerate().for_each(|(b, out)| match &prepared {
-            Some(p) => w.dot_rows_prepared(b * block, p, &mut [out]),
-            None => w.dot_rows(b * block, xs, out),
+        ys.par_chunks_mut(block).enumerate().for_each(|(b, out)| {
+            match &prepared {
+                Some(p) => w.dot_rows_prepared(b * block, p, &mut [&mut *out]),
+                None => w.dot_rows(b * block, xs, out),
+            }
+            finish(b * block, &mut [out]);
         });
         return;
     }
@@ -107,8 +117,11 @@ pub fn matmul(w: &dyn RowDot, xs: &[f32], ys: &mut [f32]) {
             per_block[b].push(part);
         }
     }
-    per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| match &prepared {
-        Some(p) => w.dot_rows_prepared(b * block, p, &mut parts),
-        None => w.dot_rows_multi(b * block, xs, &mut parts),
+    per_block.into_par_iter().enumerate().for_each(|(b, mut parts)| {
+        match &prepared {
+            Some(p) => w.dot_rows_prepared(b * block, p, &mut parts),
+            None => w.dot_rows_multi(b * block, xs, &mut parts),
+        }
+        finish(b * block, &mut parts);
     });
 }

@@ -5,8 +5,8 @@
 //! specification (§2 model, §3 layer). Activations are f32 `[T, width]`, row-major.
 
 use super::kv::KvCache;
-use super::ops::{gelu_mul, rms_norm, rms_norm_chunks, rope_heads, softcap, softmax};
-use crate::matrix::{matmul, RowDot};
+use super::ops::{gelu_mul, rms_norm, rms_norm_chunks, rope_heads, softcap, softmax, ArgmaxParts};
+use crate::matrix::{matmul, matmul_then, RowDot};
 use crate::plan::{LayerPlan, ModelPlan};
 use crate::weights::{LayerWeights, MlpWeights, ModelWeights, MoeWeights};
 use rayon::prelude::*;
@@ -17,6 +17,20 @@ pub struct ChunkOut {
     pub logits: Vec<f32>,
     /// `[n, hidden]` final-normed hidden states of the same positions.
     pub hidden: Vec<f32>,
+    /// `[n]` each position's `ops::argmax` of its logits, found as the head wrote them.
+    pub argmax: Vec<u32>,
+}
+
+impl ChunkOut {
+    pub fn new() -> ChunkOut {
+        ChunkOut { logits: Vec::new(), hidden: Vec::new(), argmax: Vec::new() }
+    }
+}
+
+impl Default for ChunkOut {
+    fn default() -> ChunkOut {
+        ChunkOut::new()
+    }
 }
 
 fn linear(w: &dyn RowDot, x: &[f32], t: usize) -> Vec<f32> {
@@ -43,7 +57,7 @@ pub struct Segment<'a> {
 /// Run `tokens` at positions `kv.len() ..`, staging their K/V rows in `kv`, and return logits
 /// and hidden states for the last `keep` positions.
 pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, tokens: &[u32], keep: usize) -> ChunkOut {
-    let mut out = ChunkOut { logits: Vec::new(), hidden: Vec::new() };
+    let mut out = ChunkOut::new();
     forward_batch(plan, w, &mut [Segment { kv, tokens, keep }], &mut out);
     out
 }
@@ -97,10 +111,26 @@ fn forward_batch_in_pool(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment
     let head = w.lm_head.as_deref().unwrap_or(w.embed.as_ref());
     let kept = out.hidden.len() / h;
     out.logits.resize(kept * head.rows(), 0.0);
-    matmul(head, &out.hidden, &mut out.logits);
-    if let Some(cap) = plan.final_softcap {
-        out.logits.par_iter_mut().for_each(|v| *v = softcap(*v, cap));
-    }
+    // Each task of the head softcaps the logits it wrote and finds their best while they are in
+    // cache (a verify's 4 MiB of logits are not read back for its argmaxes).
+    let parts = std::sync::Mutex::new(vec![ArgmaxParts::default(); kept]);
+    matmul_then(head, &out.hidden, &mut out.logits, &|start, rows| {
+        let mut found = Vec::with_capacity(rows.len());
+        for row in rows.iter_mut() {
+            if let Some(cap) = plan.final_softcap {
+                row.iter_mut().for_each(|v| *v = softcap(*v, cap));
+            }
+            let mut p = ArgmaxParts::default();
+            p.add(row, start);
+            found.push(p);
+        }
+        let mut all = parts.lock().unwrap_or_else(|e| e.into_inner());
+        for (a, p) in all.iter_mut().zip(found) {
+            *a = a.join(p);
+        }
+    });
+    out.argmax.clear();
+    out.argmax.extend(parts.into_inner().unwrap_or_else(|e| e.into_inner()).iter().map(ArgmaxParts::argmax));
 }
 
 /// Where a segment's tokens sit in the batch: rows `start .. start + len`, positions `p0 ..`.

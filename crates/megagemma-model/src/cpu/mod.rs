@@ -56,7 +56,7 @@ impl CpuBackend {
             seqs: BTreeMap::new(),
             next_id: 0,
             max_context: DEFAULT_MAX_CONTEXT,
-            scratch: ChunkOut { logits: Vec::new(), hidden: Vec::new() },
+            scratch: ChunkOut::new(),
             stats: BackendStats::default(),
         }
     }
@@ -137,7 +137,8 @@ impl CpuBackend {
         }
         // One position per task: an argmax over the vocabulary is ~0.1 ms.
         use rayon::prelude::*;
-        self.scratch.logits[..rows * v].par_chunks_exact(v).map(|l| pos_out(l, want)).collect()
+        let (logits, argmax) = (&self.scratch.logits[..rows * v], &self.scratch.argmax[..rows]);
+        logits.par_chunks_exact(v).zip(argmax).map(|(l, &a)| pos_out(a, l, want)).collect()
     }
 }
 

@@ -147,6 +147,52 @@ pub fn argmax(x: &[f32]) -> u32 {
     x.iter().position(|&v| v == m).unwrap_or(0) as u32
 }
 
+/// [`argmax`] of a row computed in slices: `best(slice, offset)` of each slice in any order,
+/// then [`ArgmaxParts::argmax`] gives the index `argmax` gives for the whole row.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ArgmaxParts {
+    /// The row's first value is NaN (then `argmax` returns 0).
+    first_nan: bool,
+    /// The largest non-NaN value and its first index, across the slices seen so far.
+    best: Option<(f32, usize)>,
+}
+
+impl ArgmaxParts {
+    /// Adds the slice that starts at index `offset` of the row.
+    pub fn add(&mut self, x: &[f32], offset: usize) {
+        if offset == 0 && x.first().is_some_and(|v| v.is_nan()) {
+            self.first_nan = true;
+        }
+        let Some(i0) = x.iter().position(|v| !v.is_nan()) else { return };
+        let local = argmax(&x[i0..]) as usize + i0;
+        self.merge((x[local], offset + local));
+    }
+
+    /// Adds another slice's result (slices merge in any order: ties go to the lower index).
+    pub fn merge(&mut self, (v, i): (f32, usize)) {
+        self.best = match self.best {
+            Some((bv, bi)) if bv > v || (bv == v && bi < i) => Some((bv, bi)),
+            _ => Some((v, i)),
+        };
+    }
+
+    /// Combines two partial results.
+    pub fn join(mut self, other: ArgmaxParts) -> ArgmaxParts {
+        self.first_nan |= other.first_nan;
+        if let Some(b) = other.best {
+            self.merge(b);
+        }
+        self
+    }
+
+    pub fn argmax(&self) -> u32 {
+        match self.best {
+            Some((_, i)) if !self.first_nan => i as u32,
+            _ => 0,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,6 +264,35 @@ mod tests {
         gelu_mul(&mut v, &u);
         for i in 0..g.len() {
             assert_eq!(v[i].to_bits(), (gelu_tanh(g[i]) * u[i]).to_bits(), "element {i}");
+        }
+    }
+
+    #[test]
+    fn argmax_in_parts_equals_the_whole_row() {
+        // Rows with NaNs (also first), ties, ±0 and ±∞, cut into slices at every few places and
+        // added in a shuffled order.
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as usize
+        };
+        let pool = [f32::NAN, 0.0, -0.0, 1.0, 2.0, -3.0, f32::INFINITY, f32::NEG_INFINITY, 2.0, 0.5];
+        for _ in 0..2000 {
+            let n = 1 + next() % 40;
+            let x: Vec<f32> = (0..n).map(|_| pool[next() % pool.len()]).collect();
+            let mut cuts: Vec<usize> = (0..next() % 5).map(|_| next() % n).collect();
+            cuts.extend([0, n]);
+            cuts.sort();
+            cuts.dedup();
+            let mut slices: Vec<(usize, usize)> = cuts.windows(2).map(|w| (w[0], w[1])).collect();
+            let k = slices.len();
+            slices.rotate_left(next() % k);
+            let parts = slices.iter().fold(ArgmaxParts::default(), |acc, &(a, b)| {
+                let mut p = ArgmaxParts::default();
+                p.add(&x[a..b], a);
+                acc.join(p)
+            });
+            assert_eq!(parts.argmax(), argmax(&x), "{x:?} cut at {cuts:?}");
         }
     }
 
