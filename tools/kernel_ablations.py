@@ -164,7 +164,8 @@ ABLATIONS = {
     ),
     "sbpf": (
         "not an ablation (same bits): each scale load also asks L2 for the scales two register "
-        "batches ahead, so a batch's scales arrive before its codes",
+        "batches ahead, so a batch's scales arrive before its codes (every lane asks for the warp's "
+        "one line: 32 requests; sbpf1 asks once)",
         [("matvec_mma.cu", SB_LOAD_LINE, sb_load_and_prefetch("prefetch_l2({})"))],
     ),
     "sbfirst": (

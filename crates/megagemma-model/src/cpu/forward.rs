@@ -12,6 +12,7 @@ use crate::weights::{LayerWeights, MlpWeights, ModelWeights, MoeWeights};
 use rayon::prelude::*;
 
 /// What a chunk pass returns.
+#[derive(Default)]
 pub struct ChunkOut {
     /// `[n, vocab]` final logits (after softcap) of the last `n` positions of the chunk.
     pub logits: Vec<f32>,
@@ -19,18 +20,6 @@ pub struct ChunkOut {
     pub hidden: Vec<f32>,
     /// `[n]` each position's `ops::argmax` of its logits, found as the head wrote them.
     pub argmax: Vec<u32>,
-}
-
-impl ChunkOut {
-    pub fn new() -> ChunkOut {
-        ChunkOut { logits: Vec::new(), hidden: Vec::new(), argmax: Vec::new() }
-    }
-}
-
-impl Default for ChunkOut {
-    fn default() -> ChunkOut {
-        ChunkOut::new()
-    }
 }
 
 fn linear(w: &dyn RowDot, x: &[f32], t: usize) -> Vec<f32> {
@@ -54,10 +43,10 @@ pub struct Segment<'a> {
     pub keep: usize,
 }
 
-/// Run `tokens` at positions `kv.len() ..`, staging their K/V rows in `kv`, and return logits
-/// and hidden states for the last `keep` positions.
+/// Run `tokens` at positions `kv.len() ..`, staging their K/V rows in `kv`, and return logits,
+/// argmaxes and hidden states for the last `keep` positions.
 pub fn forward_chunk(plan: &ModelPlan, w: &ModelWeights, kv: &mut KvCache, tokens: &[u32], keep: usize) -> ChunkOut {
-    let mut out = ChunkOut::new();
+    let mut out = ChunkOut::default();
     forward_batch(plan, w, &mut [Segment { kv, tokens, keep }], &mut out);
     out
 }
@@ -115,15 +104,17 @@ fn forward_batch_in_pool(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment
     // cache (a verify's 4 MiB of logits are not read back for its argmaxes).
     let parts = std::sync::Mutex::new(vec![ArgmaxParts::default(); kept]);
     matmul_then(head, &out.hidden, &mut out.logits, &|start, rows| {
-        let mut found = Vec::with_capacity(rows.len());
-        for row in rows.iter_mut() {
-            if let Some(cap) = plan.final_softcap {
-                row.iter_mut().for_each(|v| *v = softcap(*v, cap));
-            }
-            let mut p = ArgmaxParts::default();
-            p.add(row, start);
-            found.push(p);
-        }
+        let found: Vec<ArgmaxParts> = rows
+            .iter_mut()
+            .map(|row| {
+                if let Some(cap) = plan.final_softcap {
+                    row.iter_mut().for_each(|v| *v = softcap(*v, cap));
+                }
+                let mut p = ArgmaxParts::default();
+                p.add(row, start);
+                p
+            })
+            .collect();
         let mut all = parts.lock().unwrap_or_else(|e| e.into_inner());
         for (a, p) in all.iter_mut().zip(found) {
             *a = a.join(p);

@@ -56,7 +56,7 @@ impl CpuBackend {
             seqs: BTreeMap::new(),
             next_id: 0,
             max_context: DEFAULT_MAX_CONTEXT,
-            scratch: ChunkOut::new(),
+            scratch: ChunkOut::default(),
             stats: BackendStats::default(),
         }
     }
@@ -135,7 +135,8 @@ impl CpuBackend {
         if want == Want::Logits {
             self.stats.logits_copies += rows as u64;
         }
-        // One position per task: an argmax over the vocabulary is ~0.1 ms.
+        // The head found each row's argmax as it wrote it; one position per task for the rest
+        // (a logits copy or a top-n over the vocabulary).
         use rayon::prelude::*;
         let (logits, argmax) = (&self.scratch.logits[..rows * v], &self.scratch.argmax[..rows]);
         logits.par_chunks_exact(v).zip(argmax).map(|(l, &a)| pos_out(a, l, want)).collect()

@@ -147,7 +147,7 @@ pub fn argmax(x: &[f32]) -> u32 {
     x.iter().position(|&v| v == m).unwrap_or(0) as u32
 }
 
-/// [`argmax`] of a row computed in slices: `best(slice, offset)` of each slice in any order,
+/// [`argmax`] of a row computed in slices: `add(slice, offset)` for each slice in any order,
 /// then [`ArgmaxParts::argmax`] gives the index `argmax` gives for the whole row.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ArgmaxParts {
@@ -168,8 +168,8 @@ impl ArgmaxParts {
         self.merge((x[local], offset + local));
     }
 
-    /// Adds another slice's result (slices merge in any order: ties go to the lower index).
-    pub fn merge(&mut self, (v, i): (f32, usize)) {
+    /// Adds a slice's best (value, index) (slices merge in any order: ties go to the lower index).
+    fn merge(&mut self, (v, i): (f32, usize)) {
         self.best = match self.best {
             Some((bv, bi)) if bv > v || (bv == v && bi < i) => Some((bv, bi)),
             _ => Some((v, i)),
