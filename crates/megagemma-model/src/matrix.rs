@@ -67,6 +67,16 @@ pub enum WeightLayout<'a> {
     },
 }
 
+/// The rows every output slice of a several-vector product covers: `outs` must hold one slice per
+/// vector (`t` of them), all of the same length `n`, and rows `start .. start + n` must exist in a
+/// matrix of `rows` rows. Panics naming `what` otherwise (a caller's bug, not bad input).
+pub(crate) fn rows_per_output(outs: &[&mut [f32]], t: usize, start: usize, rows: usize, what: &str) -> usize {
+    let n = outs.first().map_or(0, |o| o.len());
+    assert!(outs.len() == t && outs.iter().all(|o| o.len() == n), "{what}: not {t} outputs of {n} rows");
+    assert!(start + n <= rows, "{what}: rows {start}..{} out of range (matrix has {rows})", start + n);
+    n
+}
+
 /// Rows handled per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROW_BLOCK: usize = 64;
 /// Tasks a product is cut into at most: a 262,144-row LM head in 64-row tasks was 4,096 tasks

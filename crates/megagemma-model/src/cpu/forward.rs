@@ -104,20 +104,15 @@ fn forward_batch_in_pool(plan: &ModelPlan, w: &ModelWeights, segs: &mut [Segment
     // cache (a verify's 4 MiB of logits are not read back for its argmaxes).
     let parts = std::sync::Mutex::new(vec![ArgmaxParts::default(); kept]);
     matmul_then(head, &out.hidden, &mut out.logits, &|start, rows| {
-        let found: Vec<ArgmaxParts> = rows
-            .iter_mut()
-            .map(|row| {
-                if let Some(cap) = plan.final_softcap {
-                    row.iter_mut().for_each(|v| *v = softcap(*v, cap));
-                }
-                let mut p = ArgmaxParts::default();
-                p.add(row, start);
-                p
-            })
-            .collect();
-        let mut all = parts.lock().unwrap_or_else(|e| e.into_inner());
-        for (a, p) in all.iter_mut().zip(found) {
-            *a = a.join(p);
+        for (i, row) in rows.iter_mut().enumerate() {
+            if let Some(cap) = plan.final_softcap {
+                row.iter_mut().for_each(|v| *v = softcap(*v, cap));
+            }
+            let mut p = ArgmaxParts::default();
+            p.add(row, start);
+            // The lock is held only for the join: the rows were scanned above.
+            let mut all = parts.lock().unwrap_or_else(|e| e.into_inner());
+            all[i] = all[i].join(p);
         }
     });
     out.argmax.clear();

@@ -371,11 +371,9 @@ pub fn dot_rows(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [&mut [f
 fn dot_rows_on(w: &ByteTiles, start: usize, x: &TileInputs, outs: &mut [&mut [f32]], use_amx: bool) {
     assert!(enabled(), "byte tiles on a CPU without AVX-512 VNNI");
     assert_eq!(x.ty, w.ty, "byte tiles: inputs for {} tiles against {} tiles", x.ty, w.ty);
-    assert!(x.t > 0 && outs.len() == x.t, "byte tiles: {} outputs for {} vectors", outs.len(), x.t);
+    assert!(x.t > 0, "byte tiles: no vectors");
     assert_eq!(x.cols, w.blocks * BLOCK, "byte tiles: vectors of {} values, rows of {}", x.cols, w.blocks * BLOCK);
-    let n = outs[0].len();
-    assert!(outs.iter().all(|o| o.len() == n), "byte tiles: outputs of different lengths");
-    assert!(start + n <= w.rows, "byte tiles: rows {start}..{} out of range", start + n);
+    let n = crate::matrix::rows_per_output(outs, x.t, start, w.rows, "byte tiles");
     if n == 0 {
         return;
     }

@@ -12,7 +12,7 @@ use super::reader::{GgufFile, GgufTensorInfo};
 use super::IntInputs;
 use crate::bail;
 use crate::error::Result;
-use crate::matrix::{RowDot, WeightLayout};
+use crate::matrix::{rows_per_output, RowDot, WeightLayout};
 
 /// `[rows, cols]` view of a GGUF tensor with `dims = [cols, rows, ...]` (higher dims fold into
 /// rows). Holds the mmap alive, so it outlives the [`GgufFile`] it came from.
@@ -151,10 +151,8 @@ impl RowDot for GgufMatrix {
 
     fn dot_rows_multi(&self, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
         let (cols, t) = (self.cols, xs.len() / self.cols);
-        let n = outs.first().map_or(0, |o| o.len());
         assert_eq!(xs.len(), t * cols, "dot_rows_multi: xs is not [T, {cols}]");
-        assert!(outs.len() == t && outs.iter().all(|o| o.len() == n), "dot_rows_multi: not {t} outputs of {n} rows");
-        assert!(start + n <= self.rows, "dot_rows_multi: rows {start}..{} out of range", start + n);
+        let n = rows_per_output(outs, t, start, self.rows, "dot_rows_multi");
         if let Some(p) = self.prepare_inputs(xs) {
             return self.dot_rows_prepared(start, &p, outs);
         }
@@ -207,8 +205,7 @@ impl RowDot for GgufMatrix {
 
     fn dot_rows_prepared(&self, start: usize, xs: &IntInputs, outs: &mut [&mut [f32]]) {
         assert!(self.int_dot, "dot_rows_prepared on a matrix without an integer kernel");
-        let n = outs.first().map_or(0, |o| o.len());
-        assert!(start + n <= self.rows, "dot_rows_prepared: rows {start}..{} out of range", start + n);
+        // `byte_tiles::dot_rows` checks the outputs' shapes against the tiles' rows.
         super::byte_tiles::dot_rows(self.byte_tiles(), start, xs, outs)
     }
 

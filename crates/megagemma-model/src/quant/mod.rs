@@ -222,13 +222,7 @@ impl QuantMatrix {
     pub fn dot_rows_multi_with(&self, kernel: Kernel, start: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
         let t = xs.len() / self.cols;
         assert!(t > 0 && xs.len() == t * self.cols, "QuantMatrix::dot_rows_multi: xs is not [T, {}]", self.cols);
-        let n = outs.first().map_or(0, |o| o.len());
-        assert!(
-            outs.len() == t && outs.iter().all(|o| o.len() == n) && start + n <= self.rows,
-            "QuantMatrix::dot_rows_multi: rows {start}..{} out of range (matrix has {})",
-            start + n,
-            self.rows
-        );
+        crate::matrix::rows_per_output(outs, t, start, self.rows, "QuantMatrix::dot_rows_multi");
         kernel::dot_rows_multi(self, kernel, start, xs, outs);
     }
 }
