@@ -163,7 +163,7 @@ pub struct ByteTiles {
     /// Bytes of one tile block: the codes, then the scales.
     block_bytes: usize,
     /// `[tile][block]` of `block_bytes`.
-    data: Vec<u8>,
+    data: TileBytes,
 }
 
 impl ByteTiles {
@@ -178,7 +178,7 @@ impl ByteTiles {
         let blocks = row_bytes / ty.type_size() * ty.block_size() / BLOCK;
         let tiles = rows.div_ceil(TILE_ROWS);
         let tile_bytes = blocks * block_bytes;
-        let mut data = vec![0u8; tiles * tile_bytes];
+        let mut data = TileBytes::zeroed(tiles * tile_bytes);
         data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
             for (b, tb) in out.chunks_exact_mut(block_bytes).enumerate() {
                 let (packed, scales) = tb.split_at_mut(code_bytes);
@@ -218,6 +218,42 @@ impl ByteTiles {
     fn tile(&self, t: usize) -> &[u8] {
         let tb = self.blocks * self.block_bytes;
         &self.data[t * tb..(t + 1) * tb]
+    }
+}
+
+/// The tiles' bytes: zeroed anonymous memory asked to live on transparent huge pages (Linux
+/// `MADV_HUGEPAGE`; `MEGAGEMMA_HUGE_PAGES=0` does not ask), so that streaming a large matrix every
+/// token (Gemma 3 270M's 262,144-row head is 178 MB) walks 2 MiB pages instead of 4 KiB ones:
+/// that head's product took 5% less time for one token and 9% less for four on the Zen 4 VM
+/// (thirty-seventh session). Where huge pages are not offered it is ordinary zeroed memory.
+struct TileBytes {
+    map: memmap2::MmapMut,
+    len: usize,
+}
+
+impl TileBytes {
+    fn zeroed(len: usize) -> TileBytes {
+        // A zero-length anonymous map is an error; one page costs nothing.
+        let map = memmap2::MmapMut::map_anon(len.max(1))
+            .unwrap_or_else(|e| panic!("cannot map {len} bytes for a weight layout: {e}"));
+        #[cfg(target_os = "linux")]
+        if std::env::var("MEGAGEMMA_HUGE_PAGES").map_or(true, |v| v != "0") {
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        TileBytes { map, len }
+    }
+}
+
+impl std::ops::Deref for TileBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+}
+
+impl std::ops::DerefMut for TileBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
     }
 }
 
