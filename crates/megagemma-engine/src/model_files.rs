@@ -73,6 +73,22 @@ pub fn stop_ids(defaults: &GenerationDefaults, model: &Model) -> Vec<u32> {
     }
 }
 
+/// Runs `side` on a thread of its own while `main` runs on this one, and returns both results (on
+/// two errors, `side`'s). Start-up builds the tokenizer this way while the backend opens: from a
+/// GGUF file's metadata the tokenizer is the slower half of it (Gemma 3 270M on two cores: ~0.6 s
+/// beside ~0.4 s of CPU weight layouts).
+pub fn concurrently<A: Send, B>(
+    side: impl FnOnce() -> Result<A> + Send,
+    main: impl FnOnce() -> Result<B>,
+) -> Result<(A, B)> {
+    std::thread::scope(|s| {
+        let side = s.spawn(side);
+        let b = main();
+        let a = side.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        Ok((a?, b?))
+    })
+}
+
 /// Tokenizer, chat template and defaults of a model opened for chat (`serve`, `chat`).
 pub struct ChatModel {
     pub tokenizer: Tokenizer,

@@ -5,7 +5,7 @@ use clap::Args;
 use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
 use megagemma_engine::chat_template::{encode_chat_with, ChatMessage};
 use megagemma_engine::generate::{generate, DraftParams, GenerateParams};
-use megagemma_engine::model_files::ChatModel;
+use megagemma_engine::model_files::{concurrently, ChatModel};
 use megagemma_engine::sampling::SamplingParams;
 use megagemma_engine::thoughts::{thinking_context, Part, ThoughtSplitter};
 use rustyline::error::ReadlineError;
@@ -63,9 +63,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, Default::default())?);
-    let files = ChatModel::open(&path, &model)?;
+    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None };
+    let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
-    let mut backend = open_backend(model, &BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None })?;
     let base = files.defaults.sampling_params(args.seed);
     let sampling = if args.greedy {
         SamplingParams::greedy()

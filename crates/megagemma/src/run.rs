@@ -3,11 +3,16 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
+use megagemma_engine::chat_template::ChatTemplate;
 use megagemma_engine::chat_template::{encode_chat, ChatMessage};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
-use megagemma_engine::model_files::{chat_template, generation_defaults, is_gguf, load_tokenizer, stop_ids};
+use megagemma_engine::model_files::{
+    chat_template, concurrently, generation_defaults, is_gguf, load_tokenizer, stop_ids,
+};
 use megagemma_engine::sampling::SamplingParams;
+use megagemma_engine::tokenizer::Tokenizer;
 use megagemma_model::assistant::AssistantModel;
+use megagemma_model::backend::Backend;
 use megagemma_model::gguf::GgufFile;
 use std::io::Write;
 use std::path::PathBuf;
@@ -134,6 +139,25 @@ impl DraftArgs {
     }
 }
 
+/// What text in or out needs beside the weights (none of it for ids in and out).
+#[derive(Default)]
+struct TextFiles {
+    tokenizer: Option<Tokenizer>,
+    /// The chat template, for a text prompt without --raw.
+    template: Option<ChatTemplate>,
+}
+
+/// `prompt`, when it is not empty and every id is in the vocabulary.
+fn check_prompt(prompt: Vec<u32>, vocab: usize) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        bail!("empty prompt: --prompt-ids has no ids");
+    }
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        bail!("token id {bad} in the prompt is out of range (vocab_size is {vocab})");
+    }
+    Ok(prompt)
+}
+
 fn parse_ids(raw: &[String]) -> Result<Vec<u32>> {
     raw.iter()
         .filter(|s| !s.trim().is_empty())
@@ -160,66 +184,79 @@ pub fn run(args: RunArgs) -> Result<()> {
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;
-    // A GGUF file's tokenizer and chat template both come from its metadata: parse it once.
-    let gguf = if needs_tokenizer && is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };
-    let tokenizer = if needs_tokenizer { load_tokenizer(&dir, gguf.as_ref())? } else { None };
-
-    let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
+    let vocab = model.plan.vocab_size;
+    // Ids are checked now; a text prompt is encoded once the tokenizer is built.
+    let prompt_ids = match (&args.prompt, &args.prompt_ids) {
         (Some(_), Some(_)) => bail!("give either --prompt or --prompt-ids, not both"),
         (None, None) => bail!("no prompt: give --prompt TEXT or --prompt-ids 2,17,99"),
-        (None, Some(ids)) => parse_ids(ids)?,
-        (Some(text), None) => {
-            if text.trim().is_empty() {
-                bail!("empty prompt");
-            }
+        (None, Some(ids)) => Some(check_prompt(parse_ids(ids)?, vocab)?),
+        (Some(text), None) if text.trim().is_empty() => bail!("empty prompt"),
+        (Some(_), None) => None,
+    };
+
+    // The tokenizer (and the chat template) are built on a thread of their own while the
+    // backend opens (weights uploaded to a device, CPU kernel layouts built: loading too).
+    let text_files = || -> Result<TextFiles> {
+        if !needs_tokenizer {
+            return Ok(TextFiles::default());
+        }
+        // A GGUF file's tokenizer and chat template both come from its metadata: parse it once.
+        let gguf = if is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };
+        let tokenizer = load_tokenizer(&dir, gguf.as_ref())?;
+        let template = match (&tokenizer, &args.prompt) {
+            (Some(_), Some(_)) if !args.raw => Some(chat_template(&dir, gguf.as_ref(), &model)?),
+            _ => None,
+        };
+        Ok(TextFiles { tokenizer, template })
+    };
+    let open = || -> Result<(GenerateParams, Box<dyn Backend>, f64)> {
+        // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
+        // generation_config.json / config.json, whose errors are reported, not ignored.
+        let defaults = generation_defaults(&dir)?;
+        let sampling = sampling_params(&args, &defaults)?;
+        let stop_ids = stop_ids(&defaults, &model);
+        let params = GenerateParams {
+            max_new_tokens: args.max_new_tokens,
+            sampling,
+            stop_ids,
+            ignore_eos: args.ignore_eos,
+            keep_logits: args.dump_logits.is_some(),
+            draft,
+        };
+        let assistant = match &args.draft.assistant {
+            Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
+            None => None,
+        };
+        let decode = args.decode.as_deref().map(str::parse).transpose()?;
+        let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
+        let t_open = Instant::now();
+        let backend = open_backend_with(model.clone(), assistant, &opts)?;
+        Ok((params, backend, t_open.elapsed().as_secs_f64()))
+    };
+    let (TextFiles { tokenizer, template }, (params, mut backend, open_secs)) = concurrently(text_files, open)?;
+    let load_secs = load_secs + open_secs;
+
+    let prompt = match (prompt_ids, &args.prompt) {
+        (Some(ids), _) => ids,
+        (None, text) => {
+            let text = text.as_deref().unwrap_or_default();
             let tok = tokenizer
                 .as_ref()
                 .with_context(|| format!("no tokenizer found for {}: use --prompt-ids", dir.display()))?;
-            if args.raw {
-                tok.encode(text, true)?
-            } else {
-                let template = chat_template(&dir, gguf.as_ref(), &model)?;
-                let mut messages = Vec::new();
-                if let Some(s) = &args.system {
-                    messages.push(ChatMessage::system(s.clone()));
+            let ids = match &template {
+                None => tok.encode(text, true)?,
+                Some(template) => {
+                    let mut messages = Vec::new();
+                    if let Some(s) = &args.system {
+                        messages.push(ChatMessage::system(s.clone()));
+                    }
+                    messages.push(ChatMessage::user(text.to_string()));
+                    encode_chat(tok, template, &messages)?
                 }
-                messages.push(ChatMessage::user(text.clone()));
-                encode_chat(tok, &template, &messages)?
-            }
+            };
+            check_prompt(ids, vocab)?
         }
     };
-    if prompt.is_empty() {
-        bail!("empty prompt: --prompt-ids has no ids");
-    }
-    let vocab = model.plan.vocab_size;
-    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        bail!("token id {bad} in the prompt is out of range (vocab_size is {vocab})");
-    }
-
-    // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
-    // generation_config.json / config.json, whose errors are reported, not ignored.
-    let defaults = generation_defaults(&dir)?;
-    let sampling = sampling_params(&args, &defaults)?;
-    let stop_ids = stop_ids(&defaults, &model);
-    let params = GenerateParams {
-        max_new_tokens: args.max_new_tokens,
-        sampling,
-        stop_ids,
-        ignore_eos: args.ignore_eos,
-        keep_logits: args.dump_logits.is_some(),
-        draft,
-    };
-
-    let assistant = match &args.draft.assistant {
-        Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
-        None => None,
-    };
-    let decode = args.decode.as_deref().map(str::parse).transpose()?;
-    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
-    // Opening the backend is loading too (weights uploaded to a device, CPU kernel layouts built).
-    let t_open = Instant::now();
-    let mut backend = open_backend_with(model.clone(), assistant, &opts)?;
-    let load_secs = load_secs + t_open.elapsed().as_secs_f64();
     let stdout = std::io::stdout();
     let mut stream = match (args.output, &tokenizer) {
         (OutputFormat::Text, Some(t)) => Some(t.stream_decoder(true)),

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
-use megagemma_engine::model_files::ChatModel;
+use megagemma_engine::model_files::{concurrently, ChatModel};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_server::{Server, ServerConfig};
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -90,15 +90,16 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let backend_kind: BackendKind = args.backend.parse()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
-    let chat = ChatModel::open(&path, &model)?;
-    let assistant = match &args.assistant {
-        Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
-        None => None,
-    };
-    let backend = open_backend_with(
-        model,
-        assistant,
-        &BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None },
+    let (chat, backend) = concurrently(
+        || ChatModel::open(&path, &model),
+        || {
+            let assistant = match &args.assistant {
+                Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
+                None => None,
+            };
+            let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None };
+            open_backend_with(model.clone(), assistant, &opts)
+        },
     )?;
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
     let config = ServerConfig {
