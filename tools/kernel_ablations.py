@@ -233,6 +233,18 @@ ABLATIONS = {
             "                    __uint_as_float(b & 0xffff0000u)};\n",
         )],
     ),
+    "pdlearly": (
+        "not an ablation (same bits): each launch lets the next one launch before it waits for the "
+        "previous one (`launch_dependents` before `griddepcontrol.wait` in `pdl_start`), so a launch "
+        "is queued a link earlier; every reader still waits for its predecessor's completion",
+        [(
+            "common.cuh",
+            '  asm volatile("griddepcontrol.wait;" ::: "memory");\n'
+            '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n',
+            '  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");\n'
+            '  asm volatile("griddepcontrol.wait;" ::: "memory");\n',
+        )],
+    ),
     "mkempty": (
         "megakernel: no stage body runs; every block still waits for the previous stage and "
         "signals its own (the stage barriers alone)",
