@@ -41,10 +41,19 @@ fn sliding_layers_never_hold_more_than_the_window_plus_one() {
     }
 }
 
+/// Fixture `name` quantized to 4 bits on load (on AVX-512 VNNI its products run on the integer
+/// byte tiles).
+fn fixture_q4(name: &str) -> Arc<Model> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name);
+    let q4 = megagemma_model::quant::load::QuantMode::Q4;
+    Arc::new(Model::load_with(&dir, q4).unwrap_or_else(|e| panic!("{name} q4: {e}")))
+}
+
 #[test]
 fn verify_columns_are_bit_identical_to_decode_steps() {
-    for name in ["ple_shared_dw", "sliding_wrap", "moe", "keqv_global"] {
-        let m = fixture(name);
+    let stored = ["ple_shared_dw", "sliding_wrap", "moe", "keqv_global"].map(|n| (n.to_string(), fixture(n)));
+    let q4 = ["ple_shared_dw", "sliding_wrap"].map(|n| (format!("{n} q4"), fixture_q4(n)));
+    for (name, m) in stored.into_iter().chain(q4) {
         let mut b = CpuBackend::new(m.clone());
         let prompt = [2u32, 7, 8, 9, 10, 11, 12, 13, 14, 15];
         let (_, steps) = greedy(&mut b, &prompt, 12);
