@@ -3,8 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
-use megagemma_engine::chat_template::ChatTemplate;
-use megagemma_engine::chat_template::{encode_chat, ChatMessage};
+use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::model_files::{
     chat_template, concurrently, generation_defaults, is_gguf, load_tokenizer, stop_ids,
