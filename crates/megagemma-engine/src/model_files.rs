@@ -110,3 +110,41 @@ impl ChatModel {
         Ok(ChatModel { tokenizer, template, defaults, stop_ids })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::concurrently;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn both_sides_run_at_once_and_return_their_results() {
+        // Each side waits for a message from the other: run one after the other, they would
+        // time out instead.
+        let (to_main, from_side) = mpsc::channel();
+        let (to_side, from_main) = mpsc::channel();
+        let (a, b) = concurrently(
+            move || {
+                to_main.send(1).unwrap();
+                Ok(from_main.recv_timeout(Duration::from_secs(10))? + 10)
+            },
+            || {
+                to_side.send(2).unwrap();
+                Ok(from_side.recv_timeout(Duration::from_secs(10))? + 20)
+            },
+        )
+        .unwrap();
+        assert_eq!((a, b), (12, 21));
+    }
+
+    #[test]
+    fn the_side_error_comes_first_and_the_main_one_otherwise() {
+        let both = concurrently(
+            || -> anyhow::Result<()> { anyhow::bail!("side") },
+            || -> anyhow::Result<()> { anyhow::bail!("main") },
+        );
+        assert_eq!(both.unwrap_err().to_string(), "side");
+        let main_only = concurrently(|| Ok(1), || -> anyhow::Result<()> { anyhow::bail!("main") });
+        assert_eq!(main_only.unwrap_err().to_string(), "main");
+    }
+}
