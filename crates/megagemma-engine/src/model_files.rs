@@ -54,6 +54,26 @@ pub fn chat_template(model_path: &Path, gguf: Option<&GgufFile>, model: &Model) 
     })
 }
 
+/// What text in or out needs beside the weights.
+#[derive(Default)]
+pub struct TextFiles {
+    pub tokenizer: Option<Tokenizer>,
+    /// The chat template, when asked for and a tokenizer exists.
+    pub template: Option<ChatTemplate>,
+}
+
+/// The tokenizer of the model at `path` and, `with_template`, its chat template (a GGUF file's
+/// both come from its metadata: parsed once here).
+pub fn text_files(path: &Path, model: &Model, with_template: bool) -> Result<TextFiles> {
+    let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
+    let tokenizer = load_tokenizer(path, gguf.as_ref())?;
+    let template = match tokenizer {
+        Some(_) if with_template => Some(chat_template(path, gguf.as_ref(), model)?),
+        _ => None,
+    };
+    Ok(TextFiles { tokenizer, template })
+}
+
 /// A checkpoint directory's generation_config.json / config.json (errors reported, not
 /// ignored); a GGUF file carries its stop ids in its metadata instead (see [`stop_ids`]).
 pub fn generation_defaults(model_path: &Path) -> Result<GenerationDefaults> {
@@ -100,11 +120,9 @@ pub struct ChatModel {
 impl ChatModel {
     /// Everything beside the weights of the model at `path`; errors when it has no tokenizer.
     pub fn open(path: &Path, model: &Model) -> Result<ChatModel> {
-        let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
-        let Some(tokenizer) = load_tokenizer(path, gguf.as_ref())? else {
+        let TextFiles { tokenizer: Some(tokenizer), template: Some(template) } = text_files(path, model, true)? else {
             anyhow::bail!("no tokenizer found for {}: serving text needs tokenizer.json", path.display());
         };
-        let template = chat_template(path, gguf.as_ref(), model)?;
         let defaults = generation_defaults(path)?;
         let stop_ids = stop_ids(&defaults, model);
         Ok(ChatModel { tokenizer, template, defaults, stop_ids })

@@ -3,16 +3,12 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
-use megagemma_engine::chat_template::{encode_chat, ChatMessage, ChatTemplate};
+use megagemma_engine::chat_template::{encode_chat, ChatMessage};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
-use megagemma_engine::model_files::{
-    chat_template, concurrently, generation_defaults, is_gguf, load_tokenizer, stop_ids,
-};
+use megagemma_engine::model_files::{concurrently, generation_defaults, stop_ids, text_files, TextFiles};
 use megagemma_engine::sampling::SamplingParams;
-use megagemma_engine::tokenizer::Tokenizer;
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
-use megagemma_model::gguf::GgufFile;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -138,14 +134,6 @@ impl DraftArgs {
     }
 }
 
-/// What text in or out needs beside the weights (none of it for ids in and out).
-#[derive(Default)]
-struct TextFiles {
-    tokenizer: Option<Tokenizer>,
-    /// The chat template, for a text prompt without --raw.
-    template: Option<ChatTemplate>,
-}
-
 /// `prompt`, when it is not empty and every id is in the vocabulary.
 fn check_prompt(prompt: Vec<u32>, vocab: usize) -> Result<Vec<u32>> {
     if prompt.is_empty() {
@@ -195,18 +183,12 @@ pub fn run(args: RunArgs) -> Result<()> {
 
     // The tokenizer (and the chat template) are built on a thread of their own while the
     // backend opens (weights uploaded to a device, CPU kernel layouts built: loading too).
-    let text_files = || -> Result<TextFiles> {
-        if !needs_tokenizer {
-            return Ok(TextFiles::default());
+    let load_text = || {
+        if needs_tokenizer {
+            text_files(&dir, &model, args.prompt.is_some() && !args.raw)
+        } else {
+            Ok(TextFiles::default())
         }
-        // A GGUF file's tokenizer and chat template both come from its metadata: parse it once.
-        let gguf = if is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };
-        let tokenizer = load_tokenizer(&dir, gguf.as_ref())?;
-        let template = match (&tokenizer, &args.prompt) {
-            (Some(_), Some(_)) if !args.raw => Some(chat_template(&dir, gguf.as_ref(), &model)?),
-            _ => None,
-        };
-        Ok(TextFiles { tokenizer, template })
     };
     let open = || -> Result<(GenerateParams, Box<dyn Backend>, f64)> {
         // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
@@ -232,7 +214,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         let backend = open_backend_with(model.clone(), assistant, &opts)?;
         Ok((params, backend, t_open.elapsed().as_secs_f64()))
     };
-    let (TextFiles { tokenizer, template }, (params, mut backend, open_secs)) = concurrently(text_files, open)?;
+    let (TextFiles { tokenizer, template }, (params, mut backend, open_secs)) = concurrently(load_text, open)?;
     let load_secs = load_secs + open_secs;
 
     let prompt = match (prompt_ids, &args.prompt) {
