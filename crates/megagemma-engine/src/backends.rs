@@ -33,6 +33,18 @@ impl FromStr for BackendKind {
     }
 }
 
+impl BackendKind {
+    /// Whether this choice opens the CPU backend: `cpu`, or `auto` without a CUDA device (`auto`
+    /// also falls back to the CPU when CUDA fails to open, which this cannot know beforehand).
+    pub fn runs_on_cpu(self) -> bool {
+        match self {
+            BackendKind::Cuda => false,
+            BackendKind::Auto => !cuda_device_present(),
+            BackendKind::Cpu => true,
+        }
+    }
+}
+
 impl fmt::Display for BackendKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -74,12 +86,7 @@ pub fn open_backend_with(
     assistant: Option<Arc<AssistantModel>>,
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>> {
-    let cuda = match opts.kind {
-        BackendKind::Cuda => true,
-        BackendKind::Auto => cuda_device_present(),
-        BackendKind::Cpu => false,
-    };
-    if cuda {
+    if !opts.kind.runs_on_cpu() {
         let spinner = crate::progress::spinner("uploading the weights to the GPU");
         let loaded = CudaModel::load(&model).and_then(|cm| match &assistant {
             Some(a) => opts.cuda(cm).with_assistant(a),

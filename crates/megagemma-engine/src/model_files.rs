@@ -12,12 +12,20 @@ use megagemma_model::Model;
 use std::path::Path;
 
 /// [`Model::load_with`] with a spinner on a terminal (loading is quick for a memory-mapped
-/// checkpoint, longer when quantizing on load).
-pub fn load_model(path: &Path, quant: QuantMode) -> Result<Model> {
+/// checkpoint, longer when quantizing on load). `cpu_only`: only a CPU backend will run the
+/// model, so its matrices are laid out for the CPU kernels now and keep no other layout
+/// ([`megagemma_model::weights::ModelWeights::keep_cpu_layouts_only`]: a 4-bit model is not held
+/// twice).
+pub fn load_model(path: &Path, quant: QuantMode, cpu_only: bool) -> Result<Model> {
     let what =
         if quant == QuantMode::Stored { "loading".to_string() } else { format!("loading and quantizing to {quant}") };
     let spinner = crate::progress::spinner(format!("{what} {}", path.display()));
-    let model = Model::load_with(path, quant);
+    let model = Model::load_with(path, quant).map(|mut m| {
+        if cpu_only {
+            m.weights.keep_cpu_layouts_only();
+        }
+        m
+    });
     crate::progress::finish(spinner);
     Ok(model?)
 }

@@ -4,6 +4,7 @@
 //!
 //! `cargo run --release -p megagemma-model --example verify_cost -- MODEL [ROUNDS] [COLS] [MODE]`
 //! MODE: `both` (default), `decode` or `verify` (only that pass, for `perf record`), `kernels`.
+//! `QUANT=q4|q4_0` quantizes a safetensors checkpoint on load.
 use megagemma_model::backend::{Backend, Want};
 use megagemma_model::cpu::CpuBackend;
 use megagemma_model::model::Model;
@@ -22,7 +23,10 @@ fn main() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
     let a: Vec<String> = std::env::args().collect();
-    let model = Arc::new(Model::load(std::path::Path::new(&a[1])).unwrap());
+    let quant = std::env::var("QUANT").map_or(Default::default(), |q| q.parse().unwrap());
+    let mut model = Model::load_with(std::path::Path::new(&a[1]), quant).unwrap();
+    model.weights.keep_cpu_layouts_only();
+    let model = Arc::new(model);
     let rounds: usize = a.get(2).map_or(20, |s| s.parse().unwrap());
     let cols: usize = a.get(3).map_or(4, |s| s.parse().unwrap());
     let mode = a.get(4).cloned().unwrap_or_else(|| "both".into());
@@ -95,6 +99,7 @@ fn kernels(model: &Model, cols: usize, wall: bool) {
     for (name, m) in mats {
         let kind = match m.layout() {
             WeightLayout::Gguf { kind, .. } => format!("{kind}"),
+            WeightLayout::Affine4 { group_size, .. } => format!("q4 g{group_size}"),
             _ => "dense".into(),
         };
         let (r, c) = (m.rows(), m.cols());

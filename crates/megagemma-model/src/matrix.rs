@@ -40,6 +40,11 @@ pub trait RowDot: Send + Sync {
     /// byte tiles), so that a CPU backend pays for it while loading instead of in its first
     /// product. A no-op for the others.
     fn prepare_cpu_layout(&self) {}
+    /// [`RowDot::prepare_cpu_layout`], then drop any other layout the CPU kernels no longer read
+    /// (a 4-bit affine matrix's arrays, once it is tiled), so that a CPU-only run does not hold
+    /// the weights twice. Whatever was dropped is rebuilt exactly if read again. A no-op for
+    /// the others.
+    fn keep_cpu_layout_only(&mut self) {}
     /// Dequantize / convert one row into `out` (`out.len() == cols()`), exactly.
     fn row_to_f32(&self, row: usize, out: &mut [f32]);
     /// Bytes of weight data streamed by one full matvec (for bandwidth figures).

@@ -74,24 +74,53 @@ pub struct ModelWeights {
     pub lm_head: Option<Matrix>,
 }
 
+/// Every matrix a forward pass multiplies with, borrowed shared (`as_ref`, `iter`) or
+/// mutably (`as_mut`, `iter_mut`, `mut`): one list for [`ModelWeights::matrices`] and
+/// [`ModelWeights::matrices_mut`].
+macro_rules! dotted_matrices {
+    ($w:expr, $as:ident, $iter:ident $(, $mut:tt)?) => {{
+        let w = $w;
+        let mut m: Vec<&$($mut)? (dyn RowDot + 'static)> = vec![match w.lm_head.$as() {
+            Some(head) => head.$as(),
+            None => w.embed.$as(),
+        }];
+        m.extend(w.ple.$iter().map(|p| p.proj.$as()));
+        for l in w.layers.$iter() {
+            let a = &$($mut)? l.attn;
+            m.extend([a.q.$as(), a.o.$as()]);
+            m.extend(a.k.$iter().chain(a.v.$iter()).map(|x| x.$as()));
+            m.extend([l.mlp.gate.$as(), l.mlp.up.$as(), l.mlp.down.$as()]);
+            if let Some(moe) = &$($mut)? l.moe {
+                m.push(moe.router_proj.$as());
+                for e in moe.experts.$iter() {
+                    m.extend([e.gate.$as(), e.up.$as(), e.down.$as()]);
+                }
+            }
+            m.extend(l.ple.$iter().flat_map(|p| [p.gate.$as(), p.proj.$as()]));
+        }
+        m
+    }};
+}
+
 impl ModelWeights {
     /// Every matrix a forward pass multiplies with (the LM head, the PLE projection, each
     /// layer's; not the embedding tables it only gathers rows from, unless the head is tied).
     pub fn matrices(&self) -> Vec<&dyn RowDot> {
-        let mut m: Vec<&dyn RowDot> = vec![self.lm_head.as_ref().unwrap_or(&self.embed).as_ref()];
-        m.extend(self.ple.iter().map(|p| p.proj.as_ref()));
-        for l in &self.layers {
-            let a = &l.attn;
-            m.extend([a.q.as_ref(), a.o.as_ref()]);
-            m.extend(a.k.iter().chain(&a.v).map(|x| x.as_ref()));
-            let mlps = std::iter::once(&l.mlp).chain(l.moe.iter().flat_map(|moe| &moe.experts));
-            for mlp in mlps {
-                m.extend([mlp.gate.as_ref(), mlp.up.as_ref(), mlp.down.as_ref()]);
-            }
-            m.extend(l.ple.iter().flat_map(|p| [p.gate.as_ref(), p.proj.as_ref()]));
-            m.extend(l.moe.iter().map(|moe| moe.router_proj.as_ref()));
+        dotted_matrices!(self, as_ref, iter)
+    }
+
+    /// [`ModelWeights::matrices`], mutably.
+    pub fn matrices_mut(&mut self) -> Vec<&mut (dyn RowDot + 'static)> {
+        dotted_matrices!(self, as_mut, iter_mut, mut)
+    }
+
+    /// Lay every multiplied matrix out for the CPU kernels now and drop the layouts they no
+    /// longer read ([`RowDot::keep_cpu_layout_only`]), one matrix at a time, so that memory
+    /// never holds both layouts of the whole model. For a model only a CPU backend will run.
+    pub fn keep_cpu_layouts_only(&mut self) {
+        for m in self.matrices_mut() {
+            m.keep_cpu_layout_only();
         }
-        m
     }
 
     /// Bytes of weights one decode step streams (everything but the embedding gathers); MoE

@@ -123,7 +123,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         (Some(m), None) => {
             let path = resolve_model(m)?;
             let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-            let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
+            let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, kind.runs_on_cpu())?);
             let assistant = match &args.draft.assistant {
                 Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
                 None => None,

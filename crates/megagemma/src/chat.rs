@@ -62,7 +62,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     }
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&path, Default::default())?);
+    let model =
+        Arc::new(megagemma_engine::model_files::load_model(&path, Default::default(), backend_kind.runs_on_cpu())?);
     let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None };
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };

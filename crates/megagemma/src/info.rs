@@ -19,7 +19,7 @@ pub struct InfoArgs {
 pub fn info(args: InfoArgs) -> Result<()> {
     let path = crate::run::resolve_model(&args.model)?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = megagemma_engine::model_files::load_model(&path, quant)?;
+    let model = megagemma_engine::model_files::load_model(&path, quant, false)?;
     let (c, p) = (&model.config, &model.plan);
     println!("model        {}", path.display());
     println!("architecture {} ({:?})", c.architecture, c.family);

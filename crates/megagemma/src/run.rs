@@ -167,7 +167,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let backend_kind: BackendKind = args.backend.parse()?;
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant)?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant, backend_kind.runs_on_cpu())?);
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;

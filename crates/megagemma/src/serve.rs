@@ -89,7 +89,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant)?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, backend_kind.runs_on_cpu())?);
     let (chat, backend) = concurrently(
         || ChatModel::open(&path, &model),
         || {
