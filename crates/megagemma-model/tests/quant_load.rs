@@ -650,3 +650,38 @@ fn models_kept_as_cpu_tiles_alone_decode_and_give_back_the_same_bits() {
         }
     }
 }
+
+/// Tiles built on first use inside parallel products (the forward pass without a CPU backend
+/// to build them first, as the GPU checks' CPU reference runs it), on more workers than cores:
+/// every product finishes, with the ids of a backend that built them up front.
+#[test]
+fn layouts_built_inside_parallel_products_finish() {
+    use megagemma_model::cpu::{forward::forward_chunk, kv::KvCache, ops::argmax};
+    let dir = dense_fixtures().into_iter().find(|d| name(d) == "sliding_wrap").unwrap();
+    let p = prompt(&dir);
+    let want: Vec<u32> =
+        greedy(Arc::new(Model::load_with(&dir, QuantMode::Q4).unwrap()), &p, 4).into_iter().map(|(id, _)| id).collect();
+    // On its own thread, so that a deadlock fails the test instead of hanging it.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(16).build().unwrap();
+        for round in 0..4 {
+            let model = Model::load_with(&dir, QuantMode::Q4).unwrap();
+            let got = pool.install(|| {
+                let (mut kv, mut input, mut ids) = (KvCache::new(&model.plan), p.clone(), vec![]);
+                for _ in 0..4 {
+                    let out = forward_chunk(&model.plan, &model.weights, &mut kv, &input, 1);
+                    kv.commit(input.len()).unwrap();
+                    ids.push(argmax(&out.logits));
+                    input = vec![*ids.last().unwrap()];
+                }
+                ids
+            });
+            done.send((round, got)).unwrap();
+        }
+    });
+    for round in 0..4 {
+        let got = finished.recv_timeout(std::time::Duration::from_secs(60));
+        assert_eq!(got, Ok((round, want.clone())), "round {round} (a timeout: the products deadlocked)");
+    }
+}

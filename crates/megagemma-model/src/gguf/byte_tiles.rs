@@ -208,7 +208,7 @@ impl ByteTiles {
             let x = (x | x << 8) & 0x00ff_00ff;
             (x | x << 4) & 0x0f0f_0f0f
         }
-        data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
+        fill_tiles(&mut data, tile_bytes, |tile, out| {
             for r in 0..TILE_ROWS.min(rows - tile * TILE_ROWS) {
                 let row = tile * TILE_ROWS + r;
                 for (b, tb) in out.chunks_exact_mut(block_bytes).enumerate() {
@@ -241,7 +241,7 @@ impl ByteTiles {
         let tiles = rows.div_ceil(TILE_ROWS);
         let tile_bytes = blocks * block_bytes;
         let mut data = TileBytes::zeroed(tiles * tile_bytes);
-        data.par_chunks_mut(tile_bytes).enumerate().for_each(|(tile, out)| {
+        fill_tiles(&mut data, tile_bytes, |tile, out| {
             for (b, tb) in out.chunks_exact_mut(block_bytes).enumerate() {
                 let (packed, scales) = tb.split_at_mut(code_bytes);
                 // Rows past the matrix: code 0 (q = −offset) with scale 0.
@@ -316,6 +316,19 @@ impl ByteTiles {
     fn tile(&self, t: usize) -> &[u8] {
         let tb = self.blocks * self.block_bytes;
         &self.data[t * tb..(t + 1) * tb]
+    }
+}
+
+/// `fill(tile, bytes)` for every tile of `data`: in parallel, or one after another when this
+/// thread is already one of rayon's workers. Layouts are built on first use under a `OnceLock`,
+/// possibly inside a parallel product over the same matrix; a worker that waited there for a
+/// parallel build would take up other tasks meanwhile, one of them that product's next, which
+/// waits on the same `OnceLock` on the same thread: a deadlock (seen on a 16-core machine).
+fn fill_tiles(data: &mut [u8], tile_bytes: usize, fill: impl Fn(usize, &mut [u8]) + Sync + Send) {
+    if rayon::current_thread_index().is_some() {
+        data.chunks_mut(tile_bytes).enumerate().for_each(|(t, out)| fill(t, out));
+    } else {
+        data.par_chunks_mut(tile_bytes).enumerate().for_each(|(t, out)| fill(t, out));
     }
 }
 
