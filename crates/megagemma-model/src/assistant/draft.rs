@@ -312,9 +312,14 @@ fn centroid_scores(asst: &AssistantModel, c: &CentroidHead, hn: &[f32]) -> (Vec<
     let ids: Vec<u32> = order[..c.top_k].iter().flat_map(|&i| c.members(i).iter().copied()).collect();
     let mut scores = vec![0f32; ids.len()];
     let head = asst.weights.head.as_ref();
-    scores
-        .par_iter_mut()
-        .zip(ids.par_iter())
-        .for_each(|(s, &id)| head.dot_rows(id as usize, hn, std::slice::from_mut(s)));
+    // The input prepared once for every member row (integer kernels), not once a row.
+    let prepared = head.prepare_inputs(hn);
+    scores.par_iter_mut().zip(ids.par_iter()).for_each(|(s, &id)| {
+        let out = std::slice::from_mut(s);
+        match &prepared {
+            Some(p) => head.dot_rows_prepared(id as usize, p, &mut [out]),
+            None => head.dot_rows(id as usize, hn, out),
+        }
+    });
     (ids, scores)
 }
