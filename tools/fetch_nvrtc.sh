@@ -5,6 +5,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/.cache/nvrtc"
+mkdir -p "$dest"
+# One fetch at a time (test processes may start it together): the others wait, then find it done.
+exec 9>"$dest/.lock"
+flock 9
 if [[ -f "$dest/libnvrtc.so.13" && -f "$dest/libnvrtc-builtins.so.13.0" ]]; then
   echo "NVRTC already in $dest"
   exit 0

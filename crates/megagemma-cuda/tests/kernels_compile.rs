@@ -19,6 +19,10 @@ fn ensure_nvrtc() {
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = root.join(".cache/nvrtc");
+    // The tests run at once: one fetch, the others wait for it (two at once raced on a fresh
+    // clone, one removing the wheel the other was unpacking).
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     if !dir.join("libnvrtc.so.13").is_file() {
         let status = Command::new("bash").arg(root.join("tools/fetch_nvrtc.sh")).status().expect("cannot run bash");
         assert!(status.success(), "tools/fetch_nvrtc.sh failed: NVRTC is needed to compile-check the kernels");
