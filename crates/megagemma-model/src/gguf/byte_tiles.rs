@@ -747,7 +747,7 @@ mod avx512 {
         }
     }
 
-    /// [`rows`] for 5- and 6-bit codes and more than four vectors (prefill): per block of at most
+    /// [`rows`] for 5- and 6-bit codes and more than five vectors (prefill): per block of at most
     /// [`TOKEN_BLOCK`] vectors and tile, the tile's codes unpacked once into bytes (the same
     /// codes, so the same bits) and multiplied with every group of four vectors from there.
     /// Nibbles unpack in an and or a shift a step, cheaper than reading bytes back: 4-bit codes
@@ -1190,7 +1190,6 @@ mod tests {
         }
     }
 
-    /// The widest inputs against the largest codes: the block sums that bound `q_max` stay exact.
     /// The tiles give back every block they were built from, codes and scales bit for bit (the
     /// builder does not depend on the CPU, so this runs everywhere).
     #[test]
@@ -1211,25 +1210,6 @@ mod tests {
         }
     }
 
-    /// [`ByteTiles::from_affine`] the slow, obvious way: each block decoded value by value and
-    /// laid out by the GGUF builder.
-    fn affine_by_blocks(
-        packed: &[u32],
-        scales: &[f32],
-        biases: &[f32],
-        rows: usize,
-        cols: usize,
-        group: usize,
-    ) -> ByteTiles {
-        let (words, groups) = (cols / 8, cols / group);
-        ByteTiles::from_blocks(GgmlType::Q4_1, rows, cols / BLOCK, |row, b| {
-            let w = &packed[row * words + b * BLOCK / 8..][..BLOCK / 8];
-            let q = std::array::from_fn(|v| ((w[v / 8] >> (4 * (v % 8))) & 0xf) as i8);
-            let g = row * groups + b * BLOCK / group;
-            (q, [scales[g], -biases[g]])
-        })
-    }
-
     /// A 4-bit affine matrix (MLX nibble order, groups of 64) tiled as Q4_1: every block's codes,
     /// and its group's scale and negated bias, come back.
     #[test]
@@ -1239,7 +1219,13 @@ mod tests {
         let scales: Vec<f32> = (0..rows * cols / group).map(|i| 0.01 + i as f32 * 1e-3).collect();
         let biases: Vec<f32> = (0..rows * cols / group).map(|i| -0.5 + i as f32 * 7e-3).collect();
         let w = ByteTiles::from_affine(&packed, &scales, &biases, rows, cols, group);
-        let reference = affine_by_blocks(&packed, &scales, &biases, rows, cols, group);
+        // The slow, obvious way: each block decoded value by value, laid out by the GGUF builder.
+        let reference = ByteTiles::from_blocks(GgmlType::Q4_1, rows, cols / BLOCK, |row, b| {
+            let w = &packed[row * cols / 8 + b * BLOCK / 8..][..BLOCK / 8];
+            let q = std::array::from_fn(|v| ((w[v / 8] >> (4 * (v % 8))) & 0xf) as i8);
+            let g = row * cols / group + b * BLOCK / group;
+            (q, [scales[g], -biases[g]])
+        });
         assert!(w.data[..] == reference.data[..], "the direct layout differs from the block-by-block one");
         for r in 0..rows {
             for b in 0..cols / BLOCK {
@@ -1258,6 +1244,7 @@ mod tests {
         }
     }
 
+    /// The widest inputs against the largest codes: the block sums that bound `q_max` stay exact.
     #[test]
     fn extreme_codes_against_full_scale_inputs_stay_exact() {
         if !enabled() {

@@ -198,9 +198,10 @@ mod portable {
         let wpr = m.cols / 8;
         let wpg = m.group_size / 8;
         let ng = m.groups_per_row();
-        let w: [&[u32]; N] = std::array::from_fn(|r| &m.arrays().packed[(row0 + r) * wpr..(row0 + r + 1) * wpr]);
-        let sc: [&[f32]; N] = std::array::from_fn(|r| &m.arrays().scales[(row0 + r) * ng..(row0 + r + 1) * ng]);
-        let bi: [&[f32]; N] = std::array::from_fn(|r| &m.arrays().biases[(row0 + r) * ng..(row0 + r + 1) * ng]);
+        let a = m.arrays();
+        let w: [&[u32]; N] = std::array::from_fn(|r| &a.packed[(row0 + r) * wpr..(row0 + r + 1) * wpr]);
+        let sc: [&[f32]; N] = std::array::from_fn(|r| &a.scales[(row0 + r) * ng..(row0 + r + 1) * ng]);
+        let bi: [&[f32]; N] = std::array::from_fn(|r| &a.biases[(row0 + r) * ng..(row0 + r + 1) * ng]);
         let mut acc = [[[0f32; 8]; C]; N];
         for g in 0..ng {
             for i in g * wpg..(g + 1) * wpg {
@@ -274,10 +275,11 @@ mod avx2 {
     ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
-        debug_assert!((row0 + N) * wpr <= m.arrays().packed.len() && xs.iter().all(|x| x.len() == m.cols));
-        let wbase = m.arrays().packed.as_ptr().add(row0 * wpr);
-        let sbase = m.arrays().scales.as_ptr().add(row0 * ng);
-        let bbase = m.arrays().biases.as_ptr().add(row0 * ng);
+        let a = m.arrays();
+        debug_assert!((row0 + N) * wpr <= a.packed.len() && xs.iter().all(|x| x.len() == m.cols));
+        let wbase = a.packed.as_ptr().add(row0 * wpr);
+        let sbase = a.scales.as_ptr().add(row0 * ng);
+        let bbase = a.biases.as_ptr().add(row0 * ng);
         let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         let mask = _mm256_set1_epi32(0xF);
         let mut acc = [[_mm256_setzero_ps(); C]; N];
@@ -325,7 +327,8 @@ mod avx2 {
             }
         }
         if g.is_multiple_of(16) {
-            let bbase = m.arrays().biases.as_ptr().offset(sbase.offset_from(m.arrays().scales.as_ptr()));
+            let a = m.arrays();
+            let bbase = a.biases.as_ptr().offset(sbase.offset_from(a.scales.as_ptr()));
             for r in 0..N {
                 _mm_prefetch::<_MM_HINT_T0>(sbase.add((N + r) * ng + g) as *const i8);
                 _mm_prefetch::<_MM_HINT_T0>(bbase.add((N + r) * ng + g) as *const i8);
@@ -400,10 +403,11 @@ mod avx512 {
     ) {
         let wpr = m.cols / 8;
         let ng = m.groups_per_row();
-        debug_assert!((row0 + N) * wpr <= m.arrays().packed.len() && xi.iter().all(|x| x.len() == m.cols));
-        let wbase = m.arrays().packed.as_ptr().add(row0 * wpr);
-        let sbase = m.arrays().scales.as_ptr().add(row0 * ng);
-        let bbase = m.arrays().biases.as_ptr().add(row0 * ng);
+        let a = m.arrays();
+        debug_assert!((row0 + N) * wpr <= a.packed.len() && xi.iter().all(|x| x.len() == m.cols));
+        let wbase = a.packed.as_ptr().add(row0 * wpr);
+        let sbase = a.scales.as_ptr().add(row0 * ng);
+        let bbase = a.biases.as_ptr().add(row0 * ng);
         let shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
         let codes = _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.);
         let mut acc = [[_mm512_setzero_ps(); C]; N];

@@ -237,8 +237,8 @@ impl QuantMatrix {
                 for b in 0..self.cols / TILE_BLOCK {
                     let (q, [d, m]) = tiles.block_of_row(r, b);
                     let words = &mut a.packed[r * wpr + b * TILE_BLOCK / 8..][..TILE_BLOCK / 8];
-                    for (w, q8) in words.iter_mut().zip(q.chunks_exact(8)) {
-                        *w = q8.iter().enumerate().fold(0, |w, (k, &q)| w | (q as u32) << (4 * k));
+                    for (w, q8) in words.iter_mut().zip(q.map(|q| q as u8).chunks_exact(8)) {
+                        *w = pack8(q8);
                     }
                     let g = r * ng + b * TILE_BLOCK / self.group_size;
                     (a.scales[g], a.biases[g]) = (d, -m);
