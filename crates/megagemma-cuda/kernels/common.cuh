@@ -68,22 +68,6 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return r;
 }
 
-// Thread-block clusters (Hopper). `cluster_sync`: every thread of the cluster's blocks arrives
-// (releasing its earlier writes, shared::cluster ones included) and waits for all (acquiring them).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The same barrier in two halves: a block arrives early (`cluster_arrive`) and waits where it first
-// touches another block's shared memory (`cluster_wait`), which must have started by then.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-// Stores `v` at `p`'s place in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ void cluster_store(const float* p, int rank, float v) {
-  unsigned a;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
-}
-
 // Asks for the 128-byte line holding `p` in L2 (a hint: no register waits for it).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

@@ -755,24 +755,13 @@ __shared__ float mma_red[MMA_WARPS][8][16];
 __shared__ int mma_last;
 // Per token, the row statistics of a folded residual step (`residual_stats`).
 __shared__ float mma_rstat[2][8];
-#ifndef MEGAKERNEL
-// A cluster combine's parts (`CL` below): part q's sums of the group's rows at [q][row − first row],
-// written by the cluster's blocks into its first block's copy. One token, at most MMA_CL_PARTS parts.
-#define MMA_CL_PARTS 16
-__shared__ float mma_cl[MMA_CL_PARTS][MMA_WARPS * 16];
-#endif
 
 // The work of one virtual block of one matrix: tile group g = vb / parts (tiles [g·tpb, (g+1)·tpb),
 // ks ≤ 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
 // `partial` and the last of the group's blocks to finish adds them in part order (a counter per
 // group, reset by that block), so no result depends on timing.
-//
-// CL (single-token launches in thread-block clusters of `parts` blocks, one virtual block each, so a
-// cluster is one group and a block's rank its part): each part's sums go into the cluster's first
-// block's shared memory instead, and after one cluster barrier that block adds them in part order
-// — the operations of the counter's last block, so the same bits, without the global round trips.
-template <int H, int UPC, bool GATED, bool RING, bool PREP = false, bool ONE = false, bool CL = false>
+template <int H, int UPC, bool GATED, bool RING, bool PREP = false, bool ONE = false>
 __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out, int vb, Split sp, int parts,
                                           const float* x, const float* gate, int gstride, int m, uint4* xf,
                                           float* xs, int slice_chunks, int& built, float* partial,
@@ -820,27 +809,12 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float y[H][2];
   pairs_to_tokens<H>(yp, y);
   float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
-  const int row0 = g * tpb * 16;  // the group's first row
-#ifndef MEGAKERNEL
-  if constexpr (CL) {
-    if (parts > 1) cluster_wait();  // every block of the cluster has started (`mma_kernel` arrived)
-  }
-#endif
-  // Row `row` of token j's sums: to `dst`, or with CL to the cluster's first block (one token).
-  auto put = [&](int j, int row, float v) {
-#ifndef MEGAKERNEL
-    if constexpr (CL) {
-      if (parts > 1) return cluster_store(&mma_cl[p][row - row0], 0, v);
-    }
-#endif
-    dst[(u64)j * W.rows + row] = v;
-  };
   if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
 #pragma unroll
     for (int h = 0; h < H; h++) {
       const int j = 4 * h + tig, row = tile * 16 + gid;
-      if (j < m && row < W.rows) put(j, row, y[h][0]);
-      if (j < m && row + 8 < W.rows) put(j, row + 8, y[h][1]);
+      if (j < m && row < W.rows) dst[(u64)j * W.rows + row] = y[h][0];
+      if (j < m && row + 8 < W.rows) dst[(u64)j * W.rows + row + 8] = y[h][1];
     }
   } else {
     // The ks warps of a tile add their partial sums in warp order; they sync among themselves only.
@@ -858,26 +832,12 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         const int j = i / 16, r = i % 16, row = tile * 16 + r;
         float s = 0.f;
         for (int w = 0; w < ks; w++) s += red[tl * ks + w][j][r];
-        if (row < W.rows) put(j, row, s);
+        if (row < W.rows) dst[(u64)j * W.rows + row] = s;
       }
     }
     asm volatile("bar.sync %0, %1;" ::"r"(1 + tl), "r"(ks * 32) : "memory");  // `red` is reused next
   }
   if (parts == 1) return;
-#ifndef MEGAKERNEL
-  if constexpr (CL) {
-    cluster_sync();  // every part's sums are in this cluster's first block
-    if (p == 0) {
-      for (int i = threadIdx.x; i < tpb * 16; i += blockDim.x) {
-        if (row0 + i >= W.rows) continue;
-        float s = 0.f;  // `sum_in_order`'s operations
-        for (int q = 0; q < parts; q++) s += mma_cl[q][i];
-        out[row0 + i] = s;
-      }
-    }
-    return;  // one virtual block per block: `mma_cl` is not reused
-  }
-#endif
   if (last_to_arrive(&counters[g], parts, last)) {
     const int t0 = g * tpb;
     for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {
@@ -905,7 +865,7 @@ struct MatParams {
 // before `pdl_start()`.
 // With PREP, `x` is the inputs prepared in the slices' layout (`prep_inputs`), copied, not built.
 template <int H, int UPC, bool GATED, bool RING = false, class Mats = MatParams, bool PREP = false,
-          bool ONE = false, bool CL = false>
+          bool ONE = false>
 STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const float* x, float* y0, float* y1,
                       float* y2, int nb0, int nb1, int m, int split, int parts, int nblocks, int ahead, float* partial,
                       unsigned* counters, const float* gate, int gstride, const Residual& res) {
@@ -980,11 +940,6 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       }
     }
   }
-#ifndef MEGAKERNEL
-  if constexpr (CL) {
-    if (parts > 1) cluster_arrive();  // this block has started: the others may write its `mma_cl`
-  }
-#endif
   pdl_start();
   float4 keep[RES_F4] = {};  // x' of this thread's float4s of a one-token folded step
   bool kept = false;
@@ -1004,7 +959,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
       prefetch_block(W, tpb, parts, local);
     }
     const int local = pick(vb, W, y);
-    mma_block<H, UPC, GATED, RING, PREP, ONE, CL>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
+    mma_block<H, UPC, GATED, RING, PREP, ONE>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
                                          partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
@@ -1039,20 +994,6 @@ MMA_ENTRY(matvec_q4t_8_g32, 2, 2, false, false)
 #ifndef MEGAKERNEL
 MMA_ENTRY(matvec_q4t_1, 1, 1, false, true)
 MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
-// Single-token gated launches in thread-block clusters of `parts` blocks (`CL` in `mma_block`; the
-// host launches one block per virtual block, parts ≤ MMA_CL_PARTS): the down projection's column
-// parts combined in the cluster's shared memory.
-#define MMA_CL_ENTRY(NAME, UPC)                                                                              \
-  extern "C" __global__ void __launch_bounds__(256, MMA_BLOCKS_PER_SM)                                        \
-      NAME(Mat W, const float* x, float* y, int m, int split, int parts, int nblocks, int ahead, float* partial, \
-           unsigned* counters, const float* gate, int gstride) {                                             \
-    mma_kernel<1, UPC, true, false, MatParams, false, true, true>(blockIdx.x, gridDim.x, MatParams{W, W, W}, x, y, \
-                                                                  y, y, nblocks, 0, m, split, parts, nblocks,  \
-                                                                  ahead, partial, counters, gate, gstride,     \
-                                                                  Residual{});                                 \
-  }
-MMA_CL_ENTRY(matvec_q4t_1_gated_cl, 1)
-MMA_CL_ENTRY(matvec_q4t_1_g32_gated_cl, 2)
 #endif
 
 // Passes of several tokens whose residual step is a launch of its own: `add_norm_prep_*` runs it

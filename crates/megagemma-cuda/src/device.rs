@@ -56,7 +56,7 @@ const FUNCTIONS: [(&str, &[&str]); 8] = [
 /// residual steps that prepare them, indexed `12 + (tokens / 4 − 1) + 2·g32` and `16 + …`
 /// ([`mma_prep_kernels`]); then the single-token entries, indexed `20 + g32 + 2·gated`
 /// ([`mma_one_kernel`]).
-pub const MMA_KERNELS: [&str; 26] = [
+pub const MMA_KERNELS: [&str; 24] = [
     "matvec_q4t_4",
     "matvec_q4t_8",
     "matvec_q4t_4_g32",
@@ -81,18 +81,7 @@ pub const MMA_KERNELS: [&str; 26] = [
     "matvec_q4t_1_g32",
     "matvec_q4t_1_gated",
     "matvec_q4t_1_g32_gated",
-    "matvec_q4t_1_gated_cl",
-    "matvec_q4t_1_g32_gated_cl",
 ];
-
-/// Column parts a cluster-combined launch may have at most (`MMA_CL_PARTS` in kernels/matvec_mma.cu:
-/// its buffer; clusters above 8 blocks are non-portable, allowed on Hopper up to 16).
-pub const MMA_CL_PARTS: usize = 16;
-
-/// The single-token gated entry whose column parts combine in a thread-block cluster.
-pub fn mma_cluster_kernel(g32: bool) -> &'static str {
-    MMA_KERNELS[24 + usize::from(g32)]
-}
 
 /// The tensor-core matvec entry of single-token passes (decode steps): the four-token entry's code
 /// with one token at compile time (`MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token entry instead).
@@ -192,9 +181,6 @@ pub struct Q4Stream {
     /// Single-token launched passes use the single-token entries (`mma_one_kernel`;
     /// `MEGAGEMMA_CUDA_MMA_ONE=0`: the four-token ones with m = 1; same bits).
     pub mma_one: bool,
-    /// Single-token gated launches of 2 to [`MMA_CL_PARTS`] column parts combine them in
-    /// thread-block clusters (`mma_cluster_kernel`; `MEGAGEMMA_CUDA_MMA_CLUSTER=1`; same bits).
-    pub mma_cluster: bool,
 }
 
 /// Which tensor-core matvec launches that fit in less than a round of virtual blocks are spread
@@ -242,7 +228,6 @@ impl Q4Stream {
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
             mma_one: std::env::var("MEGAGEMMA_CUDA_MMA_ONE").map_or(true, |v| v != "0"),
-            mma_cluster: std::env::var("MEGAGEMMA_CUDA_MMA_CLUSTER").is_ok_and(|v| v == "1"),
             mma_fill: match env_count("MEGAGEMMA_CUDA_MMA_FILL", 0..=2, 1) {
                 0 => MmaFill::Off,
                 1 => MmaFill::OneWarpTiles,
@@ -454,11 +439,6 @@ unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
 impl Gpu {
-    /// Whether the GPU has thread-block clusters (compute capability 9.0 or newer).
-    pub fn has_clusters(&self) -> bool {
-        self.arch.as_bytes().first().is_some_and(|&d| d >= b'9') || self.arch.len() > 3
-    }
-
     /// Opens device 0, compiles (or loads from the cache) every kernel module. All of it runs as
     /// one device-wide call (context, stream, module loads, cuBLAS handle; the NVRTC compilation
     /// too, which a cold kernel cache makes long for other threads waiting to capture).
@@ -514,14 +494,6 @@ impl Gpu {
             funcs[name]
                 .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kb * 1024)
                 .map_err(|e| cuda_err("matvec smem", e))?;
-        }
-        // Clusters of up to 16 blocks (the cluster-combined entries' parts).
-        if maj >= 9 {
-            for g32 in [false, true] {
-                funcs[mma_cluster_kernel(g32)]
-                    .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                    .map_err(|e| cuda_err("matvec clusters", e))?;
-            }
         }
         let profile = (std::env::var("MEGAGEMMA_CUDA_PROFILE").is_ok_and(|v| v == "1")).then(Default::default);
         let pdl = maj >= 9 && profile.is_none() && std::env::var("MEGAGEMMA_CUDA_PDL").map_or(true, |v| v != "0");
@@ -631,32 +603,6 @@ impl Gpu {
 
     /// [`Gpu::launch`] with a two-dimensional grid `(x, y)`.
     pub fn launch_2d(&self, name: &str, grid2: (u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<()> {
-        self.launch_ex(name, grid2, block, smem, args, 0)
-    }
-
-    /// [`Gpu::launch`] in thread-block clusters of `cluster` blocks along x (`grid` a multiple of
-    /// it). Not for recorded launches (a megakernel's stage table has no clusters).
-    pub fn launch_cluster(
-        &self,
-        name: &str,
-        grid: u32,
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-        cluster: u32,
-    ) -> Result<()> {
-        self.launch_ex(name, (grid, 1), block, smem, args, cluster)
-    }
-
-    fn launch_ex(
-        &self,
-        name: &str,
-        grid2: (u32, u32),
-        block: u32,
-        smem: u32,
-        args: &[Arg],
-        cluster: u32,
-    ) -> Result<()> {
         let (grid, grid_y) = grid2;
         if grid == 0 || grid_y == 0 {
             return Ok(());
@@ -679,24 +625,12 @@ impl Gpu {
             self.count_launch();
         }
         let start = self.profile_start()?;
-        let pdl = self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name));
-        let launched = if pdl || cluster > 1 {
+        let launched = if self.pdl && (MMA_KERNELS.contains(&name) || PDL_KERNELS.contains(&name)) {
             // SAFETY: as below; the attribute array outlives the call.
             unsafe {
-                let mut attrs: [sys::CUlaunchAttribute; 2] = std::mem::zeroed();
-                let mut n = 0;
-                if pdl {
-                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-                    attrs[n].value.programmaticStreamSerializationAllowed = 1;
-                    n += 1;
-                }
-                if cluster > 1 {
-                    attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-                    attrs[n].value.clusterDim.x = cluster;
-                    attrs[n].value.clusterDim.y = 1;
-                    attrs[n].value.clusterDim.z = 1;
-                    n += 1;
-                }
+                let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
                 let config = sys::CUlaunchConfig {
                     gridDimX: grid,
                     gridDimY: grid_y,
@@ -706,8 +640,8 @@ impl Gpu {
                     blockDimZ: 1,
                     sharedMemBytes: smem,
                     hStream: self.stream.cu_stream(),
-                    attrs: attrs.as_mut_ptr(),
-                    numAttrs: n as u32,
+                    attrs: &mut attr,
+                    numAttrs: 1,
                 };
                 sys::cuLaunchKernelEx(&config, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()).result()
             }

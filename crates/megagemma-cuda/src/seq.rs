@@ -7,8 +7,8 @@
 
 use crate::candidates::{candidates_on_device, launch_draw, survivors, DrawBuffers, MAX_CANDIDATES};
 use crate::device::{
-    cuda_err, mma_cluster_kernel, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat,
-    Gpu, HostLog, MmaFill, FMT_Q4, FMT_Q4T, MMA_CL_PARTS,
+    cuda_err, mma_kernel, mma_one_kernel, mma_prep_kernels, mma_ring_bytes, Arg, DevBuf, DevMat, Gpu, HostLog, MmaFill,
+    FMT_Q4, FMT_Q4T,
 };
 use crate::long_pass::FEW_TOKENS;
 use crate::megakernel::{Megakernel, MkTrace};
@@ -1511,7 +1511,6 @@ impl CudaSeq {
         let cols = w0.cols as usize;
         let tiles: Vec<usize> = mats.iter().map(|(w, _)| (w.rows as usize).div_ceil(16)).collect();
         let split = self.mma_split(&tiles, cols, gate.is_some());
-        let split_of = split;
         let nb: Vec<usize> = tiles.iter().map(|&t| split.matrix_blocks(t)).collect();
         let nblocks: usize = nb.iter().sum();
         let grid = nblocks.min(self.gpu().q4_stream.mma_blocks_per_sm * self.gpu().sms as usize) as u32;
@@ -1565,13 +1564,7 @@ impl CudaSeq {
                     let gate = [Arg::Ptr(g.ptr + f32s(c0 * g.stride) as u64), Arg::I32(g.stride as i32)];
                     let head: [Arg; 10] = join([Arg::Mat(*w0), Arg::Ptr(xp), Arg::Ptr(yp(y0, w0))], split);
                     let args: [Arg; 12] = join(head, gate);
-                    if one && self.cluster_combines(split_of.parts, nblocks, grid) {
-                        // One block per virtual block, a cluster per tile group.
-                        let cl = mma_cluster_kernel(upc == 2);
-                        self.gpu().launch_cluster(cl, nblocks as u32, 256, smem, &args, split_of.parts as u32)?;
-                    } else {
-                        self.gpu().launch(name, grid, 256, smem, &args)?;
-                    }
+                    self.gpu().launch(name, grid, 256, smem, &args)?;
                 }
                 None => {
                     let (w1, y1) = mats.get(1).copied().unwrap_or((w0, 0));
@@ -1599,18 +1592,6 @@ impl CudaSeq {
             }
         }
         Ok(())
-    }
-
-    /// Whether a single-token gated launch of `parts` column parts and `nblocks` virtual blocks on
-    /// `grid` blocks combines its parts in thread-block clusters: one block per virtual block, one
-    /// cluster per tile group (`MEGAGEMMA_CUDA_MMA_CLUSTER=1`, Hopper, launched passes).
-    fn cluster_combines(&self, parts: usize, nblocks: usize, grid: u32) -> bool {
-        let gpu = self.gpu();
-        gpu.q4_stream.mma_cluster
-            && gpu.has_clusters()
-            && (2..=MMA_CL_PARTS).contains(&parts)
-            && nblocks <= grid as usize
-            && !gpu.is_recording()
     }
 
     /// `x[t][i] = gelu(x[t][i]) · gate[t][i]` over `t` rows of `cols` (the GeGLU), in place: before
