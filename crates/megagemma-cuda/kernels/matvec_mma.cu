@@ -396,7 +396,7 @@ __device__ __forceinline__ int2 part_range(int chunks, int parts, int p) {
 // A launch's split as its `split` argument carries it: ks warps per tile (a power of two up to
 // MMA_WARPS) in bits 0-3, tpb tiles per virtual block (1 to MMA_WARPS / ks) from bit 4. A virtual
 // block of fewer tiles than its warps could take leaves the rest idle: it spreads a launch's tiles
-// over more of the grid's slots (src/seq.rs, `mma_split`).
+// over more of the grid's slots (src/mma_split.rs, `mma_split`).
 struct Split {
   int ks, tpb;
 };

@@ -57,6 +57,7 @@ pub mod draft;
 pub mod libs;
 mod long_pass;
 mod megakernel;
+mod mma_split;
 pub mod model;
 pub mod schedule;
 pub mod seq;
