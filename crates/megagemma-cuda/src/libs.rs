@@ -62,11 +62,15 @@ fn load_first(names: &[&str]) -> Vec<libloading::Library> {
     Vec::new()
 }
 
-/// Whether the CUDA driver library can be opened.
+/// Whether the CUDA driver library can be opened (probed once per process: the CLI asks before
+/// loading a model, to choose its layouts, and again when it opens the backend).
 pub fn driver_present() -> bool {
-    preload();
-    // SAFETY: only probes whether the library loads.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PRESENT.get_or_init(|| {
+        preload();
+        // SAFETY: only probes whether the library loads.
+        unsafe { cudarc::driver::sys::is_culib_present() }
+    })
 }
 
 /// Whether NVRTC can be opened.
