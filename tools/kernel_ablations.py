@@ -114,6 +114,15 @@ ABLATIONS = {
             "    if (threadIdx.x < 16) mma_rstat[threadIdx.x / 8][threadIdx.x % 8] = 1.f;\n",
         )],
     ),
+    "nostat1": (
+        "a folded residual step's first block reduction (Σo² of the thread's own elements): the ceiling of "
+        "statistics a producer would hand over as per-tile partials",
+        [("matvec_mma.cu", "  ss = block_sum_d(ss);\n", "")],
+    ),
+    "nostat2": (
+        "a folded residual step's second block reduction (Σx'² of the thread's own elements)",
+        [("matvec_mma.cu", "  ss2 = block_sum_d(ss2);\n", "")],
+    ),
     "nocombine": (
         "the tensor-core matvec's column-part combine (arrival counter, last block's sum)",
         [("matvec_mma.cu", "  if (parts == 1) return;\n", "  return;\n")],
