@@ -65,7 +65,7 @@ fn load_first(names: &[&str]) -> Vec<libloading::Library> {
 /// Whether the CUDA driver library can be opened (probed once per process: the CLI asks before
 /// loading a model, to choose its layouts, and again when it opens the backend).
 pub fn driver_present() -> bool {
-    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static PRESENT: OnceLock<bool> = OnceLock::new();
     *PRESENT.get_or_init(|| {
         preload();
         // SAFETY: only probes whether the library loads.
