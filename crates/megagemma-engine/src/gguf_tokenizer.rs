@@ -1,13 +1,17 @@
 //! A [`Tokenizer`] built from GGUF metadata, for GGUF files that come without a `tokenizer.json`.
 //!
 //! Supports `tokenizer.ggml.model = "llama"`, i.e. SentencePiece BPE with byte fallback (Gemma,
-//! Llama 2, ...). The result is an ordinary `tokenizers::Tokenizer` wrapped in [`Tokenizer`], set
-//! up the way HF's `convert_slow_tokenizer` sets up the official Gemma `tokenizer.json`:
+//! Llama 2, ...), and `"gemma4"`, Gemma 4's BPE (the same SentencePiece-style BPE on raw UTF-8
+//! with spaces as `"▁"` and byte fallback, but with its merges stored in
+//! `tokenizer.ggml.merges` and every score a placeholder). The result is an ordinary
+//! `tokenizers::Tokenizer` wrapped in [`Tokenizer`], set up the way HF's
+//! `convert_slow_tokenizer` sets up the official Gemma `tokenizer.json`:
 //!
 //! * **model**: `BPE` over the GGUF vocabulary (ids kept), `byte_fallback` (`<0xNN>` pieces),
 //!   `fuse_unk`, with merges derived from the scores exactly as HF's `SentencePieceExtractor`
 //!   does (see [`sentencepiece_merges`]). On Gemma 3 this reproduces the official 514 906 merges
-//!   in the official order.
+//!   in the official order. `gemma4` files carry the merges themselves (`"left right"`, in rank
+//!   order) and their pieces are used exactly as stored.
 //! * **normalizer**: `" "` → `"▁"` (plus a leading `"▁"` when `add_space_prefix` is set);
 //!   **pre-tokenizer**: `Split(" ", MergedWithPrevious)` as in the official file (a no-op after
 //!   the normalizer).
@@ -80,21 +84,16 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
     if tokens.is_empty() {
         bail!("GGUF tokenizer metadata is empty (tokenizer.ggml.tokens has no entries)");
     }
-    match file.get_str("tokenizer.ggml.model") {
-        Some("llama") => {}
+    let gemma4 = match file.get_str("tokenizer.ggml.model") {
+        Some("llama") => false,
+        Some("gemma4") => true,
         Some(other) => bail!(
-            "unsupported GGUF tokenizer model {other:?} (only \"llama\", SentencePiece BPE, is \
-             supported); provide a tokenizer.json for this model"
+            "unsupported GGUF tokenizer model {other:?} (supported: \"llama\", SentencePiece BPE, and \
+             \"gemma4\"); provide a tokenizer.json for this model"
         ),
         None => bail!("GGUF tokenizer metadata lacks tokenizer.ggml.model"),
-    }
-    let n = tokens.len();
-    let Some(scores) = file.get_f32_array("tokenizer.ggml.scores") else {
-        bail!("GGUF tokenizer metadata lacks tokenizer.ggml.scores (f32 array), needed for BPE merges");
     };
-    if scores.len() != n {
-        bail!("GGUF tokenizer metadata is inconsistent: {} scores for {n} tokens", scores.len());
-    }
+    let n = tokens.len();
     let types = token_types(file, n)?;
 
     let id_key = |key: &str| -> Result<Option<u32>> {
@@ -112,18 +111,31 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
     // llama.cpp's defaults for SentencePiece vocabularies when the flags are absent.
     let add_bos = file.get_bool("tokenizer.ggml.add_bos_token").unwrap_or(true);
     let add_eos = file.get_bool("tokenizer.ggml.add_eos_token").unwrap_or(false);
-    let add_space_prefix = file.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+    // (Gemma 4's converter always writes add_space_prefix = false.)
+    let add_space_prefix = file.get_bool("tokenizer.ggml.add_space_prefix").unwrap_or(!gemma4);
 
     // Pieces as the SentencePiece model spells them: spaces are always "▁" there (the
     // normalizer turns every input space into "▁", so a piece with a real space is unreachable).
-    let pieces: Vec<String> = tokens.iter().map(|t| t.replace(' ', SPACE_MARK)).collect();
+    // A gemma4 file stores the tokenizer.json pieces themselves: used as they are.
+    let pieces: Vec<String> =
+        if gemma4 { tokens.to_vec() } else { tokens.iter().map(|t| t.replace(' ', SPACE_MARK)).collect() };
     // The BPE model's own map type: handed over as is, not hashed a second time.
     let mut vocab = tokenizers::models::bpe::Vocab::with_capacity(n);
     for (id, piece) in pieces.iter().enumerate() {
         // A duplicated piece keeps its first id (never the case in Gemma files).
         vocab.entry(piece.clone()).or_insert(id as u32);
     }
-    let merges = sentencepiece_merges(&pieces, scores, &types);
+    let merges = if gemma4 {
+        stored_merges(file, &vocab)?
+    } else {
+        let Some(scores) = file.get_f32_array("tokenizer.ggml.scores") else {
+            bail!("GGUF tokenizer metadata lacks tokenizer.ggml.scores (f32 array), needed for BPE merges");
+        };
+        if scores.len() != n {
+            bail!("GGUF tokenizer metadata is inconsistent: {} scores for {n} tokens", scores.len());
+        }
+        sentencepiece_merges(&pieces, scores, &types)
+    };
 
     let unk_piece =
         unk.map(|id| pieces[id as usize].clone()).or_else(|| vocab.contains_key("<unk>").then(|| "<unk>".to_string()));
@@ -213,6 +225,30 @@ pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<tokenizers::Tokenizer> 
         .collect();
     tok.add_tokens(&added);
     Ok(tok)
+}
+
+/// `tokenizer.ggml.merges` (`"left right"`, highest rank first), split as llama.cpp splits them:
+/// at the first space after the first byte (so a left part may itself be a space). Both parts
+/// must be vocabulary pieces.
+fn stored_merges(file: &GgufFile, vocab: &tokenizers::models::bpe::Vocab) -> Result<Vec<(String, String)>> {
+    let Some(merges) = file.get_str_array("tokenizer.ggml.merges") else {
+        bail!("GGUF gemma4 tokenizer metadata lacks tokenizer.ggml.merges");
+    };
+    merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let first = m.chars().next().map_or(0, char::len_utf8);
+            let Some(at) = m[first..].find(' ').map(|p| p + first) else {
+                bail!("GGUF tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\"");
+            };
+            let (l, r) = (&m[..at], &m[at + 1..]);
+            if !vocab.contains_key(l) || !vocab.contains_key(r) {
+                bail!("GGUF tokenizer.ggml.merges[{i}] = {m:?} names a piece outside the vocabulary");
+            }
+            Ok((l.to_string(), r.to_string()))
+        })
+        .collect()
 }
 
 /// `tokenizer.ggml.token_type` (i32, or u32 from some writers); all NORMAL when absent.

@@ -2,11 +2,16 @@
 //! the Hugging Face names the weight loader asks for. Quantized tensors stay quantized
 //! ([`GgufMatrix`] dots them straight from the memory map).
 //!
-//! Supported architectures: `gemma3` (llama.cpp's converter stores Gemma 3 RMSNorm weights as
-//! `1 + w`, so norms are used as stored).
+//! Supported architectures:
+//! * `gemma3` (llama.cpp's converter stores Gemma 3 RMSNorm weights as `1 + w`, so norms are
+//!   used as stored);
+//! * `gemma4`, dense text models: per-layer embeddings, KV-shared layers, double-wide MLPs,
+//!   sliding/full layers with their own head dims and KV head counts, the full layers'
+//!   proportional RoPE (the converter's `rope_freqs` tensor). Gemma 4 norms are stored as is
+//!   (the converter's norm shift is 0) and used as `x̂·w`. Mixture-of-experts files are refused.
 
 use crate::config::{check_limit, AttnKind, Family, ModelConfig, RopeSpec, MAX_LAYERS};
-use crate::gguf::{GgufFile, GgufMatrix, GgufValue};
+use crate::gguf::{GgufArray, GgufFile, GgufMatrix, GgufValue};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
 use crate::{bail, Error, Result};
@@ -14,9 +19,15 @@ use crate::{bail, Error, Result};
 /// Build the config from `general.architecture` and its `ARCH.*` keys.
 pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     let arch = f.get_str("general.architecture").ok_or_else(|| Error::msg("GGUF file has no general.architecture"))?;
-    if arch != "gemma3" {
-        bail!("unsupported GGUF architecture `{arch}` (supported: gemma3)");
+    match arch {
+        "gemma3" => gemma3_config(f),
+        "gemma4" => gemma4_config(f),
+        _ => bail!("unsupported GGUF architecture `{arch}` (supported: gemma3, gemma4)"),
     }
+}
+
+fn gemma3_config(f: &GgufFile) -> Result<ModelConfig> {
+    let arch = "gemma3";
     let key = |k: &str| format!("{arch}.{k}");
     // Any integer width, converted without truncation; floats as f32 or f64.
     let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
@@ -97,6 +108,234 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     Ok(config)
 }
 
+/// llama.cpp's `gemma4`: the keys its converter writes (TextModel's base set, Gemma3Model's and
+/// Gemma4Model's), resolved the way the safetensors path resolves config.json. Values a file may
+/// omit default as llama.cpp's loader defaults them (noted where it matters).
+fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
+    let arch = "gemma4";
+    let key = |k: &str| format!("{arch}.{k}");
+    let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
+    let float = |k: &str| typed(f, &key(k), "a float", GgufValue::as_f64);
+    let req = |k: &str| -> Result<usize> {
+        opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
+    };
+
+    // Mixture-of-experts blocks (26B-A4B style) are not mapped: refuse them in one line.
+    let experts = opt("expert_count")?.unwrap_or(0);
+    if let Some(t) = f.tensors().iter().find(|t| t.name.contains("_exps") || t.name.contains("ffn_gate_inp")) {
+        bail!(
+            "Gemma 4 mixture-of-experts GGUF files are not supported (tensor `{}`; expert tensors ffn_gate_up_exps, \
+             ffn_down_exps, ffn_gate_inp are not mapped)",
+            t.name
+        );
+    }
+    if experts > 0 {
+        bail!("Gemma 4 mixture-of-experts GGUF files are not supported (`{}` = {experts})", key("expert_count"));
+    }
+
+    let hidden_size = req("embedding_length")?;
+    let num_layers = check_limit(&key("block_count"), req("block_count")?, MAX_LAYERS)?;
+    let num_heads = req("attention.head_count")?;
+    if num_heads == 0 {
+        bail!("GGUF metadata `{}` must be positive, got 0", key("attention.head_count"));
+    }
+    let embd =
+        f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
+    let vocab_size = match embd.shape()[..] {
+        [rows, _] => rows,
+        ref other => bail!("GGUF tensor `token_embd.weight` has shape {other:?}, expected [vocab, hidden]"),
+    };
+
+    // Layer types: `attention.sliding_window_pattern`, one bool per layer, true = sliding.
+    let pattern_key = key("attention.sliding_window_pattern");
+    let layer_types: Vec<AttnKind> = match f.get_bool_array(&pattern_key) {
+        Some(p) if p.len() == num_layers => {
+            p.iter().map(|&sliding| if sliding { AttnKind::Sliding } else { AttnKind::Full }).collect()
+        }
+        Some(p) => bail!("GGUF `{pattern_key}` has {} entries for {num_layers} layers", p.len()),
+        None => bail!("GGUF metadata is missing `{pattern_key}` (a bool per layer)"),
+    };
+
+    // Head dims: key_length is the full layers' (global_head_dim), key_length_swa the sliding
+    // layers' (llama.cpp defaults the latter to the former).
+    let head_dim_full = req("attention.key_length")?;
+    let head_dim_swa = opt("attention.key_length_swa")?.unwrap_or(head_dim_full);
+    for (k, want) in [("attention.value_length", head_dim_full), ("attention.value_length_swa", head_dim_swa)] {
+        if let Some(v) = opt(k)? {
+            if v != want {
+                bail!("GGUF `{}` = {v} differs from the key length {want}: unsupported", key(k));
+            }
+        }
+    }
+    let head_dims: Vec<usize> =
+        layer_types.iter().map(|&t| if t == AttnKind::Full { head_dim_full } else { head_dim_swa }).collect();
+    let kv_heads = per_layer(f, &key("attention.head_count_kv"), num_layers)?.unwrap_or(vec![num_heads; num_layers]);
+
+    let num_kv_shared_layers = opt("attention.shared_kv_layers")?.unwrap_or(0);
+    if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
+        bail!("GGUF `{}` = {num_kv_shared_layers} leaves no layer its own KV cache", key("attention.shared_kv_layers"));
+    }
+    let first_shared = num_layers - num_kv_shared_layers;
+
+    // feed_forward_length: one value, or per layer (the converter's double-wide MLP: twice the
+    // width on the KV-shared layers).
+    let ff_key = key("feed_forward_length");
+    let ff =
+        per_layer(f, &ff_key, num_layers)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{ff_key}`")))?;
+    let intermediate_size = ff[0];
+    let use_double_wide_mlp = num_kv_shared_layers > 0 && ff[first_shared] == 2 * intermediate_size;
+    for (i, &w) in ff.iter().enumerate() {
+        let want = intermediate_size * if use_double_wide_mlp && i >= first_shared { 2 } else { 1 };
+        if w != want {
+            bail!(
+                "GGUF `{ff_key}` = {ff:?} is not a Gemma 4 layout (one width, doubled on the KV-shared layers \
+                 {first_shared}..): unsupported"
+            );
+        }
+    }
+
+    // Values = keys on full layers without `attn_v` (attention_k_eq_v): llama.cpp reads the
+    // absence of the tensor, so does this.
+    let owns_v = |i: usize| f.tensor(&format!("blk.{i}.attn_v.weight")).is_some();
+    let full_owners: Vec<usize> = (0..first_shared).filter(|&i| layer_types[i] == AttnKind::Full).collect();
+    let attention_k_eq_v = full_owners.iter().any(|&i| !owns_v(i));
+    if attention_k_eq_v && full_owners.iter().any(|&i| owns_v(i)) {
+        bail!("GGUF file has `attn_v` on some full-attention layers but not on others: unsupported");
+    }
+    if (0..first_shared).any(|i| layer_types[i] == AttnKind::Sliding && !owns_v(i)) {
+        bail!("GGUF file lacks `attn_v` on a sliding-attention layer: unsupported");
+    }
+
+    // RoPE. Sliding layers: rope.freq_base_swa (llama.cpp defaults it to rope.freq_base), all
+    // dims rotated. Full layers: rope.freq_base; the converter writes the proportional partial
+    // rotation as `rope_freqs.weight` = [1.0] × rotated pairs + [1e30] × the others.
+    let theta_full = float("rope.freq_base")?.unwrap_or(1_000_000.0);
+    let theta_swa = float("rope.freq_base_swa")?.unwrap_or(theta_full);
+    for (k, want) in [("rope.dimension_count", head_dim_full), ("rope.dimension_count_swa", head_dim_swa)] {
+        if let Some(n) = opt(k)? {
+            if n != want {
+                bail!("GGUF `{}` = {n} (partial rotation over {want}-wide heads) is not supported", key(k));
+            }
+        }
+    }
+    let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
+    let mut rope_full = plain(theta_full);
+    if let Some(info) = f.tensor("rope_freqs.weight") {
+        let ff = f.tensor_to_f32(info)?;
+        let rotated = ff.iter().take_while(|&&x| x == 1.0).count();
+        if ff.len() != head_dim_full / 2 || rotated == 0 || ff[rotated..].iter().any(|&x| x < 1e29) {
+            bail!(
+                "GGUF `rope_freqs.weight` is not a proportional RoPE mask for {head_dim_full}-wide heads \
+                 (expected [1.0; n] then [1e30; {} - n]): unsupported",
+                head_dim_full / 2
+            );
+        }
+        rope_full.proportional = true;
+        rope_full.partial_rotary_factor = (2 * rotated) as f64 / head_dim_full as f64;
+    }
+    match f.metadata(&key("rope.scaling.type")) {
+        None => {}
+        Some(v) => match v.as_str() {
+            Some("none") => {}
+            Some("linear") => rope_full.factor = float("rope.scaling.factor")?.unwrap_or(1.0),
+            _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", key("rope.scaling.type")),
+        },
+    }
+
+    let ple_dim = opt("embedding_length_per_layer_input")?.unwrap_or(0);
+    let ple_vocab_size = if ple_dim > 0 {
+        let t = f
+            .tensor("per_layer_token_embd.weight")
+            .ok_or_else(|| Error::msg("GGUF file has no tensor `per_layer_token_embd.weight`"))?;
+        match t.shape()[..] {
+            [rows, _] => rows,
+            ref other => bail!("GGUF tensor `per_layer_token_embd.weight` has shape {other:?}, expected 2-D"),
+        }
+    } else {
+        vocab_size
+    };
+
+    let id = |k: &str| typed(f, k, "a token id", |v| v.as_u64()?.try_into().ok());
+    let mut eos_token_ids = Vec::new();
+    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+        eos_token_ids.extend(id(k)?);
+    }
+    // Gemma 4's end of turn, `<turn|>`: the converter names no id for it (llama.cpp finds it by
+    // its text); instruction-tuned configs list it beside <eos>.
+    if let Some(t) = f.get_str_array("tokenizer.ggml.tokens").and_then(|t| t.iter().position(|p| p == "<turn|>")) {
+        if t < vocab_size && !eos_token_ids.contains(&(t as u32)) {
+            eos_token_ids.push(t as u32);
+        }
+    }
+    let config = ModelConfig {
+        family: Family::Gemma4,
+        architecture: format!("gguf:{arch}"),
+        tensor_prefix: String::new(),
+        vocab_size,
+        hidden_size,
+        intermediate_size,
+        num_layers,
+        num_heads,
+        layer_types,
+        head_dims,
+        kv_heads,
+        // transformers' Gemma 4 default.
+        sliding_window: opt("attention.sliding_window")?.unwrap_or(512),
+        rope_sliding: plain(theta_swa),
+        rope_full,
+        rms_norm_eps: float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        final_logit_softcapping: float("final_logit_softcapping")?,
+        tie_word_embeddings: f.tensor("output.weight").is_none(),
+        ple_dim,
+        ple_vocab_size,
+        num_kv_shared_layers,
+        use_double_wide_mlp,
+        attention_k_eq_v,
+        moe: None,
+        attn_scale: 1.0,
+        eos_token_ids,
+        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+        pad_token_id: id("tokenizer.ggml.padding_token_id")?,
+        quantization: None,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// A per-layer integer key: one value for every layer, or an array of `n` (as llama.cpp reads
+/// `head_count_kv` and `feed_forward_length`). `None` when absent.
+fn per_layer(f: &GgufFile, key: &str, n: usize) -> Result<Option<Vec<usize>>> {
+    let Some(v) = f.metadata(key) else { return Ok(None) };
+    let bad = || Error::msg(format!("GGUF metadata `{key}` must be a non-negative integer or {n} of them, got {v:?}"));
+    if let Some(x) = v.as_u64() {
+        let x = usize::try_from(x).map_err(|_| bad())?;
+        return Ok(Some(vec![x; n]));
+    }
+    let values: Vec<u64> = match v.as_array().ok_or_else(bad)? {
+        GgufArray::U8(a) => a.iter().map(|&x| x as u64).collect(),
+        GgufArray::U16(a) => a.iter().map(|&x| x as u64).collect(),
+        GgufArray::U32(a) => a.iter().map(|&x| x as u64).collect(),
+        GgufArray::U64(a) => a.clone(),
+        GgufArray::I8(a) => {
+            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
+        }
+        GgufArray::I16(a) => {
+            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
+        }
+        GgufArray::I32(a) => {
+            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
+        }
+        GgufArray::I64(a) => {
+            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
+        }
+        _ => return Err(bad()),
+    };
+    if values.len() != n {
+        return Err(bad());
+    }
+    values.into_iter().map(|x| usize::try_from(x).map_err(|_| bad())).collect::<Result<Vec<_>>>().map(Some)
+}
+
 /// Metadata `key` converted by `conv`: `None` when absent, an error naming the key when its type
 /// or value does not convert.
 fn typed<T>(f: &GgufFile, key: &str, what: &str, conv: impl Fn(&GgufValue) -> Option<T>) -> Result<Option<T>> {
@@ -119,6 +358,10 @@ fn gguf_name(hf: &str) -> Option<String> {
         "embed_tokens.weight" => Some("token_embd.weight"),
         "norm.weight" => Some("output_norm.weight"),
         "lm_head.weight" => Some("output.weight"),
+        // Gemma 4 per-layer embeddings.
+        "embed_tokens_per_layer.weight" => Some("per_layer_token_embd.weight"),
+        "per_layer_model_projection.weight" => Some("per_layer_model_proj.weight"),
+        "per_layer_projection_norm.weight" => Some("per_layer_proj_norm.weight"),
         _ => None,
     };
     if let Some(n) = fixed {
@@ -140,6 +383,11 @@ fn gguf_name(hf: &str) -> Option<String> {
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
         "mlp.down_proj.weight" => "ffn_down.weight",
+        // Gemma 4.
+        "per_layer_input_gate.weight" => "inp_gate.weight",
+        "per_layer_projection.weight" => "proj.weight",
+        "post_per_layer_input_norm.weight" => "post_norm.weight",
+        "layer_scalar" => "layer_output_scale.weight",
         _ => return None,
     };
     Some(format!("blk.{idx}.{leaf}"))
@@ -177,7 +425,8 @@ impl TensorSource for GgufSource<'_> {
     fn contains(&self, hf: &str) -> bool {
         gguf_name(hf).is_some_and(|n| self.file.tensor(&n).is_some())
     }
+    /// Gemma 3 files store `1 + w`; Gemma 4 files store `w` (and its loader adds nothing).
     fn norms_include_one(&self) -> bool {
-        true
+        self.file.architecture() == Some("gemma3")
     }
 }

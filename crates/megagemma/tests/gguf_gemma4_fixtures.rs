@@ -1,0 +1,130 @@
+//! Gemma 4 GGUF files (llama.cpp's `gemma4` architecture), written from the committed tiny
+//! fixtures by tools/make_gguf4_fixture.py (which follows llama.cpp's converter) into
+//! tests/fixtures-gguf/gemma4/. BF16 tensors hold the fixtures' BF16 weights exactly, so the CLI
+//! must reproduce transformers' float64 greedy ids and logits recorded in each source fixture's
+//! expected.json; the Q8_0 file must stay close to them; the MoE file must be refused in one line.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+const LOGITS_TOLERANCE: f64 = 1e-4;
+
+fn gguf_dir() -> PathBuf {
+    repo_root().join("tests/fixtures-gguf/gemma4")
+}
+
+fn expected(fixture: &str) -> Value {
+    let path = fixtures_dir().join(fixture).join("expected.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<String> {
+    v.as_array().unwrap().iter().map(|x| x.to_string()).collect()
+}
+
+/// Runs every case of `fixture`'s expected.json on `gguf`; returns (name, ids, logits) per case.
+fn run_cases(gguf: &str, fixture: &str) -> Vec<(String, Vec<String>, Vec<Vec<f32>>)> {
+    let model = gguf_dir().join(gguf);
+    assert!(model.is_file(), "{} is missing", model.display());
+    let tmp = std::env::temp_dir().join(format!("megagemma-gguf4-{}-{gguf}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let mut out = Vec::new();
+    for case in expected(fixture)["cases"].as_array().unwrap() {
+        let name = format!("{gguf}/{}", case["name"].as_str().unwrap());
+        let n = case["max_new_tokens"].as_u64().unwrap().to_string();
+        let dump = tmp.join(format!("{}.json", case["name"].as_str().unwrap()));
+        let o = megagemma(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            &ids(&case["prompt_ids"]).join(","),
+            "--greedy",
+            "--ignore-eos",
+            "--max-new-tokens",
+            &n,
+            "--output",
+            "ids",
+            "--dump-logits",
+            dump.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{name}: megagemma failed: {}", stderr(&o));
+        let got: Vec<String> = stdout(&o).trim().split(',').map(str::to_string).collect();
+        let logits: Vec<Vec<f32>> = serde_json::from_str(&std::fs::read_to_string(&dump).unwrap()).unwrap();
+        out.push((name, got, logits));
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    out
+}
+
+fn want_logits(case: &Value, step: usize) -> Vec<f64> {
+    case["logits"][step].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+}
+
+#[test]
+fn bf16_gguf_files_match_transformers_exactly() {
+    let mut checked = 0;
+    for fixture in ["ple_shared_dw", "keqv_global", "sliding_wrap"] {
+        let exp = expected(fixture);
+        let cases = exp["cases"].as_array().unwrap();
+        for ((name, got, logits), case) in run_cases(&format!("{fixture}.gguf"), fixture).iter().zip(cases) {
+            assert_eq!(*got, ids(&case["greedy_ids"]), "{name}: greedy ids differ from transformers");
+            assert_eq!(logits.len(), case["logits"].as_array().unwrap().len(), "{name}: one logits row per step");
+            for (step, row) in logits.iter().enumerate() {
+                let d = rel_l2(row, &want_logits(case, step));
+                assert!(d < LOGITS_TOLERANCE, "{name}: step {step}: logits differ by {d:.3e} relative L2");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 6, "only {checked} cases checked");
+}
+
+#[test]
+fn q8_0_gguf_file_matches_its_dequantized_values() {
+    // 8-bit weights move a random tiny model's logits by several percent (its ids drift from
+    // transformers' within a few steps), so the Q8_0 file is checked against the same values
+    // dequantized and stored as F32 (`--outtype q8_0-dequantized`): only the dot products'
+    // summation order differs.
+    let quantized = run_cases("sliding_wrap.q8_0.gguf", "sliding_wrap");
+    let reference = run_cases("sliding_wrap.q8_0-dequantized.gguf", "sliding_wrap");
+    assert_eq!(quantized.len(), reference.len());
+    for ((name, got, logits), (_, want, want_logits)) in quantized.iter().zip(&reference) {
+        assert_eq!(got, want, "{name}: greedy ids differ from the dequantized F32 file's");
+        for (step, (g, w)) in logits.iter().zip(want_logits).enumerate() {
+            let w: Vec<f64> = w.iter().map(|&x| x as f64).collect();
+            let d = rel_l2(g, &w);
+            assert!(d < 1e-3, "{name}: step {step}: logits differ by {d:.3e} relative L2");
+        }
+    }
+}
+
+#[test]
+fn gguf_tokenizer_runs_text_prompts() {
+    // The tokenizer comes from the file's `gemma4` metadata; the prompt ids are those of the
+    // committed tokenizer.json it was converted from.
+    let model = gguf_dir().join("ple_shared_dw.gguf");
+    let o = megagemma(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "The keeper climbed the stairs",
+        "--greedy",
+        "--max-new-tokens",
+        "4",
+        "--output",
+        "ids",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim().split(',').count(), 4, "{}", stdout(&o));
+}
+
+#[test]
+fn moe_gguf_is_refused_in_one_line() {
+    let model = gguf_dir().join("moe.gguf");
+    let o = megagemma(&["run", "--model", model.to_str().unwrap(), "--prompt-ids", "2,10", "--max-new-tokens", "1"]);
+    assert_user_error(&o, "mixture-of-experts GGUF files are not supported");
+}
