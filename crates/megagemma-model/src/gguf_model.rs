@@ -7,10 +7,11 @@
 //!   used as stored);
 //! * `gemma4`, dense text models: per-layer embeddings, KV-shared layers, double-wide MLPs,
 //!   sliding/full layers with their own head dims and KV head counts, the full layers'
-//!   proportional RoPE (the converter's `rope_freqs` tensor). Gemma 4 norms are stored as is
-//!   (the converter's norm shift is 0) and used as `x̂·w`. Mixture-of-experts files are refused.
+//!   proportional RoPE (the converter's `rope_freqs` tensor), mixture-of-experts blocks (3-D
+//!   `ffn_gate_up_exps` / `ffn_down_exps` tensors, one matrix per expert in place). Gemma 4 norms
+//!   are stored as is (the converter's norm shift is 0) and used as `x̂·w`.
 
-use crate::config::{check_limit, AttnKind, Family, ModelConfig, RopeSpec, MAX_LAYERS};
+use crate::config::{check_limit, AttnKind, Family, ModelConfig, MoeConfig, RopeSpec, MAX_LAYERS};
 use crate::gguf::{GgufArray, GgufFile, GgufMatrix, GgufValue};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
@@ -119,19 +120,6 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
     let req = |k: &str| -> Result<usize> {
         opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
     };
-
-    // Mixture-of-experts blocks (26B-A4B style) are not mapped: refuse them in one line.
-    let experts = opt("expert_count")?.unwrap_or(0);
-    if let Some(t) = f.tensors().iter().find(|t| t.name.contains("_exps") || t.name.contains("ffn_gate_inp")) {
-        bail!(
-            "Gemma 4 mixture-of-experts GGUF files are not supported (tensor `{}`; expert tensors ffn_gate_up_exps, \
-             ffn_down_exps, ffn_gate_inp are not mapped)",
-            t.name
-        );
-    }
-    if experts > 0 {
-        bail!("Gemma 4 mixture-of-experts GGUF files are not supported (`{}` = {experts})", key("expert_count"));
-    }
 
     let hidden_size = req("embedding_length")?;
     let num_layers = check_limit(&key("block_count"), req("block_count")?, MAX_LAYERS)?;
@@ -242,6 +230,21 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         },
     }
 
+    // Mixture of experts (26B-A4B style): every layer has the dense MLP and the routed experts.
+    let moe = match opt("expert_count")?.unwrap_or(0) {
+        0 => {
+            if let Some(t) = f.tensors().iter().find(|t| t.name.contains("_exps") || t.name.contains("ffn_gate_inp")) {
+                bail!("GGUF tensor `{}` is an expert tensor but `{}` is missing or 0", t.name, key("expert_count"));
+            }
+            None
+        }
+        num_experts => Some(MoeConfig {
+            num_experts,
+            top_k: req("expert_used_count")?,
+            intermediate_size: req("expert_feed_forward_length")?,
+        }),
+    };
+
     let ple_dim = opt("embedding_length_per_layer_input")?.unwrap_or(0);
     let ple_vocab_size = if ple_dim > 0 {
         let t = f
@@ -291,7 +294,7 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         num_kv_shared_layers,
         use_double_wide_mlp,
         attention_k_eq_v,
-        moe: None,
+        moe,
         attn_scale: 1.0,
         eos_token_ids,
         bos_token_id: id("tokenizer.ggml.bos_token_id")?,
@@ -388,6 +391,15 @@ fn gguf_name(hf: &str) -> Option<String> {
         "per_layer_projection.weight" => "proj.weight",
         "post_per_layer_input_norm.weight" => "post_norm.weight",
         "layer_scalar" => "layer_output_scale.weight",
+        // Gemma 4 mixture of experts.
+        "experts.gate_up_proj" => "ffn_gate_up_exps.weight",
+        "experts.down_proj" => "ffn_down_exps.weight",
+        "router.proj.weight" => "ffn_gate_inp.weight",
+        "router.scale" => "ffn_gate_inp.scale",
+        "router.per_expert_scale" => "ffn_down_exps.scale",
+        "pre_feedforward_layernorm_2.weight" => "pre_ffw_norm_2.weight",
+        "post_feedforward_layernorm_1.weight" => "post_ffw_norm_1.weight",
+        "post_feedforward_layernorm_2.weight" => "post_ffw_norm_2.weight",
         _ => return None,
     };
     Some(format!("blk.{idx}.{leaf}"))
@@ -412,8 +424,23 @@ impl TensorSource for GgufSource<'_> {
         debug_assert_eq!((m.rows(), m.cols()), (rows, cols));
         Ok(Box::new(m))
     }
-    fn matrices(&self, hf: &str, _n: usize, _rows: usize, _cols: usize) -> Result<Vec<Matrix>> {
-        bail!("GGUF expert tensors (`{hf}`) are not supported")
+    /// A 3-D expert tensor `[experts, rows', cols]` as `n` matrices of `rows` rows, in order
+    /// (`n × rows = experts × rows'`: the fused gate/up tensor gives two per expert).
+    fn matrices(&self, hf: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Matrix>> {
+        let info = self.info(hf)?;
+        let shape = info.shape();
+        let fits = match shape[..] {
+            [e, r, c] => c == cols && e.checked_mul(r) == n.checked_mul(rows),
+            _ => false,
+        };
+        if !fits {
+            bail!(
+                "tensor `{}` has shape {shape:?}, expected {n} × [{rows}, {cols}] as [experts, rows, cols]",
+                info.name
+            );
+        }
+        let all = GgufMatrix::from_tensor(self.file, info)?;
+        (0..n).map(|i| Ok(Box::new(all.row_range(i * rows, rows)?) as Matrix)).collect()
     }
     fn vector(&self, hf: &str, len: usize) -> Result<Vec<f32>> {
         let info = self.info(hf)?;

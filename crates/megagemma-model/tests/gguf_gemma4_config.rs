@@ -19,7 +19,7 @@ fn configs(name: &str) -> (ModelConfig, ModelConfig) {
 
 #[test]
 fn gguf_metadata_resolves_like_config_json() {
-    for name in ["ple_shared_dw", "keqv_global", "sliding_wrap"] {
+    for name in ["ple_shared_dw", "keqv_global", "sliding_wrap", "moe"] {
         let (g, c) = configs(name);
         assert_eq!(g.family, c.family, "{name}");
         assert_eq!(
@@ -42,6 +42,7 @@ fn gguf_metadata_resolves_like_config_json() {
         assert_eq!(g.use_double_wide_mlp, c.use_double_wide_mlp, "{name}: double-wide");
         assert_eq!(g.attention_k_eq_v, c.attention_k_eq_v, "{name}: k_eq_v");
         assert_eq!(g.attn_scale, c.attn_scale, "{name}: attention scale");
+        assert_eq!(g.moe, c.moe, "{name}: experts");
         assert_eq!((g.bos_token_id, g.pad_token_id), (c.bos_token_id, c.pad_token_id), "{name}: ids");
         // <eos>, then Gemma 4's end of turn <turn|> found by its text.
         assert_eq!(g.eos_token_ids, [1, 6], "{name}: stop ids");
@@ -69,9 +70,8 @@ fn the_fixtures_cover_every_gemma4_text_feature() {
 }
 
 #[test]
-fn moe_gguf_is_refused_with_one_clear_error() {
-    let file = GgufFile::open(root().join("tests/fixtures-gguf/gemma4/moe.gguf")).unwrap();
-    let err = gguf_config(&file).unwrap_err().to_string();
-    assert!(err.contains("mixture-of-experts GGUF files are not supported"), "{err}");
-    assert!(!err.contains('\n'), "{err}");
+fn moe_metadata_names_the_experts() {
+    let (m, _) = configs("moe");
+    let moe = m.moe.expect("moe.gguf has experts");
+    assert_eq!((moe.num_experts, moe.top_k, moe.intermediate_size), (8, 2, 16));
 }

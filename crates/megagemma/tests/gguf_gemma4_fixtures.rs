@@ -2,7 +2,8 @@
 //! fixtures by tools/make_gguf4_fixture.py (which follows llama.cpp's converter) into
 //! tests/fixtures-gguf/gemma4/. BF16 tensors hold the fixtures' BF16 weights exactly, so the CLI
 //! must reproduce transformers' float64 greedy ids and logits recorded in each source fixture's
-//! expected.json; the Q8_0 file must stay close to them; the MoE file must be refused in one line.
+//! expected.json (mixture of experts included); the Q8_0 file must match its dequantized values;
+//! broken files must fail with one clear error line.
 
 mod common;
 use common::*;
@@ -66,7 +67,7 @@ fn want_logits(case: &Value, step: usize) -> Vec<f64> {
 #[test]
 fn bf16_gguf_files_match_transformers_exactly() {
     let mut checked = 0;
-    for fixture in ["ple_shared_dw", "keqv_global", "sliding_wrap"] {
+    for fixture in ["ple_shared_dw", "keqv_global", "sliding_wrap", "moe"] {
         let exp = expected(fixture);
         let cases = exp["cases"].as_array().unwrap();
         for ((name, got, logits), case) in run_cases(&format!("{fixture}.gguf"), fixture).iter().zip(cases) {
@@ -79,7 +80,7 @@ fn bf16_gguf_files_match_transformers_exactly() {
             checked += 1;
         }
     }
-    assert!(checked >= 6, "only {checked} cases checked");
+    assert!(checked >= 8, "only {checked} cases checked");
 }
 
 #[test]
@@ -122,9 +123,42 @@ fn gguf_tokenizer_runs_text_prompts() {
     assert_eq!(stdout(&o).trim().split(',').count(), 4, "{}", stdout(&o));
 }
 
+/// A copy of `gguf` with the metadata key `from` renamed to `to` (same length), in a temp dir.
+fn with_key_renamed(gguf: &str, from: &str, to: &str) -> PathBuf {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = std::fs::read(gguf_dir().join(gguf)).unwrap();
+    let mut key = (from.len() as u64).to_le_bytes().to_vec();
+    key.extend(from.as_bytes());
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap_or_else(|| panic!("{from} not in {gguf}"));
+    bytes[at + 8..at + key.len()].copy_from_slice(to.as_bytes());
+    let dir = std::env::temp_dir().join(format!("megagemma-gguf4-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{to}.gguf"));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
 #[test]
-fn moe_gguf_is_refused_in_one_line() {
-    let model = gguf_dir().join("moe.gguf");
-    let o = megagemma(&["run", "--model", model.to_str().unwrap(), "--prompt-ids", "2,10", "--max-new-tokens", "1"]);
-    assert_user_error(&o, "mixture-of-experts GGUF files are not supported");
+fn broken_gemma4_files_fail_in_one_line() {
+    for (gguf, from, to, needle) in [
+        (
+            "ple_shared_dw.gguf",
+            "gemma4.attention.sliding_window_pattern",
+            "gemma4.attention.sliding_window_patterX",
+            "missing `gemma4.attention.sliding_window_pattern`",
+        ),
+        ("moe.gguf", "gemma4.expert_count", "gemma4.expert_counX", "is an expert tensor but `gemma4.expert_count`"),
+        ("sliding_wrap.gguf", "gemma4.rope.dimension_count_swa", "gemma4.rope.dimension_count_swX", ""),
+    ] {
+        let model = with_key_renamed(gguf, from, to);
+        let o =
+            megagemma(&["run", "--model", model.to_str().unwrap(), "--prompt-ids", "2,10", "--max-new-tokens", "1"]);
+        if needle.is_empty() {
+            // An optional key: llama.cpp's default (the sliding head dim) applies.
+            assert!(o.status.success(), "{to}: {}", stderr(&o));
+        } else {
+            assert_user_error(&o, needle);
+        }
+        let _ = std::fs::remove_file(model);
+    }
 }

@@ -74,6 +74,27 @@ impl GgufMatrix {
         self.ggml_type
     }
 
+    /// Rows `first .. first + n` as a matrix of their own (one expert of a 3-D expert tensor).
+    pub fn row_range(&self, first: usize, n: usize) -> Result<GgufMatrix> {
+        if first.checked_add(n).is_none_or(|end| end > self.rows) {
+            bail!("rows {first}..{} are outside a {}-row GGUF tensor", first.saturating_add(n), self.rows);
+        }
+        Ok(GgufMatrix {
+            mmap: self.mmap.clone(),
+            start: self.start + first * self.row_bytes,
+            rows: n,
+            cols: self.cols,
+            row_bytes: self.row_bytes,
+            ggml_type: self.ggml_type,
+            dot: self.dot,
+            dot_multi: self.dot_multi,
+            dot_multi2: self.dot_multi2,
+            dequant: self.dequant,
+            int_dot: self.int_dot,
+            tiles: OnceLock::new(),
+        })
+    }
+
     /// The rows as byte tiles, re-laid on the first call. The file's pages of these rows then
     /// leave the process's memory ([`drop_file_pages`]): the CPU kernels read only the tiles, so
     /// a GGUF model is not held twice. A later read of the rows (an embedding gather from a tied
