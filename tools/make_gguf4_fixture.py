@@ -31,8 +31,8 @@ What follows the converter:
   the reference the Q8_0 file is checked against;
 * the vocabulary: Gemma4Model.set_vocab (tokenizer.ggml.model = "gemma4", tokens in id order,
   scores -1000, types BYTE for <0xNN> / CONTROL for special ids / NORMAL, the converter's
-  USER_DEFINED "visible" tokens, merges and special ids through gguf.SpecialVocab,
-  add_space_prefix false, add_bos_token true).
+  USER_DEFINED "visible" tokens, merges, special ids and the chat template through
+  gguf.SpecialVocab, add_space_prefix false, add_bos_token true).
 
 Fixture specifics. The fixtures name per-layer head dims / kv heads in `per_layer_config`; they
 are read as the hub configs' `global_head_dim` / `num_global_key_value_heads` (the converter
@@ -210,7 +210,6 @@ def main():
     tok = gemma4_style_tokenizer(fixture)
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False, indent=1) + "\n")
     tc = json.loads((fixture / "tokenizer_config.json").read_text())
-    tc.pop("chat_template", None)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tc, indent=1) + "\n")
 
     h = hparams_of(fixture)

@@ -103,24 +103,30 @@ fn q8_0_gguf_file_matches_its_dequantized_values() {
 }
 
 #[test]
-fn gguf_tokenizer_runs_text_prompts() {
-    // The tokenizer comes from the file's `gemma4` metadata; the prompt ids are those of the
-    // committed tokenizer.json it was converted from.
-    let model = gguf_dir().join("ple_shared_dw.gguf");
-    let o = megagemma(&[
-        "run",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "The keeper climbed the stairs",
-        "--greedy",
-        "--max-new-tokens",
-        "4",
-        "--output",
-        "ids",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert_eq!(stdout(&o).trim().split(',').count(), 4, "{}", stdout(&o));
+fn text_prompts_through_the_gguf_tokenizer_and_chat_template_match_the_checkpoint() {
+    // Tokenizer and chat template come from the file's metadata (`gemma4` tokenizer model,
+    // tokenizer.chat_template); the checkpoint directory uses its tokenizer.json and
+    // chat_template.jinja. Same prompt ids, same greedy ids.
+    let json = |model: &PathBuf| -> Value {
+        let o = megagemma(&[
+            "run",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt",
+            "The keeper climbed the stairs, café ☃",
+            "--greedy",
+            "-n",
+            "12",
+            "--output",
+            "json",
+        ]);
+        assert!(o.status.success(), "{}: {}", model.display(), stderr(&o));
+        serde_json::from_str(stdout(&o).trim()).unwrap()
+    };
+    let gguf = json(&gguf_dir().join("ple_shared_dw.gguf"));
+    let dir = json(&fixtures_dir().join("ple_shared_dw"));
+    assert_eq!(gguf["prompt_tokens"], dir["prompt_tokens"]);
+    assert_eq!(gguf["ids"], dir["ids"]);
 }
 
 /// A copy of `gguf` with the metadata key `from` renamed to `to` (same length), in a temp dir.
