@@ -118,6 +118,20 @@ for dir in tests/fixtures/*/; do
     done
   done
 done
+# Gemma 4 GGUF files (the fixtures written the converter's way, BF16 and Q8_0, MoE included):
+# CUDA ids == CPU ids, graph and (but MoE) megakernel.
+for f in tests/fixtures-gguf/gemma4/*.gguf; do
+  src=tests/fixtures/$(basename "$f" .gguf | sed 's/\..*//')
+  ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$src/expected.json'))['cases'][0]['prompt_ids'])))")
+  cpu=$("$MG" run --model "$f" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
+  extras=("")
+  case "$f" in *moe*) ;; *) extras+=("--decode megakernel") ;; esac
+  for extra in "${extras[@]}"; do
+    gpu=$("$MG" run --model "$f" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
+    if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
+    echo "$r $(basename "$f") [$ids] ${extra:-graph}" >> "$OUT/cli_fixtures.log"
+  done
+done
 # MTP drafting on CUDA (--draft mtp): the committed assistants' target, stored and q4, each
 # assistant (dense and centroid head), graph and megakernel, 48 tokens (the target's sliding window
 # of 8 wraps five times).
