@@ -119,6 +119,46 @@ ABLATIONS = {
         "statistics a producer would hand over as per-tile partials",
         [("matvec_mma.cu", "  ss = block_sum_d(ss);\n", "")],
     ),
+    "stat1warp": (
+        "a folded residual step's first block reduction replaced by what per-tile partials would cost the "
+        "consumer: every warp reads dim/16 doubles (the row's first bytes stand in for a producer's Σo² per "
+        "16-row tile) and adds them by shuffles, no block barrier (the producer's side is not included)",
+        [(
+            "matvec_mma.cu",
+            "  ss = block_sum_d(ss);\n",
+            "  {\n"
+            "    const double* part = (const double*)orow;\n"
+            "    double s = 0.0;\n"
+            "    for (int t = threadIdx.x & 31; t < dim / 16; t += 32) s += part[t];\n"
+            "#pragma unroll\n"
+            "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
+            "    ss = s;\n"
+            "  }\n",
+        )],
+    ),
+    "stat1warpu": (
+        "as stat1warp, with every lane's partial loads issued at once (unrolled, up to 8 a lane: rows of up to "
+        "4,096) and added in a fixed order after they arrive",
+        [(
+            "matvec_mma.cu",
+            "  ss = block_sum_d(ss);\n",
+            "  {\n"
+            "    const double* part = (const double*)orow;\n"
+            "    double v[8];\n"
+            "#pragma unroll\n"
+            "    for (int i = 0; i < 8; i++) {\n"
+            "      const int t = (threadIdx.x & 31) + 32 * i;\n"
+            "      v[i] = t < dim / 16 ? part[t] : 0.0;\n"
+            "    }\n"
+            "    double s = 0.0;\n"
+            "#pragma unroll\n"
+            "    for (int i = 0; i < 8; i++) s += v[i];\n"
+            "#pragma unroll\n"
+            "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
+            "    ss = s;\n"
+            "  }\n",
+        )],
+    ),
     "nostat2": (
         "a folded residual step's second block reduction (Σx'² of the thread's own elements)",
         [("matvec_mma.cu", "  ss2 = block_sum_d(ss2);\n", "")],
