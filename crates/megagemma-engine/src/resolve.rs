@@ -6,6 +6,9 @@
 //!    Face cache (`HF_HUB_CACHE`, else `HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`,
 //!    else `~/.cache/huggingface/hub`) in its snapshot layout:
 //!    `models--org--name/refs/<revision>` holds a commit hash, `snapshots/<hash>/` the files.
+//!    A GGUF repo holds one file per quantization: `org/name:Q4_K_M` (llama.cpp's `-hf` spelling,
+//!    also after a revision) picks the `.gguf` whose name holds the tag; vision and audio
+//!    projector files (`mmproj*.gguf`) are never the model.
 //!
 //! Nothing is downloaded from the Hugging Face Hub: a repo that is not in the cache is an error
 //! that says how to get it. With `HF_HUB_OFFLINE` set nothing is fetched at all: a known name
@@ -83,12 +86,28 @@ pub struct RepoId {
     pub name: String,
     /// A branch or tag (read from `refs/`) or a commit hash; `main` when not given.
     pub revision: String,
+    /// `:TAG` after the id: which `.gguf` file of a GGUF repo (e.g. `Q4_K_M`), matched
+    /// case-insensitively against the file names.
+    pub quant: Option<String>,
 }
 
 impl RepoId {
     /// A repo id as the Hub spells them (letters, digits, `-`, `_`, `.`; no `--` or `..`; at
     /// most 96 characters per part), else `None`.
     pub fn parse(text: &str) -> Option<RepoId> {
+        // `:TAG` last (a git ref cannot hold a colon): `org/name:Q4_K_M`, `org/name@v1:Q8_0`.
+        let (text, quant) = match text.rsplit_once(':') {
+            Some((rest, tag)) => {
+                let tag_ok = !tag.is_empty()
+                    && tag.len() <= 64
+                    && tag.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+                if !tag_ok {
+                    return None;
+                }
+                (rest, Some(tag.to_string()))
+            }
+            None => (text, None),
+        };
         let (id, revision) = match text.split_once('@') {
             Some((id, rev)) => (id, rev),
             None => (text, "main"),
@@ -111,6 +130,7 @@ impl RepoId {
             org: org.to_string(),
             name: name.to_string(),
             revision: revision.to_string(),
+            quant,
         })
     }
 
@@ -125,7 +145,8 @@ impl RepoId {
 }
 
 /// The snapshot directory of `repo` in the hub cache, then the model in it: the directory
-/// itself when it holds `config.json`, else its one `.gguf` file.
+/// itself when it holds `config.json`, else its `.gguf` file (the one, or the one `repo.quant`
+/// names).
 pub fn find_in_hf_cache(repo: &RepoId, loc: &Locations) -> Result<PathBuf> {
     let how = if loc.offline {
         format!("download it with `hf download {}` (HF_HUB_OFFLINE is set: nothing is fetched)", repo.id())
@@ -145,7 +166,8 @@ pub fn find_in_hf_cache(repo: &RepoId, loc: &Locations) -> Result<PathBuf> {
     let snapshots = folder.join("snapshots");
     let snapshot = snapshot_dir(&folder, &snapshots, &repo.revision)
         .with_context(|| format!("model {} in the Hugging Face cache {}", repo.id(), hub.display()))?;
-    model_in_snapshot(&snapshot).with_context(|| format!("model {} ({})", repo.id(), snapshot.display()))
+    model_in_snapshot(&snapshot, repo.quant.as_deref())
+        .with_context(|| format!("model {} ({})", repo.id(), snapshot.display()))
 }
 
 fn snapshot_dir(folder: &Path, snapshots: &Path, revision: &str) -> Result<PathBuf> {
@@ -185,25 +207,74 @@ fn snapshot_dir(folder: &Path, snapshots: &Path, revision: &str) -> Result<PathB
     bail!("no revision `{revision}` (refs/{revision} is missing)")
 }
 
-fn model_in_snapshot(dir: &Path) -> Result<PathBuf> {
+fn model_in_snapshot(dir: &Path, quant: Option<&str>) -> Result<PathBuf> {
     if dir.join("config.json").exists() {
+        if let Some(tag) = quant {
+            bail!(
+                "`:{tag}` picks a .gguf file, but the snapshot is a checkpoint directory (config.json): drop the tag"
+            );
+        }
         return Ok(dir.to_path_buf());
     }
+    let name_of = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // Projector files (vision / audio encoders) sit beside the language model in GGUF repos.
     let mut ggufs: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+        .filter(|p| !name_of(p).to_ascii_lowercase().starts_with("mmproj"))
         .collect();
     ggufs.sort();
-    match ggufs.len() {
-        0 => bail!("the snapshot has neither config.json nor a .gguf file"),
-        1 => Ok(ggufs.remove(0)),
-        _ => {
-            let names: Vec<String> =
-                ggufs.iter().filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).collect();
-            bail!("the snapshot has several .gguf files ({}): give one by its path", names.join(", "))
-        }
+    let names = |files: &[PathBuf]| files.iter().map(name_of).collect::<Vec<_>>().join(", ");
+    if ggufs.is_empty() {
+        bail!("the snapshot has neither config.json nor a model .gguf file");
     }
+    let Some(tag) = quant else {
+        if ggufs.len() == 1 {
+            return Ok(ggufs.remove(0));
+        }
+        bail!(
+            "the snapshot has several .gguf files ({}): pick one as ORG/NAME:QUANT (e.g. `:Q4_K_M`) or give its path",
+            names(&ggufs)
+        );
+    };
+    // A repo's files share the model's name and end in their quantization (`gemma-4-E4B-it-` +
+    // `Q4_K_M`, `UD-Q4_K_M`, …): a tag equal to that ending wins, then a tag that is whole pieces
+    // of one name.
+    let stems: Vec<String> =
+        ggufs.iter().map(|p| name_of(p).to_ascii_lowercase().trim_end_matches(".gguf").to_string()).collect();
+    let prefix = model_prefix_len(&stems);
+    let lower = tag.to_ascii_lowercase();
+    let exact: Vec<usize> = (0..ggufs.len()).filter(|&i| stems[i][prefix..] == lower).collect();
+    if exact.len() == 1 {
+        return Ok(ggufs[exact[0]].clone());
+    }
+    let matching: Vec<PathBuf> =
+        (0..ggufs.len()).filter(|&i| holds_tag(&stems[i], &lower)).map(|i| ggufs[i].clone()).collect();
+    match matching.len() {
+        0 => bail!("no .gguf file matches `:{tag}` (the snapshot has {})", names(&ggufs)),
+        1 => Ok(matching[0].clone()),
+        _ => bail!("several .gguf files match `:{tag}` ({}): give a longer tag or the file's path", names(&matching)),
+    }
+}
+
+/// Whether `tag` is one or more whole `-` / `.` / `_`-separated pieces of `stem` (`q4_k` is in
+/// `…-q4_k_m`, `f16` is not in `…-bf16`).
+fn holds_tag(stem: &str, tag: &str) -> bool {
+    let sep = |b: Option<&u8>| b.is_none_or(|b| matches!(b, b'-' | b'.' | b'_'));
+    stem.match_indices(tag).any(|(i, _)| {
+        sep(i.checked_sub(1).and_then(|j| stem.as_bytes().get(j))) && sep(stem.as_bytes().get(i + tag.len()))
+    })
+}
+
+/// Length of the model name the stems share, up to and including its last `-` or `.` (so that
+/// what follows is each file's quantization): the whole common prefix of one stem's is cut back too.
+fn model_prefix_len(stems: &[String]) -> usize {
+    let first = stems[0].as_bytes();
+    let common = stems[1..]
+        .iter()
+        .fold(first.len(), |n, s| n.min(first.iter().zip(s.as_bytes()).take_while(|(a, b)| a == b).count()));
+    first[..common].iter().rposition(|&b| b == b'-' || b == b'.').map_or(0, |i| i + 1)
 }
 
 #[cfg(test)]
@@ -249,7 +320,18 @@ mod tests {
         assert_eq!((r.org.as_str(), r.name.as_str(), r.revision.as_str()), ("google", "gemma-3-270m-it", "main"));
         assert_eq!(r.cache_folder(), "models--google--gemma-3-270m-it");
         assert_eq!(RepoId::parse("a/b@v1.0").unwrap().revision, "v1.0");
+        let q = RepoId::parse("unsloth/gemma-4-E4B-it-GGUF:Q4_K_M").unwrap();
+        assert_eq!(
+            (q.name.as_str(), q.revision.as_str(), q.quant.as_deref()),
+            ("gemma-4-E4B-it-GGUF", "main", Some("Q4_K_M"))
+        );
+        let q = RepoId::parse("a/b@v2:UD-Q8_K_XL").unwrap();
+        assert_eq!((q.revision.as_str(), q.quant.as_deref()), ("v2", Some("UD-Q8_K_XL")));
+        assert_eq!(RepoId::parse("a/b").unwrap().quant, None);
         for bad in ["gemma", "/abs/path", "./x/y", "a/b/c", "a--b/c", "a/..", "a/b@", "a/b@../x", "a/", "", "a b/c"] {
+            assert_eq!(RepoId::parse(bad), None, "{bad}");
+        }
+        for bad in ["a/b:", "a/b:Q4/K", "a/b:Q4 K", "a:b/c", "a/b:x:y"] {
             assert_eq!(RepoId::parse(bad), None, "{bad}");
         }
     }
@@ -282,7 +364,48 @@ mod tests {
         assert_eq!(resolve_with(Path::new("org/q"), &l).unwrap(), snap.join("m-q4.gguf"));
         std::fs::write(snap.join("m-q8.gguf"), b"GGUF").unwrap();
         let e = format!("{:#}", resolve_with(Path::new("org/q"), &l).unwrap_err());
-        assert!(e.contains("several .gguf files (m-q4.gguf, m-q8.gguf)"), "{e}");
+        assert!(e.contains("several .gguf files (m-q4.gguf, m-q8.gguf)") && e.contains("ORG/NAME:QUANT"), "{e}");
+        std::fs::remove_dir_all(&hub).unwrap();
+    }
+
+    #[test]
+    fn a_quant_tag_picks_one_gguf_file_and_projectors_are_never_the_model() {
+        let hub = scratch("quant");
+        let files: &[(&str, &[u8])] = &[
+            ("gemma-4-E4B-it-Q4_K_M.gguf", b"GGUF"),
+            ("gemma-4-E4B-it-UD-Q4_K_M.gguf", b"GGUF"),
+            ("gemma-4-E4B-it-Q8_0.gguf", b"GGUF"),
+            ("mmproj-F16.gguf", b"GGUF"),
+        ];
+        let snap = fake_repo(&hub, "models--org--g", H1, files, &["main"]);
+        let l = loc(&hub);
+        let pick = |tag: &str| resolve_with(Path::new(&format!("org/g:{tag}")), &l);
+        assert_eq!(pick("q8_0").unwrap(), snap.join("gemma-4-E4B-it-Q8_0.gguf"));
+        // Inside both names; the one that ends in `-Q4_K_M` wins.
+        assert_eq!(pick("Q4_K_M").unwrap(), snap.join("gemma-4-E4B-it-Q4_K_M.gguf"));
+        assert_eq!(pick("UD-Q4_K_M").unwrap(), snap.join("gemma-4-E4B-it-UD-Q4_K_M.gguf"));
+        assert_eq!(
+            resolve_with(Path::new(&format!("org/g@{H1}:Q8_0")), &l).unwrap(),
+            snap.join("gemma-4-E4B-it-Q8_0.gguf")
+        );
+        let e = format!("{:#}", pick("Q5_K_M").unwrap_err());
+        assert!(e.contains("no .gguf file matches `:Q5_K_M`") && !e.contains("mmproj"), "{e}");
+        let e = format!("{:#}", pick("F16").unwrap_err());
+        assert!(e.contains("no .gguf file matches"), "the projector is not a candidate: {e}");
+        // Pieces of a name, not any substring.
+        assert_eq!(pick("Q8").unwrap(), snap.join("gemma-4-E4B-it-Q8_0.gguf"));
+        assert!(pick("K_M").is_err() && pick("8_0").is_err() && pick("_0").is_err());
+        let e = format!("{:#}", pick("it").unwrap_err());
+        assert!(e.contains("several .gguf files match `:it`"), "{e}");
+        // The projector beside one model file leaves no ambiguity without a tag.
+        for (name, _) in &files[1..3] {
+            std::fs::remove_file(snap.join(name)).unwrap();
+        }
+        assert_eq!(resolve_with(Path::new("org/g"), &l).unwrap(), snap.join("gemma-4-E4B-it-Q4_K_M.gguf"));
+        // A checkpoint repo takes no tag.
+        fake_repo(&hub, "models--org--c", H1, &[("config.json", b"{}")], &["main"]);
+        let e = format!("{:#}", resolve_with(Path::new("org/c:Q4_K_M"), &l).unwrap_err());
+        assert!(e.contains("checkpoint directory"), "{e}");
         std::fs::remove_dir_all(&hub).unwrap();
     }
 

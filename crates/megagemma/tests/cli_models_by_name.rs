@@ -123,3 +123,47 @@ fn offline_a_known_name_must_already_be_pulled() {
     assert!(std::fs::read_dir(&root).unwrap().next().is_none(), "nothing was fetched into the empty cache");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A GGUF repo as llama.cpp users download them: one file per quantization beside a projector
+/// file; `ORG/NAME:QUANT` picks the file, as `-hf ORG/NAME:QUANT` does there.
+#[test]
+fn a_quant_tag_picks_the_file_of_a_gguf_repo() {
+    let root = scratch("gguf");
+    let hub = root.join("hub");
+    let repo = hub.join("models--test-org--tiny-gemma4-GGUF");
+    let snap = repo.join("snapshots").join(HASH);
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), HASH).unwrap();
+    let ggufs = repo_root().join("tests/fixtures-gguf/gemma4");
+    for (from, to) in [
+        ("sliding_wrap.gguf", "tiny-gemma4-BF16.gguf"),
+        ("sliding_wrap.q8_0.gguf", "tiny-gemma4-Q8_0.gguf"),
+        ("moe.gguf", "mmproj-tiny-gemma4-F16.gguf"),
+    ] {
+        std::fs::copy(ggufs.join(from), snap.join(to)).unwrap();
+    }
+    let text = std::fs::read_to_string(fixtures_dir().join("sliding_wrap/expected.json")).unwrap();
+    let case = &serde_json::from_str::<serde_json::Value>(&text).unwrap()["cases"][0];
+    let ids = |key: &str| -> String {
+        case[key].as_array().unwrap().iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    };
+    let n = case["greedy_ids"].as_array().unwrap().len().to_string();
+    let run = |model: &str| {
+        let args = ["run", "--model", model, "--prompt-ids", &ids("prompt_ids"), "--greedy", "--ignore-eos", "-n", &n];
+        megagemma_env(&[&args[..], &["--output", "ids"]].concat(), &[("HF_HUB_CACHE", &hub)], true)
+    };
+    // BF16 holds the fixture's weights exactly: transformers' ids.
+    let out = run("test-org/tiny-gemma4-GGUF:bf16");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), ids("greedy_ids"));
+    let out = run("test-org/tiny-gemma4-GGUF:Q8_0");
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Without a tag two model files are ambiguous (the projector is never a candidate); a tag
+    // that names no model file, the projector's included, is one error line listing the files.
+    assert_user_error(&run("test-org/tiny-gemma4-GGUF"), ":QUANT");
+    let out = run("test-org/tiny-gemma4-GGUF:F16");
+    assert_user_error(&out, "no .gguf file matches `:F16`");
+    assert!(stderr(&out).contains("tiny-gemma4-BF16.gguf, tiny-gemma4-Q8_0.gguf"), "{}", stderr(&out));
+    std::fs::remove_dir_all(&root).unwrap();
+}
