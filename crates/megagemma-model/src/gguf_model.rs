@@ -27,66 +27,117 @@ pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     }
 }
 
+/// One architecture's `ARCH.*` metadata, read typed: a missing key is `None` (or an error naming
+/// it for `req`), a key of the wrong type or value an error naming it.
+struct Meta<'a> {
+    f: &'a GgufFile,
+    arch: &'static str,
+}
+
+impl Meta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+    /// Any integer width, converted without truncation.
+    fn opt(&self, k: &str) -> Result<Option<usize>> {
+        typed(self.f, &self.key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok())
+    }
+    /// f32 or f64.
+    fn float(&self, k: &str) -> Result<Option<f64>> {
+        typed(self.f, &self.key(k), "a float", GgufValue::as_f64)
+    }
+    fn req(&self, k: &str) -> Result<usize> {
+        self.opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", self.key(k))))
+    }
+    /// A `tokenizer.ggml.*` token id (the full key).
+    fn id(&self, k: &str) -> Result<Option<u32>> {
+        typed(self.f, k, "a token id", |v| v.as_u64()?.try_into().ok())
+    }
+
+    /// The widths and counts every Gemma file states the same way.
+    fn shape(&self) -> Result<Shape> {
+        let hidden_size = self.req("embedding_length")?;
+        let num_layers = check_limit(&self.key("block_count"), self.req("block_count")?, MAX_LAYERS)?;
+        let num_heads = self.req("attention.head_count")?;
+        if num_heads == 0 {
+            bail!("GGUF metadata `{}` must be positive, got 0", self.key("attention.head_count"));
+        }
+        let embd = self
+            .f
+            .tensor("token_embd.weight")
+            .ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
+        let vocab_size = match embd.shape()[..] {
+            [rows, _] => rows,
+            ref other => bail!("GGUF tensor `token_embd.weight` has shape {other:?}, expected [vocab, hidden]"),
+        };
+        Ok(Shape { hidden_size, num_layers, num_heads, vocab_size })
+    }
+
+    /// `rope.scaling.*` on the full layers' RoPE (llama.cpp writes linear scaling only).
+    fn rope_scaling(&self, rope: &mut RopeSpec) -> Result<()> {
+        match self.f.metadata(&self.key("rope.scaling.type")) {
+            None => {}
+            Some(v) => match v.as_str() {
+                Some("none") => {}
+                Some("linear") => rope.factor = self.float("rope.scaling.factor")?.unwrap_or(1.0),
+                _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", self.key("rope.scaling.type")),
+            },
+        }
+        Ok(())
+    }
+
+    /// End of sequence, and the end-of-turn token instruction-tuned files also name: generation
+    /// stops at either.
+    fn end_ids(&self) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+            ids.extend(self.id(k)?);
+        }
+        Ok(ids)
+    }
+}
+
+struct Shape {
+    hidden_size: usize,
+    num_layers: usize,
+    num_heads: usize,
+    vocab_size: usize,
+}
+
+fn plain_rope(theta: f64) -> RopeSpec {
+    RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 }
+}
+
 fn gemma3_config(f: &GgufFile) -> Result<ModelConfig> {
     let arch = "gemma3";
-    let key = |k: &str| format!("{arch}.{k}");
-    // Any integer width, converted without truncation; floats as f32 or f64.
-    let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
-    let float = |k: &str| typed(f, &key(k), "a float", GgufValue::as_f64);
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
-    };
-    let hidden_size = req("embedding_length")?;
-    let num_layers = check_limit(&key("block_count"), req("block_count")?, MAX_LAYERS)?;
-    let num_heads = req("attention.head_count")?;
-    if num_heads == 0 {
-        bail!("GGUF metadata `{}` must be positive, got 0", key("attention.head_count"));
-    }
-    let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-    let head_dim = opt("attention.key_length")?.unwrap_or(hidden_size / num_heads);
-    let embd =
-        f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
-    let vocab_size = match embd.shape()[..] {
-        [rows, _] => rows,
-        ref other => bail!("GGUF tensor `token_embd.weight` has shape {other:?}, expected [vocab, hidden]"),
-    };
-    let sliding_window = opt("attention.sliding_window")?.unwrap_or(4096);
+    let m = Meta { f, arch };
+    let Shape { hidden_size, num_layers, num_heads, vocab_size } = m.shape()?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = m.opt("attention.key_length")?.unwrap_or(hidden_size / num_heads);
+    let sliding_window = m.opt("attention.sliding_window")?.unwrap_or(4096);
     // llama.cpp's Gemma 3: every 6th layer is global; local layers use RoPE base 10000.
     let layer_types =
         (0..num_layers).map(|i| if (i + 1) % 6 == 0 { AttnKind::Full } else { AttnKind::Sliding }).collect();
-    let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-    let mut rope_full = plain(float("rope.freq_base")?.unwrap_or(1_000_000.0));
-    match f.metadata(&key("rope.scaling.type")) {
-        None => {}
-        Some(v) => match v.as_str() {
-            Some("none") => {}
-            Some("linear") => rope_full.factor = float("rope.scaling.factor")?.unwrap_or(1.0),
-            _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", key("rope.scaling.type")),
-        },
-    }
-    let id = |k: &str| typed(f, k, "a token id", |v| v.as_u64()?.try_into().ok());
-    let mut eos_token_ids = Vec::new();
-    // Instruction-tuned files also name an end-of-turn token; generation stops at either.
-    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-        eos_token_ids.extend(id(k)?);
-    }
+    let mut rope_full = plain_rope(m.float("rope.freq_base")?.unwrap_or(1_000_000.0));
+    m.rope_scaling(&mut rope_full)?;
+    let eos_token_ids = m.end_ids()?;
     let config = ModelConfig {
         family: Family::Gemma3,
         architecture: format!("gguf:{arch}"),
         tensor_prefix: String::new(),
         vocab_size,
         hidden_size,
-        intermediate_size: req("feed_forward_length")?,
+        intermediate_size: m.req("feed_forward_length")?,
         num_layers,
         num_heads,
         layer_types,
         head_dims: vec![head_dim; num_layers],
         kv_heads: vec![num_kv_heads; num_layers],
         sliding_window,
-        rope_sliding: plain(10_000.0),
+        rope_sliding: plain_rope(10_000.0),
         rope_full,
-        rms_norm_eps: float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
-        final_logit_softcapping: float("final_logit_softcapping")?,
+        rms_norm_eps: m.float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        final_logit_softcapping: m.float("final_logit_softcapping")?,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         ple_dim: 0,
         ple_vocab_size: vocab_size,
@@ -96,13 +147,13 @@ fn gemma3_config(f: &GgufFile) -> Result<ModelConfig> {
         moe: None,
         // query_pre_attn_scalar = head_dim for every Gemma 3 size llama.cpp converts but 27B,
         // whose converter writes attention.scale... use it when present.
-        attn_scale: match float("attention.scale")? {
+        attn_scale: match m.float("attention.scale")? {
             Some(s) => s,
             None => (head_dim as f64).powf(-0.5),
         },
         eos_token_ids,
-        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
-        pad_token_id: id("tokenizer.ggml.padding_token_id")?,
+        bos_token_id: m.id("tokenizer.ggml.bos_token_id")?,
+        pad_token_id: m.id("tokenizer.ggml.padding_token_id")?,
         quantization: None,
     };
     config.validate()?;
@@ -114,25 +165,9 @@ fn gemma3_config(f: &GgufFile) -> Result<ModelConfig> {
 /// omit default as llama.cpp's loader defaults them (noted where it matters).
 fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
     let arch = "gemma4";
-    let key = |k: &str| format!("{arch}.{k}");
-    let opt = |k: &str| typed(f, &key(k), "a non-negative integer", |v| v.as_u64()?.try_into().ok());
-    let float = |k: &str| typed(f, &key(k), "a float", GgufValue::as_f64);
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.ok_or_else(|| Error::msg(format!("GGUF metadata is missing `{}`", key(k))))
-    };
-
-    let hidden_size = req("embedding_length")?;
-    let num_layers = check_limit(&key("block_count"), req("block_count")?, MAX_LAYERS)?;
-    let num_heads = req("attention.head_count")?;
-    if num_heads == 0 {
-        bail!("GGUF metadata `{}` must be positive, got 0", key("attention.head_count"));
-    }
-    let embd =
-        f.tensor("token_embd.weight").ok_or_else(|| Error::msg("GGUF file has no tensor `token_embd.weight`"))?;
-    let vocab_size = match embd.shape()[..] {
-        [rows, _] => rows,
-        ref other => bail!("GGUF tensor `token_embd.weight` has shape {other:?}, expected [vocab, hidden]"),
-    };
+    let m = Meta { f, arch };
+    let key = |k: &str| m.key(k);
+    let Shape { hidden_size, num_layers, num_heads, vocab_size } = m.shape()?;
 
     // Layer types: `attention.sliding_window_pattern`, one bool per layer, true = sliding.
     let pattern_key = key("attention.sliding_window_pattern");
@@ -146,10 +181,10 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
 
     // Head dims: key_length is the full layers' (global_head_dim), key_length_swa the sliding
     // layers' (llama.cpp defaults the latter to the former).
-    let head_dim_full = req("attention.key_length")?;
-    let head_dim_swa = opt("attention.key_length_swa")?.unwrap_or(head_dim_full);
+    let head_dim_full = m.req("attention.key_length")?;
+    let head_dim_swa = m.opt("attention.key_length_swa")?.unwrap_or(head_dim_full);
     for (k, want) in [("attention.value_length", head_dim_full), ("attention.value_length_swa", head_dim_swa)] {
-        if let Some(v) = opt(k)? {
+        if let Some(v) = m.opt(k)? {
             if v != want {
                 bail!("GGUF `{}` = {v} differs from the key length {want}: unsupported", key(k));
             }
@@ -159,7 +194,7 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         layer_types.iter().map(|&t| if t == AttnKind::Full { head_dim_full } else { head_dim_swa }).collect();
     let kv_heads = per_layer(f, &key("attention.head_count_kv"), num_layers)?.unwrap_or(vec![num_heads; num_layers]);
 
-    let num_kv_shared_layers = opt("attention.shared_kv_layers")?.unwrap_or(0);
+    let num_kv_shared_layers = m.opt("attention.shared_kv_layers")?.unwrap_or(0);
     if num_kv_shared_layers >= num_layers && num_kv_shared_layers > 0 {
         bail!("GGUF `{}` = {num_kv_shared_layers} leaves no layer its own KV cache", key("attention.shared_kv_layers"));
     }
@@ -197,17 +232,16 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
     // RoPE. Sliding layers: rope.freq_base_swa (llama.cpp defaults it to rope.freq_base), all
     // dims rotated. Full layers: rope.freq_base; the converter writes the proportional partial
     // rotation as `rope_freqs.weight` = [1.0] × rotated pairs + [1e30] × the others.
-    let theta_full = float("rope.freq_base")?.unwrap_or(1_000_000.0);
-    let theta_swa = float("rope.freq_base_swa")?.unwrap_or(theta_full);
+    let theta_full = m.float("rope.freq_base")?.unwrap_or(1_000_000.0);
+    let theta_swa = m.float("rope.freq_base_swa")?.unwrap_or(theta_full);
     for (k, want) in [("rope.dimension_count", head_dim_full), ("rope.dimension_count_swa", head_dim_swa)] {
-        if let Some(n) = opt(k)? {
+        if let Some(n) = m.opt(k)? {
             if n != want {
                 bail!("GGUF `{}` = {n} (partial rotation over {want}-wide heads) is not supported", key(k));
             }
         }
     }
-    let plain = |theta| RopeSpec { theta, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 };
-    let mut rope_full = plain(theta_full);
+    let mut rope_full = plain_rope(theta_full);
     if let Some(info) = f.tensor("rope_freqs.weight") {
         let ff = f.tensor_to_f32(info)?;
         let rotated = ff.iter().take_while(|&&x| x == 1.0).count();
@@ -221,17 +255,10 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         rope_full.proportional = true;
         rope_full.partial_rotary_factor = (2 * rotated) as f64 / head_dim_full as f64;
     }
-    match f.metadata(&key("rope.scaling.type")) {
-        None => {}
-        Some(v) => match v.as_str() {
-            Some("none") => {}
-            Some("linear") => rope_full.factor = float("rope.scaling.factor")?.unwrap_or(1.0),
-            _ => bail!("unsupported GGUF `{}` {v:?} (supported: none, linear)", key("rope.scaling.type")),
-        },
-    }
+    m.rope_scaling(&mut rope_full)?;
 
     // Mixture of experts (26B-A4B style): every layer has the dense MLP and the routed experts.
-    let moe = match opt("expert_count")?.unwrap_or(0) {
+    let moe = match m.opt("expert_count")?.unwrap_or(0) {
         0 => {
             if let Some(t) = f.tensors().iter().find(|t| t.name.contains("_exps") || t.name.contains("ffn_gate_inp")) {
                 bail!("GGUF tensor `{}` is an expert tensor but `{}` is missing or 0", t.name, key("expert_count"));
@@ -240,12 +267,12 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         }
         num_experts => Some(MoeConfig {
             num_experts,
-            top_k: req("expert_used_count")?,
-            intermediate_size: req("expert_feed_forward_length")?,
+            top_k: m.req("expert_used_count")?,
+            intermediate_size: m.req("expert_feed_forward_length")?,
         }),
     };
 
-    let ple_dim = opt("embedding_length_per_layer_input")?.unwrap_or(0);
+    let ple_dim = m.opt("embedding_length_per_layer_input")?.unwrap_or(0);
     let ple_vocab_size = if ple_dim > 0 {
         let t = f
             .tensor("per_layer_token_embd.weight")
@@ -258,11 +285,7 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         vocab_size
     };
 
-    let id = |k: &str| typed(f, k, "a token id", |v| v.as_u64()?.try_into().ok());
-    let mut eos_token_ids = Vec::new();
-    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-        eos_token_ids.extend(id(k)?);
-    }
+    let mut eos_token_ids = m.end_ids()?;
     // Gemma 4's end of turn, `<turn|>`: the converter names no id for it (llama.cpp finds it by
     // its text); instruction-tuned configs list it beside <eos>.
     if let Some(t) = f.get_str_array("tokenizer.ggml.tokens").and_then(|t| t.iter().position(|p| p == "<turn|>")) {
@@ -283,11 +306,11 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         head_dims,
         kv_heads,
         // transformers' Gemma 4 default.
-        sliding_window: opt("attention.sliding_window")?.unwrap_or(512),
-        rope_sliding: plain(theta_swa),
+        sliding_window: m.opt("attention.sliding_window")?.unwrap_or(512),
+        rope_sliding: plain_rope(theta_swa),
         rope_full,
-        rms_norm_eps: float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
-        final_logit_softcapping: float("final_logit_softcapping")?,
+        rms_norm_eps: m.float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        final_logit_softcapping: m.float("final_logit_softcapping")?,
         tie_word_embeddings: f.tensor("output.weight").is_none(),
         ple_dim,
         ple_vocab_size,
@@ -297,8 +320,8 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         moe,
         attn_scale: 1.0,
         eos_token_ids,
-        bos_token_id: id("tokenizer.ggml.bos_token_id")?,
-        pad_token_id: id("tokenizer.ggml.padding_token_id")?,
+        bos_token_id: m.id("tokenizer.ggml.bos_token_id")?,
+        pad_token_id: m.id("tokenizer.ggml.padding_token_id")?,
         quantization: None,
     };
     config.validate()?;
