@@ -17,24 +17,8 @@ fn cli_greedy_ids_and_logits_match_transformers() {
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
         for case in expected["cases"].as_array().unwrap() {
             let name = format!("{}/{}", dir.file_name().unwrap().to_string_lossy(), case["name"].as_str().unwrap());
-            let prompt: Vec<String> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
-            let n = case["max_new_tokens"].as_u64().unwrap().to_string();
             let dump = tmp.join(format!("{}.json", name.replace('/', "_")));
-            let out = megagemma(&[
-                "run",
-                "--model",
-                dir.to_str().unwrap(),
-                "--prompt-ids",
-                &prompt.join(","),
-                "--greedy",
-                "--ignore-eos",
-                "--max-new-tokens",
-                &n,
-                "--output",
-                "ids",
-                "--dump-logits",
-                dump.to_str().unwrap(),
-            ]);
+            let out = greedy_ids_and_logits(&dir, &case["prompt_ids"], case["max_new_tokens"].as_u64().unwrap(), &dump);
             assert!(out.status.success(), "{name}: megagemma failed: {}", stderr(&out));
             let want: Vec<String> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
             let stdout = stdout(&out);

@@ -46,7 +46,6 @@ fn greedy_ids_and_first_logits_match_transformers() {
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap()).unwrap();
     let threshold = expected["near_tie_margin"].as_f64().unwrap();
-    let n = expected["max_new_tokens"].as_u64().unwrap().to_string();
     let tmp = std::env::temp_dir().join(format!("megagemma-gguf-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let cases = expected["cases"].as_array().unwrap();
@@ -54,23 +53,9 @@ fn greedy_ids_and_first_logits_match_transformers() {
     let mut compared_tokens = 0;
     for case in cases {
         let name = case["name"].as_str().unwrap();
-        let prompt: Vec<String> = case["prompt_ids"].as_array().unwrap().iter().map(|v| v.to_string()).collect();
         let dump = tmp.join(format!("{name}.json"));
-        let out = megagemma(&[
-            "run",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            &prompt.join(","),
-            "--greedy",
-            "--ignore-eos",
-            "--max-new-tokens",
-            &n,
-            "--output",
-            "ids",
-            "--dump-logits",
-            dump.to_str().unwrap(),
-        ]);
+        let out =
+            greedy_ids_and_logits(&model, &case["prompt_ids"], expected["max_new_tokens"].as_u64().unwrap(), &dump);
         assert!(out.status.success(), "{name}: {}", stderr(&out));
         let got: Vec<u64> = stdout(&out).trim().split(',').map(|s| s.parse().unwrap()).collect();
         let want: Vec<u64> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();

@@ -34,23 +34,8 @@ fn run_cases(gguf: &str, fixture: &str) -> Vec<(String, Vec<String>, Vec<Vec<f32
     let mut out = Vec::new();
     for case in expected(fixture)["cases"].as_array().unwrap() {
         let name = format!("{gguf}/{}", case["name"].as_str().unwrap());
-        let n = case["max_new_tokens"].as_u64().unwrap().to_string();
         let dump = tmp.join(format!("{}.json", case["name"].as_str().unwrap()));
-        let o = megagemma(&[
-            "run",
-            "--model",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            &ids(&case["prompt_ids"]).join(","),
-            "--greedy",
-            "--ignore-eos",
-            "--max-new-tokens",
-            &n,
-            "--output",
-            "ids",
-            "--dump-logits",
-            dump.to_str().unwrap(),
-        ]);
+        let o = greedy_ids_and_logits(&model, &case["prompt_ids"], case["max_new_tokens"].as_u64().unwrap(), &dump);
         assert!(o.status.success(), "{name}: megagemma failed: {}", stderr(&o));
         let got: Vec<String> = stdout(&o).trim().split(',').map(str::to_string).collect();
         let logits: Vec<Vec<f32>> = serde_json::from_str(&std::fs::read_to_string(&dump).unwrap()).unwrap();

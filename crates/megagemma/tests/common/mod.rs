@@ -35,6 +35,32 @@ pub fn megagemma(args: &[&str]) -> Output {
         .expect("failed to start megagemma")
 }
 
+/// `megagemma run` of `model`: `n` greedy tokens past EOS from `prompt_ids` (an `expected.json`
+/// case's JSON array), printed as one line of ids, every step's logits written to `dump`.
+pub fn greedy_ids_and_logits(
+    model: &std::path::Path,
+    prompt_ids: &serde_json::Value,
+    n: u64,
+    dump: &std::path::Path,
+) -> Output {
+    let prompt: Vec<String> = prompt_ids.as_array().unwrap().iter().map(|v| v.to_string()).collect();
+    megagemma(&[
+        "run",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        &prompt.join(","),
+        "--greedy",
+        "--ignore-eos",
+        "--max-new-tokens",
+        &n.to_string(),
+        "--output",
+        "ids",
+        "--dump-logits",
+        dump.to_str().unwrap(),
+    ])
+}
+
 /// The CLI with `input` on its standard input (e.g. a `chat` session). A run that fails at start
 /// (a refused flag) may exit before it reads the input.
 pub fn megagemma_with_input(args: &[&str], input: &[u8]) -> Output {
