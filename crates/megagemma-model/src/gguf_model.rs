@@ -20,6 +20,14 @@ use crate::{bail, Error, Result};
 /// Build the config from `general.architecture` and its `ARCH.*` keys.
 pub fn gguf_config(f: &GgufFile) -> Result<ModelConfig> {
     let arch = f.get_str("general.architecture").ok_or_else(|| Error::msg("GGUF file has no general.architecture"))?;
+    // A shard of a split file (llama.cpp's `gguf-split`) holds only some of the tensors.
+    if let Some(n) = f.metadata("split.count").and_then(GgufValue::as_u64).filter(|&n| n > 1) {
+        bail!(
+            "{} is one shard of a GGUF split into {n} files: merge them first (`llama-gguf-split --merge FIRST.gguf \
+             OUT.gguf`)",
+            f.path().display()
+        );
+    }
     match arch {
         "gemma3" => gemma3_config(f),
         "gemma4" => gemma4_config(f),

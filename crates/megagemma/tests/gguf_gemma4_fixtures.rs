@@ -129,6 +129,39 @@ fn with_key_renamed(gguf: &str, from: &str, to: &str) -> PathBuf {
     path
 }
 
+/// A copy of `gguf` that says it is shard 1 of 3 (`split.count` = 3, as llama.cpp's `gguf-split`
+/// writes): two key-value pairs inserted after the header, 64 bytes in all, so the tensor data
+/// stays aligned where its offsets say.
+fn as_split_shard(gguf: &str) -> PathBuf {
+    let bytes = std::fs::read(gguf_dir().join(gguf)).unwrap();
+    let kv = |key: &str, ty: u32, value: &[u8]| -> Vec<u8> {
+        let mut e = (key.len() as u64).to_le_bytes().to_vec();
+        e.extend(key.as_bytes());
+        e.extend(ty.to_le_bytes());
+        e.extend(value);
+        e
+    };
+    let mut extra = kv("split.count", 2, &3u16.to_le_bytes()); // GGUF type 2: u16
+    extra.extend(kv("megagemma.test.padding.xyz", 0, &[0])); // type 0: u8
+    assert_eq!(extra.len(), 64);
+    let kv_count = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
+    let mut out = bytes[..16].to_vec();
+    out.extend((kv_count + 2).to_le_bytes());
+    out.extend(&extra);
+    out.extend(&bytes[24..]);
+    let path = std::env::temp_dir().join(format!("megagemma-gguf4-split-{}-00001-of-00003.gguf", std::process::id()));
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+#[test]
+fn a_split_file_shard_says_to_merge_the_shards() {
+    let model = as_split_shard("sliding_wrap.gguf");
+    let o = megagemma(&["run", "--model", model.to_str().unwrap(), "--prompt-ids", "2,10", "--max-new-tokens", "1"]);
+    assert_user_error(&o, "one shard of a GGUF split into 3 files");
+    let _ = std::fs::remove_file(model);
+}
+
 #[test]
 fn broken_gemma4_files_fail_in_one_line() {
     for (gguf, from, to, needle) in [
