@@ -105,32 +105,32 @@ fi
 
 # CLI: CUDA ids == CPU ids on every fixture and prompt, plain and speculative.
 : > "$OUT/cli_fixtures.log"
+# CUDA's greedy ids for MODEL from prompt IDS against the CPU's, once per further argument (extra
+# `run` flags; "" runs the defaults): one log line each.
+cuda_equals_cpu() {
+  local model=$1 ids=$2 cpu gpu extra r
+  shift 2
+  cpu=$("$MG" run --model "$model" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
+  for extra in "$@"; do
+    gpu=$("$MG" run --model "$model" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
+    if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
+    echo "$r $(basename "$model") [$ids] ${extra:-plain}" >> "$OUT/cli_fixtures.log"
+  done
+}
 for dir in tests/fixtures/*/; do
   [ -f "$dir/expected.json" ] || continue
   for ids in $(python3 -c "import json,sys; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$dir/expected.json'))['cases'][:2]]"); do
-    cpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
     extras=("" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4")
     case "$dir" in *moe*) ;; *) extras+=("--decode megakernel" "--decode megakernel --draft lookup") ;; esac
-    for extra in "${extras[@]}"; do
-      gpu=$("$MG" run --model "$dir" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
-      if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
-      echo "$r $(basename "$dir") [$ids] ${extra:-plain}" >> "$OUT/cli_fixtures.log"
-    done
+    cuda_equals_cpu "$dir" "$ids" "${extras[@]}"
   done
 done
 # Gemma 4 GGUF files (the fixtures written the converter's way, BF16 and Q8_0, MoE included):
-# CUDA ids == CPU ids, graph and (but MoE) megakernel.
+# graph and (but MoE) megakernel.
 for f in tests/fixtures-gguf/gemma4/*.gguf; do
   src=tests/fixtures/$(basename "$f" .gguf | sed 's/\..*//')
   ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$src/expected.json'))['cases'][0]['prompt_ids'])))")
-  cpu=$("$MG" run --model "$f" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cpu 2>>"$OUT/cli_fixtures.err")
-  extras=("")
-  case "$f" in *moe*) ;; *) extras+=("--decode megakernel") ;; esac
-  for extra in "${extras[@]}"; do
-    gpu=$("$MG" run --model "$f" --prompt-ids "$ids" --greedy --ignore-eos -n 24 --output ids --backend cuda $extra 2>>"$OUT/cli_fixtures.err")
-    if [ -n "$cpu" ] && [ "$cpu" = "$gpu" ]; then r=ok; else r=DIFF; fail=1; fi
-    echo "$r $(basename "$f") [$ids] ${extra:-graph}" >> "$OUT/cli_fixtures.log"
-  done
+  case "$f" in *moe*) cuda_equals_cpu "$f" "$ids" "" ;; *) cuda_equals_cpu "$f" "$ids" "" "--decode megakernel" ;; esac
 done
 # MTP drafting on CUDA (--draft mtp): the committed assistants' target, stored and q4, each
 # assistant (dense and centroid head), graph and megakernel, 48 tokens (the target's sliding window
