@@ -345,25 +345,7 @@ fn per_layer(f: &GgufFile, key: &str, n: usize) -> Result<Option<Vec<usize>>> {
         let x = usize::try_from(x).map_err(|_| bad())?;
         return Ok(Some(vec![x; n]));
     }
-    let values: Vec<u64> = match v.as_array().ok_or_else(bad)? {
-        GgufArray::U8(a) => a.iter().map(|&x| x as u64).collect(),
-        GgufArray::U16(a) => a.iter().map(|&x| x as u64).collect(),
-        GgufArray::U32(a) => a.iter().map(|&x| x as u64).collect(),
-        GgufArray::U64(a) => a.clone(),
-        GgufArray::I8(a) => {
-            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
-        }
-        GgufArray::I16(a) => {
-            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
-        }
-        GgufArray::I32(a) => {
-            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
-        }
-        GgufArray::I64(a) => {
-            a.iter().map(|&x| u64::try_from(x)).collect::<std::result::Result<_, _>>().map_err(|_| bad())?
-        }
-        _ => return Err(bad()),
-    };
+    let values = v.as_array().and_then(GgufArray::as_u64s).ok_or_else(bad)?;
     if values.len() != n {
         return Err(bad());
     }

@@ -174,6 +174,26 @@ impl GgufArray {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Every element of an integer array of any width/sign, when all fit in `u64` (as
+    /// [`GgufValue::as_u64`] for one value); `None` for other element types.
+    pub fn as_u64s(&self) -> Option<Vec<u64>> {
+        use GgufArray::*;
+        fn all<T: Copy + TryInto<u64>>(v: &[T]) -> Option<Vec<u64>> {
+            v.iter().map(|&x| x.try_into().ok()).collect()
+        }
+        match self {
+            U8(v) => all(v),
+            I8(v) => all(v),
+            U16(v) => all(v),
+            I16(v) => all(v),
+            U32(v) => all(v),
+            I32(v) => all(v),
+            U64(v) => all(v),
+            I64(v) => all(v),
+            _ => None,
+        }
+    }
 }
 
 /// One entry of the tensor directory.
