@@ -16,19 +16,31 @@ fn scratch(tag: &str) -> PathBuf {
     d
 }
 
-/// `hub/models--ORG--NAME` as huggingface_hub writes it: the files as blobs, the snapshot's
-/// names symlinked to them, `refs/main` holding the snapshot's commit hash.
+/// `hub/models--ORG--NAME` as huggingface_hub writes it, holding a fixture's files.
 fn fake_hub_entry(hub: &Path, org: &str, name: &str, fixture: &str) {
+    let files: Vec<(PathBuf, String)> = std::fs::read_dir(fixtures_dir().join(fixture))
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (p, name)
+        })
+        .collect();
+    fake_hub_files(hub, org, name, &files);
+}
+
+/// `hub/models--ORG--NAME` with each (source, name) file: the files as blobs, the snapshot's
+/// names symlinked to them, `refs/main` holding the snapshot's commit hash.
+fn fake_hub_files(hub: &Path, org: &str, name: &str, files: &[(PathBuf, String)]) {
     let repo = hub.join(format!("models--{org}--{name}"));
     let snap = repo.join("snapshots").join(HASH);
     std::fs::create_dir_all(&snap).unwrap();
     std::fs::create_dir_all(repo.join("blobs")).unwrap();
     std::fs::create_dir_all(repo.join("refs")).unwrap();
-    for (i, e) in std::fs::read_dir(fixtures_dir().join(fixture)).unwrap().enumerate() {
-        let p = e.unwrap().path();
+    for (i, (from, to)) in files.iter().enumerate() {
         let blob = format!("{i:040x}");
-        std::fs::copy(&p, repo.join("blobs").join(&blob)).unwrap();
-        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snap.join(p.file_name().unwrap())).unwrap();
+        std::fs::copy(from, repo.join("blobs").join(&blob)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snap.join(to)).unwrap();
     }
     std::fs::write(repo.join("refs/main"), HASH).unwrap();
 }
@@ -130,19 +142,16 @@ fn offline_a_known_name_must_already_be_pulled() {
 fn a_quant_tag_picks_the_file_of_a_gguf_repo() {
     let root = scratch("gguf");
     let hub = root.join("hub");
-    let repo = hub.join("models--test-org--tiny-gemma4-GGUF");
-    let snap = repo.join("snapshots").join(HASH);
-    std::fs::create_dir_all(&snap).unwrap();
-    std::fs::create_dir_all(repo.join("refs")).unwrap();
-    std::fs::write(repo.join("refs/main"), HASH).unwrap();
     let ggufs = repo_root().join("tests/fixtures-gguf/gemma4");
-    for (from, to) in [
+    let files: Vec<(PathBuf, String)> = [
         ("sliding_wrap.gguf", "tiny-gemma4-BF16.gguf"),
         ("sliding_wrap.q8_0.gguf", "tiny-gemma4-Q8_0.gguf"),
         ("moe.gguf", "mmproj-tiny-gemma4-F16.gguf"),
-    ] {
-        std::fs::copy(ggufs.join(from), snap.join(to)).unwrap();
-    }
+    ]
+    .into_iter()
+    .map(|(from, to)| (ggufs.join(from), to.to_string()))
+    .collect();
+    fake_hub_files(&hub, "test-org", "tiny-gemma4-GGUF", &files);
     let text = std::fs::read_to_string(fixtures_dir().join("sliding_wrap/expected.json")).unwrap();
     let case = &serde_json::from_str::<serde_json::Value>(&text).unwrap()["cases"][0];
     let ids = |key: &str| -> String {
