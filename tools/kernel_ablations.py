@@ -54,6 +54,27 @@ SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
 
+STAT1_REDUCTION = "  ss = block_sum_d(ss);\n"
+
+
+def stat1_by_warps(lane_sum: str) -> tuple:
+    """The first statistic's block reduction replaced by each warp adding dim/16 doubles at `part`
+    (the row's first bytes, standing in for per-tile partials): `lane_sum` adds a lane's share
+    into `s`, then the warp's shuffles add the lanes."""
+    return (
+        "matvec_mma.cu",
+        STAT1_REDUCTION,
+        "  {\n"
+        "    const double* part = (const double*)orow;\n"
+        "    double s = 0.0;\n"
+        + lane_sum
+        + "#pragma unroll\n"
+        "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
+        "    ss = s;\n"
+        "  }\n",
+    )
+
+
 def sb_load_and_prefetch(prefetch: str) -> str:
     """`load_batch`'s scale loads (SB_LOAD_LINE), each followed by `prefetch` (a format string
     taking the address) of the same unit's scales two register batches ahead."""
@@ -117,46 +138,26 @@ ABLATIONS = {
     "nostat1": (
         "a folded residual step's first block reduction (Σo² of the thread's own elements): the ceiling of "
         "statistics a producer would hand over as per-tile partials",
-        [("matvec_mma.cu", "  ss = block_sum_d(ss);\n", "")],
+        [("matvec_mma.cu", STAT1_REDUCTION, "")],
     ),
     "stat1warp": (
         "a folded residual step's first block reduction replaced by what per-tile partials would cost the "
         "consumer: every warp reads dim/16 doubles (the row's first bytes stand in for a producer's Σo² per "
         "16-row tile) and adds them by shuffles, no block barrier (the producer's side is not included)",
-        [(
-            "matvec_mma.cu",
-            "  ss = block_sum_d(ss);\n",
-            "  {\n"
-            "    const double* part = (const double*)orow;\n"
-            "    double s = 0.0;\n"
-            "    for (int t = threadIdx.x & 31; t < dim / 16; t += 32) s += part[t];\n"
-            "#pragma unroll\n"
-            "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
-            "    ss = s;\n"
-            "  }\n",
-        )],
+        [stat1_by_warps("    for (int t = threadIdx.x & 31; t < dim / 16; t += 32) s += part[t];\n")],
     ),
     "stat1warpu": (
         "as stat1warp, with every lane's partial loads issued at once (unrolled, up to 8 a lane: rows of up to "
         "4,096) and added in a fixed order after they arrive",
-        [(
-            "matvec_mma.cu",
-            "  ss = block_sum_d(ss);\n",
-            "  {\n"
-            "    const double* part = (const double*)orow;\n"
+        [stat1_by_warps(
             "    double v[8];\n"
             "#pragma unroll\n"
             "    for (int i = 0; i < 8; i++) {\n"
             "      const int t = (threadIdx.x & 31) + 32 * i;\n"
             "      v[i] = t < dim / 16 ? part[t] : 0.0;\n"
             "    }\n"
-            "    double s = 0.0;\n"
             "#pragma unroll\n"
             "    for (int i = 0; i < 8; i++) s += v[i];\n"
-            "#pragma unroll\n"
-            "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
-            "    ss = s;\n"
-            "  }\n",
         )],
     ),
     "nostat2": (
