@@ -12,7 +12,8 @@
 #     with and without speculative drafting (lookup, oracle; MTP with the committed assistants,
 #     also checked round by round by `gpu_check drafts`), and with the decode megakernel
 #     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
-#     synccheck, memcheck) over a few megakernel steps of one fixture. The real Gemma 3 270M GGUF
+#     synccheck, memcheck) over a few megakernel steps of one fixture, verify passes of eight
+#     tokens and batched steps. The real Gemma 3 270M GGUF
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
 #  3. bench --synthetic e4b/e2b (q4): decode tok/s and % of the measured bandwidth; E4B with
 #     four sequences stepped together (--batch 4); E4B sampled (temperature 1, top-k 64 from the
@@ -181,7 +182,9 @@ else
   echo "real 270M GGUF: NOT RUN ($GGUF is absent: tools/ship_gguf.sh sends it)"
 fi
 
-# The megakernel under compute-sanitizer: no races, no barrier misuse, no bad accesses.
+# The megakernel under compute-sanitizer: no races, no barrier misuse, no bad accesses — in decode
+# steps (the lean entry), in verify passes of eight tokens (oracle drafts of 7, every one accepted)
+# and in batched steps of three sequences (`gpu_check batch DIR`: the wide entry).
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
 for tool in racecheck synccheck memcheck; do
@@ -189,6 +192,15 @@ for tool in racecheck synccheck memcheck; do
     --prompt-ids "$san_ids" --greedy --ignore-eos -n 4 --output ids --backend cuda --decode megakernel \
     > "$OUT/sanitizer_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
   echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_$tool.log"))"
+  timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
+    --prompt-ids "$san_ids" --greedy --ignore-eos -n 9 --output ids --backend cuda --decode megakernel \
+    --draft oracle --acceptance 1 --k 7 > "$OUT/sanitizer_wide_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
+  echo "compute-sanitizer $tool (megakernel verify of 8, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_wide_$tool.log"))"
+  if [ -x "$BIN/gpu_check" ]; then
+    timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$BIN/gpu_check" batch tests/fixtures/sliding_wrap \
+      > "$OUT/sanitizer_batch_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
+    echo "compute-sanitizer $tool (batched steps, graph and megakernel, sliding_wrap): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_batch_$tool.log"))"
+  fi
 done
 
 for m in e4b e2b; do
@@ -251,9 +263,8 @@ timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtu
   done
   [ -f "$OUT/fill_bits.log" ] && cat "$OUT/fill_bits.log"
   [ -f "$OUT/cli_fixtures.log" ] && echo "CLI CUDA ids = CPU ids: $(grep -c '^ok ' "$OUT/cli_fixtures.log") runs ok, $(grep -c '^DIFF ' "$OUT/cli_fixtures.log") differ"
-  for tool in racecheck synccheck memcheck; do
-    f="$OUT/sanitizer_$tool.log"
-    [ -f "$f" ] && echo "compute-sanitizer $tool: $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f")"
+  for f in "$OUT"/sanitizer_*.log; do
+    [ -f "$f" ] && echo "compute-sanitizer $(basename "$f" .log | sed 's/^sanitizer_//'): $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f")"
   done
   for f in "$OUT"/bench_*.log; do
     [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch|sampled) ' "$f" | tr -s ' ' | paste -sd ';')"

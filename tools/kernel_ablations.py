@@ -301,7 +301,7 @@ ABLATIONS = {
         [(
             "megakernel.cu",
             "    if (blockIdx.x < g && !st.waits_itself) mk_wait();\n"
-            "    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL>(st, b, g);\n",
+            "    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL, WIDE>(st, b, g);\n",
             "    if (blockIdx.x < g) mk_wait();\n",
         )],
     ),

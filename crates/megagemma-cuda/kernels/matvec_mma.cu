@@ -655,7 +655,7 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
   }
 }
 
-// The megakernel's form of `tile_slice` for up to four tokens (H = 1): the same chunks in the same order
+// The megakernel's form of `tile_slice` (H groups of four tokens): the same chunks in the same order
 // and the same arithmetic (so the same bits), but the weights arrive by cp.async in a ring of
 // MMA_RING chunks per warp in shared memory rather than in register batches. Bytes in flight take
 // no registers, so the matvec fits beside every other stage in the megakernel's 128 registers
@@ -702,9 +702,10 @@ __device__ __forceinline__ void ring_start(const Mat& W, int tile, int ws, int k
 }
 
 // `started`: ring_start has run for this slice already.
-template <int UPC, bool F4>
+template <int H, int UPC, bool F4>
 __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int ks, int c0, int n, const uint4* xf,
-                                           const float* xs, float y[2][2], unsigned char* ring, int m, bool started) {
+                                           const float* xs, float y[2 * H][2], unsigned char* ring, int m,
+                                           bool started) {
   const int lane = threadIdx.x & 31;
   const int gsh = gs_shift(W), chunks = (W.cols + 63) / 64, groups = (chunks * 64) >> gsh;
   const int2 fc = ring_chunks(ws, ks, c0, n);
@@ -715,8 +716,8 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
   const u64 step = (u64)ks * 32;
   const float* sbt = (const float*)W.sb + (u64)tile * groups * 32;
   const unsigned ring_s = smem_addr(ring);
-  bool live[2], pairs[2];  // as in tile_slice: columns past the pass's m ≤ 4 tokens read zeros
-  live_pairs<1>(m, live, pairs);
+  bool live[2 * H], pairs[2 * H];  // as in tile_slice: columns past the pass's m tokens read zeros
+  live_pairs<H>(m, live, pairs);
   if (!started) ring_start<UPC>(W, tile, ws, ks, c0, n, ring);
   for (int i = 0; i < count; i++) {
     asm volatile("cp.async.wait_group %0;" ::"n"(MMA_RING - 1) : "memory");
@@ -738,7 +739,7 @@ __device__ __forceinline__ void ring_slice(const Mat& W, int tile, int ws, int k
       ring_issue<UPC>(ring_s + off, codes + (i + MMA_RING) * step, sbt, first + (i + MMA_RING) * ks, gsh);
     asm volatile("cp.async.commit_group;" ::: "memory");
     const int cc = first + i * ks;
-    compute_batch<1, 1, UPC, F4>(bt, cc, ks, c0, cc + 1, xf, xs, live, pairs, y);
+    compute_batch<H, 1, UPC, F4>(bt, cc, ks, c0, cc + 1, xf, xs, live, pairs, y);
   }
 }
 
@@ -796,9 +797,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
     }
     if (tile < tiles) {
       if constexpr (RING) {
-        static_assert(H == 1, "the cp.async ring serves passes of up to four tokens");
-        ring_slice<UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
-                                                ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
+        ring_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
+                                        ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
         tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);
       }

@@ -107,10 +107,41 @@ __device__ __forceinline__ void mk_unknown_stage() {
 #define F(i) __uint_as_float((unsigned)st.a[i])
 #define M(i) (*(const Mat*)&st.a[i])
 
+// The tensor-core matvecs (ids 15 and 17 plain, 19 and 21 gated, for up to four tokens; 16, 18, 20
+// and 22 for five to eight, in the WIDE entries only; UPC scale units per 64 columns), inlined in
+// their cp.async-ring form (`ring_slice` in matvec_mma.cu).
+#define MK_MMA_H(ID, H, UPC)                                                                                        \
+  case ID:                                                                                                          \
+    mma_kernel<H, UPC, false, true>(b, g, MatSlots{st.a, 4}, P(const float*, 12), P(float*, 13), P(float*, 14),      \
+                                    P(float*, 15), I(16), I(17), I(18), I(19), I(20), I(21), I(22),                 \
+                                    P(float*, 23), P(unsigned*, 24), nullptr, 0,                                    \
+                                    Residual{P(const float*, 25), P(const float*, 26), P(const float*, 27),         \
+                                             P(const float*, 28), P(float*, 29), F(30), F(31)});                    \
+    break;                                                                                                          \
+  case ID + 4:                                                                                                      \
+    mma_kernel<H, UPC, true, true>(b, g, MatSlots{st.a, 0}, P(const float*, 4), P(float*, 5), P(float*, 5),          \
+                                   P(float*, 5), I(9), 0, I(6), I(7), I(8), I(9), I(10), P(float*, 11),             \
+                                   P(unsigned*, 12), P(const float*, 13), I(14), Residual{});                       \
+    break;
+
+// The tensor-core stages of five to eight tokens, a call of their own: inlined into the dispatch
+// they made NVRTC take minutes over the module.
+__device__ __noinline__ void mk_dispatch_wide(const MkStage& st, int b, int g) {
+  switch (st.kernel) {
+    MK_MMA_H(16, 2, 1)  // matvec_q4t_8, matvec_q4t_8_gated
+    MK_MMA_H(18, 2, 2)  // matvec_q4t_8_g32, matvec_q4t_8_g32_gated
+    default:
+      mk_unknown_stage();
+      break;
+  }
+}
+
 // Block `b` of a stage whose launch had `g` blocks; ids as MK_KERNELS in src/megakernel.rs. The
 // CUDA-core and dense matvecs are real calls (BIG_STAGE: they need more registers than the rest);
-// the tensor-core matvec is inlined in its lean cp.async-ring form.
-template <bool GENERAL>
+// the tensor-core matvec is inlined in its lean cp.async-ring form. GENERAL: the entry runs the
+// CUDA-core and dense matvecs; WIDE: tensor-core stages of five to eight tokens and the commits of
+// a batched step too.
+template <bool GENERAL, bool WIDE>
 __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
   switch (st.kernel) {
     case 0:  // embed_gather
@@ -175,25 +206,21 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
       kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1), P(unsigned*, 2), P(const unsigned*, 3),
                           P(u64*, 4), I(5));
       break;
-// The tensor-core matvecs of one token (ids 15 and 17 plain, 19 and 21 gated; UPC scale units
-// per 64 columns), inlined in their cp.async-ring form (`ring_slice` in matvec_mma.cu). Stages of
-// more tokens (ids 16, 18, 20, 22) never occur in a decode step: the host refuses them.
-#define MK_MMA(ID, UPC)                                                                                             \
-  case ID:                                                                                                          \
-    mma_kernel<1, UPC, false, true>(b, g, MatSlots{st.a, 4}, P(const float*, 12), P(float*, 13), P(float*, 14),      \
-                                    P(float*, 15), I(16), I(17), I(18), I(19), I(20), I(21), I(22),                 \
-                                    P(float*, 23), P(unsigned*, 24), nullptr, 0,                                    \
-                                    Residual{P(const float*, 25), P(const float*, 26), P(const float*, 27),         \
-                                             P(const float*, 28), P(float*, 29), F(30), F(31)});                    \
-    break;                                                                                                          \
-  case ID + 4:                                                                                                      \
-    mma_kernel<1, UPC, true, true>(b, g, MatSlots{st.a, 0}, P(const float*, 4), P(float*, 5), P(float*, 5),          \
-                                   P(float*, 5), I(9), 0, I(6), I(7), I(8), I(9), I(10), P(float*, 11),             \
-                                   P(unsigned*, 12), P(const float*, 13), I(14), Residual{});                       \
-    break;
-      MK_MMA(15, 1)  // matvec_q4t_4, matvec_q4t_4_gated
-      MK_MMA(17, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
-#undef MK_MMA
+    case 24:  // kv_commit_columns
+      if constexpr (WIDE) kv_commit_columns_body(b, P(const u64*, 0), P(const int*, 1), I(2));
+      else mk_unknown_stage();
+      break;
+      // The tensor-core matvecs of up to four tokens, inlined (MK_MMA_H above).
+      MK_MMA_H(15, 1, 1)  // matvec_q4t_4, matvec_q4t_4_gated
+      MK_MMA_H(17, 1, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
+#undef MK_MMA_H
+    case 16:
+    case 18:
+    case 20:
+    case 22:
+      if constexpr (WIDE) mk_dispatch_wide(st, b, g);
+      else mk_unknown_stage();
+      break;
     default:  // a kernel the megakernel does not run (the host refuses such tables)
       mk_unknown_stage();
       break;
@@ -220,7 +247,7 @@ __device__ __noinline__ void mk_prefetch_mma(const MkStage& st) {
 // reaches gen·gridDim.x when every block has finished it. err: set on a timed-out wait. trace (when
 // not null): per (block, stage), trace[3·(block·n + s) ..] = %globaltimer at the stage's start, when
 // its wait was satisfied (0 if the block did not wait) and at its end.
-template <bool GENERAL>
+template <bool GENERAL, bool WIDE>
 __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen,
                                        unsigned* err, unsigned long long* trace) {
   if (threadIdx.x == 0) {
@@ -244,7 +271,7 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
     const unsigned long long start = trace && threadIdx.x == 0 ? mk_now() : 0;
     const int g = st.grid;
     if (blockIdx.x < g && !st.waits_itself) mk_wait();
-    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL>(st, b, g);
+    for (int b = blockIdx.x; b < g; b += gridDim.x) mk_dispatch<GENERAL, WIDE>(st, b, g);
     if (threadIdx.x == 0) mk_counter = counters + 32 * s;  // what stage s + 1 waits for
     __syncthreads();
     if (mk_failed) return;
@@ -263,16 +290,24 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
   }
 }
 
-// Entry points (`MK_ENTRIES` in src/device.rs): every stage kernel, or all but the CUDA-core and
-// dense matvecs, which are real calls (BIG_STAGE) whose calling convention costs the rest of the
-// kernel registers: without them the lean entry spills far less and runs ~15% faster (E4B).
+// Entry points (`MK_ENTRIES` in src/device.rs): every stage kernel; all but the CUDA-core and dense
+// matvecs, which are real calls (BIG_STAGE) whose calling convention costs the rest of the kernel
+// registers (without them the lean entry spills far less and runs ~15% faster, E4B), for passes
+// of up to four tokens of one sequence; and the same for passes of five to eight tokens and for
+// batched steps. Those are an entry of their own so that a decode step's entry carries none of
+// their code (code carried but not run costs 1–7% here).
 extern "C" __global__ void __launch_bounds__(256, 2)
 megakernel(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
            unsigned long long* trace) {
-  mk_run<true>(stages, n, counters, gen, err, trace);
+  mk_run<true, true>(stages, n, counters, gen, err, trace);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
 megakernel_lean(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
                 unsigned long long* trace) {
-  mk_run<false>(stages, n, counters, gen, err, trace);
+  mk_run<false, false>(stages, n, counters, gen, err, trace);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+megakernel_lean_wide(const MkStage* __restrict__ stages, int n, unsigned* counters, unsigned gen, unsigned* err,
+                     unsigned long long* trace) {
+  mk_run<false, true>(stages, n, counters, gen, err, trace);
 }

@@ -247,13 +247,19 @@ extern "C" __global__ void kv_restore(const KvLayer* __restrict__ layers, int po
 }
 
 // A batched step's commits: sequence c's staged row 0 (its `KvLayer` table tables[c]) at its
-// position positions[c]. Grid: (layers·2, sequences).
-extern "C" __global__ void kv_commit_columns(const u64* __restrict__ tables, const int* __restrict__ positions) {
-  const int c = blockIdx.y;
+// position positions[c]; block b commits K (b even) or V of layer (b mod rows) / 2 of sequence
+// b / rows, rows = layers·2. Grid: rows·sequences.
+STAGE void kv_commit_columns_body(int b, const u64* __restrict__ tables, const int* __restrict__ positions, int rows) {
+  const int c = b / rows;
   const KvLayer* layers = (const KvLayer*)tables[c];
   const int p0 = positions[c];
   pdl_start();
-  kv_commit_row(layers, blockIdx.x, 0, 1, p0);
+  kv_commit_row(layers, b - c * rows, 0, 1, p0);
+}
+
+extern "C" __global__ void kv_commit_columns(const u64* __restrict__ tables, const int* __restrict__ positions,
+                                             int rows) {
+  kv_commit_columns_body(blockIdx.x, tables, positions, rows);
 }
 
 // Final softcap (cap > 0) in place, and each block's argmax candidate over its slice of the row:

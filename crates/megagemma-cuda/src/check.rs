@@ -215,7 +215,7 @@ pub struct MegakernelReport {
 }
 
 /// Token counts of the verify passes `megakernel_matches_graph` compares.
-pub const MK_VERIFY_TOKENS: [usize; 3] = [2, 3, 4];
+pub const MK_VERIFY_TOKENS: [usize; 5] = [2, 3, 4, 5, 8];
 
 /// How a lockstep sequence runs a decode step: `forward` then `commit(1)` (two launches), or
 /// `step` (the commit inside the pass's launch on the graph and megakernel paths).
@@ -296,12 +296,17 @@ impl BatchReport {
 
 /// Through the backend interface: `prompts.len()` sequences prefilled with their own prompts
 /// (different lengths, so different positions), then `steps` decode steps of all of them in one
-/// `step` call (one weight pass per eight) against the same sequences stepped one by one (each
-/// a graph launch). Every output's logits must be bit-identical.
-pub fn batch_matches_lone(cm: &Arc<CudaModel>, prompts: &[Vec<u32>], steps: usize) -> Result<BatchReport> {
+/// `step` call (one weight pass per eight: a graph or a megakernel launch, as `decode` says)
+/// against the same sequences stepped one by one. Every output's logits must be bit-identical.
+pub fn batch_matches_lone(
+    cm: &Arc<CudaModel>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    decode: Decode,
+) -> Result<BatchReport> {
     use megagemma_model::backend::{Backend, Want as BWant};
     let ctx = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps + 2;
-    let mut b = crate::CudaBackend::new(cm.clone(), Some(ctx));
+    let mut b = crate::CudaBackend::new(cm.clone(), Some(ctx)).with_decode(decode);
     let (mut batched, mut lone) = (vec![], vec![]);
     for p in prompts {
         let (x, y) = (b.new_sequence()?, b.new_sequence()?);

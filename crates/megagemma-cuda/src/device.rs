@@ -308,9 +308,10 @@ impl Drop for DevBuf {
     }
 }
 
-/// The megakernel's entry points (`kernels/megakernel.cu`): every stage kernel, or all but the
-/// CUDA-core and dense matvecs (whose calls cost the rest of the kernel registers).
-pub const MK_ENTRIES: [&str; 2] = ["megakernel", "megakernel_lean"];
+/// The megakernel's entry points (`kernels/megakernel.cu`): every stage kernel; all but the
+/// CUDA-core and dense matvecs (whose calls cost the rest of the kernel registers) for passes of
+/// up to four tokens of one sequence; the same for passes of five to eight tokens and batched steps.
+pub const MK_ENTRIES: [&str; 3] = ["megakernel", "megakernel_lean", "megakernel_lean_wide"];
 
 impl Drop for Gpu {
     /// Destroying the cuBLAS handle and unloading the modules synchronise the device: never
@@ -710,8 +711,8 @@ impl Gpu {
         self.recording.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default()
     }
 
-    /// The megakernel's entry points (`MK_ENTRIES`: general, lean), compiled (or read from the
-    /// kernel cache) on first use.
+    /// The megakernel's entry points (`MK_ENTRIES`), compiled (or read from the kernel cache) on
+    /// first use.
     pub fn megakernel_fn(&self, name: &str) -> Result<&CudaFunction> {
         let fs = match self.megakernel.get() {
             Some(fs) => fs,

@@ -8,7 +8,7 @@ use crate::device::{cuda_err, mma_ring_bytes, Arg, DevBuf, Gpu, Recorded, MK_ENT
 use megagemma_model::{bail, Result};
 
 /// Kernels the megakernel runs, by stage id (the `case`s of `mk_dispatch` in `megakernel.cu`).
-pub const MK_KERNELS: [&str; 24] = [
+pub const MK_KERNELS: [&str; 25] = [
     "embed_gather",
     "rms_norm",
     "qkv_norm_rope",
@@ -33,10 +33,15 @@ pub const MK_KERNELS: [&str; 24] = [
     MMA_KERNELS[6],
     MMA_KERNELS[7],
     "kv_commit_step",
+    "kv_commit_columns",
 ];
 
 /// Stage kernels only the general entry runs (`megakernel_lean` reports them as unknown stages).
 const NOT_LEAN: [&str; 3] = ["matvec", "matvec_q4", "matvec_q4_gated"];
+/// Tensor-core stages of five to eight tokens and a batched step's commits: the general and
+/// `megakernel_lean_wide` entries run them, `megakernel_lean` does not (a decode step's entry
+/// carries none of their code).
+const WIDE: [&str; 5] = [MMA_KERNELS[1], MMA_KERNELS[3], MMA_KERNELS[5], MMA_KERNELS[7], "kv_commit_columns"];
 
 /// Argument slots of a stage (`MK_ARGS`).
 const MK_ARGS: usize = 32;
@@ -97,10 +102,6 @@ impl MkStage {
                 r.grid,
                 r.block
             );
-        }
-        // The megakernel runs the tensor-core matvecs of one token only (a decode step's).
-        if r.name.starts_with("matvec_q4t_8") {
-            bail!("the megakernel runs single-token stages only ({})", r.name);
         }
         let mut a = [0u64; MK_ARGS];
         let mut i = 0;
@@ -172,9 +173,15 @@ impl Megakernel {
         if smem > MK_SMEM_MAX {
             bail!("a stage needs {smem} bytes of shared memory: the megakernel has {MK_SMEM_MAX}");
         }
-        // The lean entry when no stage needs the CUDA-core or dense matvecs.
-        let lean = !stages.iter().any(|s| NOT_LEAN.contains(&MK_KERNELS[s.kernel as usize]));
-        let entry = MK_ENTRIES[usize::from(lean)];
+        // A lean entry when no stage needs the CUDA-core or dense matvecs: the one for passes of up
+        // to four tokens of one sequence unless a tensor-core stage takes more or the pass is a
+        // batched step.
+        let named = |names: &[&str]| stages.iter().any(|s| names.contains(&MK_KERNELS[s.kernel as usize]));
+        let entry = match (named(&NOT_LEAN), named(&WIDE)) {
+            (true, _) => MK_ENTRIES[0],
+            (false, false) => MK_ENTRIES[1],
+            (false, true) => MK_ENTRIES[2],
+        };
         let f = gpu.megakernel_fn(entry)?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(MK_THREADS, smem as usize, None)
@@ -392,26 +399,27 @@ mod tests {
     fn stage_ids_match_the_kernel_file_and_every_stage_waits_itself() {
         let src = include_str!("../kernels/megakernel.cu");
         for (id, name) in MK_KERNELS.iter().enumerate() {
-            // `case ID:  // name` for the plain stages; MK_MMA(ID, …) // name, name_gated.
+            // `case ID:  // name` for the plain stages; MK_MMA_H(ID, H, …) // name, name_gated
+            // for the tensor-core ones (H groups of four tokens).
             let plain = format!("case {id}:  // {name}\n");
             let mma = MMA_KERNELS.iter().position(|k| k == name).map(|i| {
-                // The gated entry of MK_MMA(ID) is ID + 4.
+                // The gated entry of MK_MMA_H(ID) is ID + 4.
                 let first = if i < 4 { id } else { id - 4 };
                 let base = MMA_KERNELS[first - 15];
-                (format!("MK_MMA({first}, "), format!("// {base}, {base}_gated"))
+                let h = if base.starts_with("matvec_q4t_8") { 2 } else { 1 };
+                (format!("MK_MMA_H({first}, {h}, "), format!("// {base}, {base}_gated"))
             });
             let found = match &mma {
                 Some((call, comment)) => src.lines().any(|l| l.contains(call) && l.contains(comment)),
                 None => src.contains(&plain),
             };
-            // Multi-token tensor-core stages never occur in a decode step: refused, not dispatched.
-            if name.starts_with("matvec_q4t_8") {
-                assert!(!found, "stage id {id} ({name}) is dispatched, but the host refuses it");
-                let r = Recorded { name: name.to_string(), grid: (1, 1), block: 256, smem: 0, args: vec![] };
-                assert!(MkStage::new(&r).is_err(), "{name} is accepted into a stage table");
-                continue;
-            }
             assert!(found, "stage id {id} ({name}) is not dispatched as such in megakernel.cu");
+            // Passes of five to eight tokens and batched steps run on the entries built for them.
+            let wide = name.starts_with("matvec_q4t_8") || *name == "kv_commit_columns";
+            assert_eq!(WIDE.contains(name), wide, "{name}: in WIDE");
+            if name.starts_with("matvec_q4t_8") {
+                assert!(src.contains(&format!("case {id}:\n")), "{name} is not sent to mk_dispatch_wide");
+            }
             // MkStage::new marks every stage as waiting inside its body (pdl_start).
             assert!(
                 crate::device::PDL_KERNELS.contains(name) || MMA_KERNELS.contains(name),

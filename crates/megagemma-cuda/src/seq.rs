@@ -509,19 +509,22 @@ struct SampleBuf {
 // API may be called from any thread once the context is bound (every call binds it).
 unsafe impl Send for CudaSeq {}
 
-/// Most tokens a megakernel pass takes: its tensor-core matvec runs one group of four columns
-/// (`ring_slice`); longer passes (verify of more drafts, prefill) launch their stages.
-pub const MK_MAX_TOKENS: usize = 4;
+/// Most tokens a megakernel pass takes: its tensor-core matvec runs one launch's columns (two
+/// groups of four, `ring_slice`); longer passes (verify of more drafts, prefill) launch their
+/// stages.
+pub const MK_MAX_TOKENS: usize = MATVEC_COLS;
 
 /// What a recorded megakernel table computes: a pass of `tokens` tokens with outputs from
 /// position `first` on, committing its K/V row (`step`) or staging it; `ahead`: recorded with the
-/// two meta buffers swapped (the pipelined loop's second table, `decode_greedy`).
+/// two meta buffers swapped (the pipelined loop's second table, `decode_greedy`); `batched`: a
+/// batched step of `tokens` sequences and their commits (`step_batch`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct MkPass {
     tokens: usize,
     first: usize,
     commit: bool,
     ahead: bool,
+    batched: bool,
 }
 
 /// Slots of a sequence's step log (a power of two; the pipelined loop has two steps in flight).
@@ -809,7 +812,8 @@ impl CudaSeq {
     /// the megakernel runs the recorded stages. `skew` ≠ 0 makes every wait unsatisfiable (the
     /// timeout test).
     fn megakernel_pass(&mut self, t: usize, first: usize, skew: u32) -> Result<()> {
-        let i = self.megakernel_table(MkPass { tokens: t, first, commit: self.commit_in_step, ahead: false })?;
+        let pass = MkPass { tokens: t, first, commit: self.commit_in_step, ahead: false, batched: false };
+        let i = self.megakernel_table(pass)?;
         self.mk_last = i;
         self.megakernels[i].1.launch(&self.model.gpu, skew)
     }
@@ -824,7 +828,7 @@ impl CudaSeq {
         }
         let gpu = &self.model.gpu;
         gpu.start_recording();
-        let ran = self.run_pass(pass.tokens, pass.first);
+        let ran = if pass.batched { self.run_batch(pass.tokens) } else { self.run_pass(pass.tokens, pass.first) };
         let recorded = gpu.stop_recording();
         if pass.ahead {
             std::mem::swap(&mut self.s.meta, &mut self.s.meta_next);
@@ -1078,7 +1082,7 @@ impl CudaSeq {
         self.commit_in_step = true;
         let prepared = (|| {
             if self.decode == Decode::Megakernel {
-                let pass = |ahead| MkPass { tokens: 1, first: 0, commit: true, ahead };
+                let pass = |ahead| MkPass { tokens: 1, first: 0, commit: true, ahead, batched: false };
                 return Ok(Some([self.megakernel_table(pass(false))?, self.megakernel_table(pass(true))?]));
             }
             if self.decode_graph[1].is_none() {
@@ -1205,10 +1209,15 @@ impl CudaSeq {
         gpu.upload(self.s.att_cols.ptr, &cols)?;
         gpu.upload(self.s.commit_tables.ptr, &seqs.iter().map(|s| s.kv_table.ptr).collect::<Vec<u64>>())?;
         gpu.upload(self.s.commit_pos.ptr, &seqs.iter().map(|s| s.len as i32).collect::<Vec<i32>>())?;
-        // The pass and every column's commit: one graph per n (what differs between steps is in
-        // the tables), or launched kernel by kernel without graphs.
+        // The pass and every column's commit: one graph or megakernel table per n (what differs
+        // between steps is in the tables), or launched kernel by kernel without graphs.
         self.batched.set(true);
-        let ran = if self.use_graphs { self.batch_graph(n) } else { self.run_batch(n) };
+        let megakernel = self.use_graphs && self.decode == Decode::Megakernel && n <= MK_MAX_TOKENS;
+        let ran = match (self.use_graphs, megakernel) {
+            (true, true) => self.batch_megakernel(n),
+            (true, false) => self.batch_graph(n),
+            (false, _) => self.run_batch(n),
+        };
         self.batched.set(false);
         ran?;
         let mut ids = vec![0u32; n];
@@ -1240,8 +1249,9 @@ impl CudaSeq {
     fn run_batch(&self, n: usize) -> Result<()> {
         self.run(n, 0)?;
         if self.kv_layers > 0 {
-            let args = [Arg::Ptr(self.s.commit_tables.ptr), Arg::Ptr(self.s.commit_pos.ptr)];
-            self.gpu().launch_2d("kv_commit_columns", (2 * self.kv_layers as u32, n as u32), 128, 0, &args)?;
+            let rows = 2 * self.kv_layers;
+            let args = [Arg::Ptr(self.s.commit_tables.ptr), Arg::Ptr(self.s.commit_pos.ptr), Arg::I32(rows as i32)];
+            self.gpu().launch("kv_commit_columns", (rows * n) as u32, 128, 0, &args)?;
         }
         Ok(())
     }
@@ -1255,6 +1265,16 @@ impl CudaSeq {
         let g = self.batch_graphs[n].as_ref().expect("captured above");
         self.model.gpu.count_launch();
         g.launch().map_err(|e| cuda_err("graph launch", e))
+    }
+
+    /// [`CudaSeq::run_batch`] as one megakernel launch, its stage table recorded on first use for
+    /// each `n`; an error if a wait timed out.
+    fn batch_megakernel(&mut self, n: usize) -> Result<()> {
+        let i = self.megakernel_table(MkPass { tokens: n, first: 0, commit: true, ahead: false, batched: true })?;
+        self.mk_last = i;
+        let gpu = &self.model.gpu;
+        self.megakernels[i].1.launch(gpu, 0)?;
+        self.megakernels[i].1.check(gpu)
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage

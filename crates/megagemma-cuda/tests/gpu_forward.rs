@@ -100,15 +100,18 @@ fn megakernel_matches_graph_and_fails_cleanly() {
     assert!(err.contains("megakernel"), "{err}");
 }
 
-/// Several sequences in one `step` (one weight pass; nine sequences: a pass of eight and one
-/// alone) give every sequence the logits it gets stepped alone, bit for bit.
+/// Several sequences in one `step` (one weight pass, a graph or a megakernel launch; nine
+/// sequences: a pass of eight and one alone) give every sequence the logits it gets stepped
+/// alone, bit for bit.
 #[test]
 #[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
 fn batched_steps_equal_lone_steps() {
     for (label, cm, p) in uploaded_fixtures() {
         let prompts: Vec<Vec<u32>> = (1..=9).map(|n| p.iter().cycle().take(n).copied().collect()).collect();
-        let r = check::batch_matches_lone(&cm, &prompts, 6).expect("batched steps");
-        assert!(r.ok(), "{label}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
+        for decode in [Decode::Graph, Decode::Megakernel] {
+            let r = check::batch_matches_lone(&cm, &prompts, 6, decode).expect("batched steps");
+            assert!(r.ok(), "{label} {decode:?}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
+        }
     }
 }
 
