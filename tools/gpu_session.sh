@@ -11,7 +11,7 @@
 #  2. The CLI on every committed fixture: --backend cuda prints the CPU backend's greedy ids,
 #     with and without speculative drafting (lookup, oracle; MTP with the committed assistants,
 #     also checked round by round by `gpu_check drafts`), and with the decode megakernel
-#     (not on MoE fixtures: it does not run MoE stages yet). compute-sanitizer (racecheck,
+#     (MoE fixtures included). compute-sanitizer (racecheck,
 #     synccheck, memcheck) over a few megakernel steps of one fixture, verify passes of eight
 #     tokens and batched steps. The real Gemma 3 270M GGUF
 #     (when tools/ship_gguf.sh has sent it) against transformers' ids (tools/gguf_check.py).
@@ -122,16 +122,16 @@ for dir in tests/fixtures/*/; do
   [ -f "$dir/expected.json" ] || continue
   for ids in $(python3 -c "import json,sys; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$dir/expected.json'))['cases'][:2]]"); do
     extras=("" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4")
-    case "$dir" in *moe*) ;; *) extras+=("--decode megakernel" "--decode megakernel --draft lookup") ;; esac
+    extras+=("--decode megakernel" "--decode megakernel --draft lookup")
     cuda_equals_cpu "$dir" "$ids" "${extras[@]}"
   done
 done
 # Gemma 4 GGUF files (the fixtures written the converter's way, BF16 and Q8_0, MoE included):
-# graph and (but MoE) megakernel.
+# graph and megakernel.
 for f in tests/fixtures-gguf/gemma4/*.gguf; do
   src=tests/fixtures/$(basename "$f" .gguf | sed 's/\..*//')
   ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$src/expected.json'))['cases'][0]['prompt_ids'])))")
-  case "$f" in *moe*) cuda_equals_cpu "$f" "$ids" "" ;; *) cuda_equals_cpu "$f" "$ids" "" "--decode megakernel" ;; esac
+  cuda_equals_cpu "$f" "$ids" "" "--decode megakernel"
 done
 # MTP drafting on CUDA (--draft mtp): the committed assistants' target, stored and q4, each
 # assistant (dense and centroid head), graph and megakernel, 48 tokens (the target's sliding window

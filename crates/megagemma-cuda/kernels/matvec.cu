@@ -348,18 +348,23 @@ matvec_q4_gated(Mat W, const float* __restrict__ x, float* __restrict__ y, int m
 
 // Routed experts (MoE): y[p] = W_{e(p)}·x[p / k or p] for each (token, slot) pair p = t·k + s,
 // with W_e = table[idx[p]·3 + which] (gate 0, up 1, down 2) — only the top-k experts of each
-// token are read. One warp per row, one column, exactly as `matvec` computes it. Grid:
-// (ceil(rows / ROWS_PER_BLOCK), T·k).
-extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
-matvec_experts(const Mat* __restrict__ table, int which, const int* __restrict__ idx, int k,
-               const float* __restrict__ x, int x_per_pair, float* __restrict__ y) {
+// token are read. One warp per row, one column, exactly as `matvec` computes it. Block b takes
+// rows of pair b / row_blocks. Grid: row_blocks = ceil(rows / ROWS_PER_BLOCK) blocks per pair.
+BIG_STAGE void matvec_experts_body(const int b, const Mat* __restrict__ table, int which, const int* __restrict__ idx,
+                                   int k, const float* __restrict__ x, int x_per_pair, float* __restrict__ y,
+                                   int row_blocks) {
   pdl_start();
-  const int p = blockIdx.y;
+  const int p = b / row_blocks;
   const Mat W = table[idx[p] * 3 + which];
-  const int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+  const int r = (b - p * row_blocks) * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (r >= W.rows) return;
   const float* xp = x + (u64)(x_per_pair ? p : p / k) * W.cols;
   float* yp = y + (u64)p * W.rows;
   if (W.fmt == FMT_Q4) matvec_q4_row(W, r, xp, yp, 1);
   else matvec_dense_row(W, r, xp, yp, 1);
+}
+extern "C" __global__ void __launch_bounds__(ROWS_PER_BLOCK * 32)
+matvec_experts(const Mat* __restrict__ table, int which, const int* __restrict__ idx, int k,
+               const float* __restrict__ x, int x_per_pair, float* __restrict__ y, int row_blocks) {
+  matvec_experts_body(blockIdx.x, table, which, idx, k, x, x_per_pair, y, row_blocks);
 }

@@ -124,25 +124,57 @@ __device__ __forceinline__ void mk_unknown_stage() {
                                    P(unsigned*, 12), P(const float*, 13), I(14), Residual{});                       \
     break;
 
-// The tensor-core stages of five to eight tokens, a call of their own: inlined into the dispatch
-// they made NVRTC take minutes over the module.
-__device__ __noinline__ void mk_dispatch_wide(const MkStage& st, int b, int g) {
+// The stages only the WIDE entries run (`mk_more_stage`), a call of their own, so the lean entry's
+// dispatch (and code) is what it was for decode steps alone: the tensor-core stages of five to
+// eight tokens (inlined into the dispatch, they made NVRTC take minutes over the module), a
+// batched step's commits, and in the general entry a mixture-of-experts layer's stages.
+template <bool GENERAL>
+__device__ __noinline__ void mk_dispatch_more(const MkStage& st, int b, int g) {
   switch (st.kernel) {
     MK_MMA_H(16, 2, 1)  // matvec_q4t_8, matvec_q4t_8_gated
     MK_MMA_H(18, 2, 2)  // matvec_q4t_8_g32, matvec_q4t_8_g32_gated
+    case 24:  // kv_commit_columns
+      kv_commit_columns_body(b, P(const u64*, 0), P(const int*, 1), I(2));
+      break;
+    // A mixture-of-experts layer's own stages (26B-A4B): the general entry only.
+    case 25:  // router_scale
+      if constexpr (GENERAL) router_scale_body(b, P(float*, 0), P(const float*, 1), F(2), I(3), I(4));
+      else mk_unknown_stage();
+      break;
+    case 26:  // moe_route
+      if constexpr (GENERAL)
+        moe_route_body(b, P(const float*, 0), P(const float*, 1), P(int*, 2), P(float*, 3), I(4), I(5), I(6));
+      else mk_unknown_stage();
+      break;
+    case 27:  // matvec_experts
+      if constexpr (GENERAL)
+        matvec_experts_body(b, P(const Mat*, 0), I(1), P(const int*, 2), I(3), P(const float*, 4), I(5),
+                            P(float*, 6), I(7));
+      else mk_unknown_stage();
+      break;
+    case 28:  // moe_combine
+      if constexpr (GENERAL) moe_combine_body(b, P(float*, 0), P(const float*, 1), P(const float*, 2), I(3), I(4), I(5));
+      else mk_unknown_stage();
+      break;
     default:
       mk_unknown_stage();
       break;
   }
 }
+__device__ __forceinline__ bool mk_more_stage(int kernel) {
+  return kernel == 16 || kernel == 18 || kernel == 20 || kernel == 22 || kernel >= 24;
+}
 
 // Block `b` of a stage whose launch had `g` blocks; ids as MK_KERNELS in src/megakernel.rs. The
 // CUDA-core and dense matvecs are real calls (BIG_STAGE: they need more registers than the rest);
 // the tensor-core matvec is inlined in its lean cp.async-ring form. GENERAL: the entry runs the
-// CUDA-core and dense matvecs; WIDE: tensor-core stages of five to eight tokens and the commits of
-// a batched step too.
+// CUDA-core and dense matvecs (and, with WIDE, a mixture-of-experts layer's stages); WIDE:
+// tensor-core stages of five to eight tokens and the commits of a batched step too.
 template <bool GENERAL, bool WIDE>
 __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
+  if constexpr (WIDE) {
+    if (mk_more_stage(st.kernel)) return mk_dispatch_more<GENERAL>(st, b, g);
+  }
   switch (st.kernel) {
     case 0:  // embed_gather
       embed_gather_body(b, M(0), P(const unsigned*, 4), P(float*, 5), F(6));
@@ -206,21 +238,10 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
       kv_commit_step_body(b, P(const KvLayer*, 0), P(const int*, 1), P(unsigned*, 2), P(const unsigned*, 3),
                           P(u64*, 4), I(5));
       break;
-    case 24:  // kv_commit_columns
-      if constexpr (WIDE) kv_commit_columns_body(b, P(const u64*, 0), P(const int*, 1), I(2));
-      else mk_unknown_stage();
-      break;
       // The tensor-core matvecs of up to four tokens, inlined (MK_MMA_H above).
       MK_MMA_H(15, 1, 1)  // matvec_q4t_4, matvec_q4t_4_gated
       MK_MMA_H(17, 1, 2)  // matvec_q4t_4_g32, matvec_q4t_4_g32_gated
 #undef MK_MMA_H
-    case 16:
-    case 18:
-    case 20:
-    case 22:
-      if constexpr (WIDE) mk_dispatch_wide(st, b, g);
-      else mk_unknown_stage();
-      break;
     default:  // a kernel the megakernel does not run (the host refuses such tables)
       mk_unknown_stage();
       break;

@@ -131,16 +131,21 @@ STAGE void copy_body(const int vb, float* y, const float* __restrict__ x, u64 n)
 extern "C" __global__ void copy(float* y, const float* __restrict__ x, u64 n) { copy_body(blockIdx.x, y, x, n); }
 
 // Router input: z[t, i] = z[t, i] · s[i] · root (z already RMS-normed without weight).
-extern "C" __global__ void router_scale(float* z, const float* __restrict__ s, float root, int h, int T) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
+STAGE void router_scale_body(const int vb, float* z, const float* __restrict__ s, float root, int h, int T) {
+  pdl_start();
+  int i = vb * blockDim.x + threadIdx.x;
   if (i < T * h) z[i] = __fmul_rn(__fmul_rn(z[i], s[i % h]), root);
+}
+extern "C" __global__ void router_scale(float* z, const float* __restrict__ s, float root, int h, int T) {
+  router_scale_body(blockIdx.x, z, s, root, h, T);
 }
 
 // MoE routing, one thread per token: softmax over the E router logits, top-k by probability
 // (lower index first among equals), weight = p / Σ_topk p · per_expert_scale.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
-                                     int* idx, float* wts, int E, int k, int T) {
-  int t = blockIdx.x * blockDim.x + threadIdx.x;
+STAGE void moe_route_body(const int vb, const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
+                          int* idx, float* wts, int E, int k, int T) {
+  pdl_start();
+  int t = vb * blockDim.x + threadIdx.x;
   if (t >= T) return;
   const float* l = logits + (u64)t * E;
   float mx = NEG_INF;
@@ -165,16 +170,25 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
   }
   for (int s = 0; s < k; s++) wts[t * k + s] = wts[t * k + s] / total * per_expert_scale[idx[t * k + s]];
 }
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ per_expert_scale,
+                                     int* idx, float* wts, int E, int k, int T) {
+  moe_route_body(blockIdx.x, logits, per_expert_scale, idx, wts, E, k, T);
+}
 
 // out[t, :] = Σ_s wts[t, s] · ys[t·k + s, :] in routing order.
-extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const float* __restrict__ wts, int k,
-                                       int h, int T) {
-  int i = blockIdx.x * blockDim.x + threadIdx.x;
+STAGE void moe_combine_body(const int vb, float* out, const float* __restrict__ ys, const float* __restrict__ wts,
+                            int k, int h, int T) {
+  pdl_start();
+  int i = vb * blockDim.x + threadIdx.x;
   if (i >= T * h) return;
   int t = i / h, c = i % h;
   float a = 0.f;
   for (int s = 0; s < k; s++) a = __fadd_rn(a, __fmul_rn(wts[t * k + s], ys[((u64)t * k + s) * h + c]));
   out[i] = a;
+}
+extern "C" __global__ void moe_combine(float* out, const float* __restrict__ ys, const float* __restrict__ wts, int k,
+                                       int h, int T) {
+  moe_combine_body(blockIdx.x, out, ys, wts, k, h, T);
 }
 
 // Commit of `accepted` staged K/V rows (positions p0 + i) into every cache-owning layer's cache,

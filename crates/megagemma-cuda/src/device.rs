@@ -115,8 +115,11 @@ pub(crate) fn mma_ring_bytes(upc: u32) -> u32 {
 /// every one of [`MMA_KERNELS`]: on compute capability ≥ 9 they are launched with programmatic
 /// stream serialization, so each may start (and prefetch its weights) while the kernel before it
 /// finishes.
-pub(crate) const PDL_KERNELS: [&str; 20] = [
+pub(crate) const PDL_KERNELS: [&str; 23] = [
     "matvec_experts",
+    "router_scale",
+    "moe_route",
+    "moe_combine",
     "matvec",
     "matvec_q4",
     "matvec_q4_gated",

@@ -8,7 +8,7 @@ use crate::device::{cuda_err, mma_ring_bytes, Arg, DevBuf, Gpu, Recorded, MK_ENT
 use megagemma_model::{bail, Result};
 
 /// Kernels the megakernel runs, by stage id (the `case`s of `mk_dispatch` in `megakernel.cu`).
-pub const MK_KERNELS: [&str; 25] = [
+pub const MK_KERNELS: [&str; 29] = [
     "embed_gather",
     "rms_norm",
     "qkv_norm_rope",
@@ -34,10 +34,16 @@ pub const MK_KERNELS: [&str; 25] = [
     MMA_KERNELS[7],
     "kv_commit_step",
     "kv_commit_columns",
+    "router_scale",
+    "moe_route",
+    "matvec_experts",
+    "moe_combine",
 ];
 
-/// Stage kernels only the general entry runs (`megakernel_lean` reports them as unknown stages).
-const NOT_LEAN: [&str; 3] = ["matvec", "matvec_q4", "matvec_q4_gated"];
+/// Stage kernels only the general entry runs (`megakernel_lean` reports them as unknown stages):
+/// the CUDA-core and dense matvecs, and a mixture-of-experts layer's own stages.
+const NOT_LEAN: [&str; 7] =
+    ["matvec", "matvec_q4", "matvec_q4_gated", "router_scale", "moe_route", "matvec_experts", "moe_combine"];
 /// Tensor-core stages of five to eight tokens and a batched step's commits: the general and
 /// `megakernel_lean_wide` entries run them, `megakernel_lean` does not (a decode step's entry
 /// carries none of their code).
@@ -417,9 +423,12 @@ mod tests {
             // Passes of five to eight tokens and batched steps run on the entries built for them.
             let wide = name.starts_with("matvec_q4t_8") || *name == "kv_commit_columns";
             assert_eq!(WIDE.contains(name), wide, "{name}: in WIDE");
-            if name.starts_with("matvec_q4t_8") {
-                assert!(src.contains(&format!("case {id}:\n")), "{name} is not sent to mk_dispatch_wide");
-            }
+            // The stages `mk_dispatch_more` runs (the wide ones, MoE's) are what `mk_more_stage`
+            // sends there, and never what the host gives the lean entry.
+            let more = (wide && id < 24 && src.contains(&format!("kernel == {id} ||")))
+                || (id >= 24 && src.contains("|| kernel >= 24;"));
+            assert_eq!(more, wide || id >= 24, "{name}: sent to mk_dispatch_more");
+            assert!(!more || WIDE.contains(name) || NOT_LEAN.contains(name), "{name} reaches the lean entry");
             // MkStage::new marks every stage as waiting inside its body (pdl_start).
             assert!(
                 crate::device::PDL_KERNELS.contains(name) || MMA_KERNELS.contains(name),

@@ -2154,12 +2154,14 @@ impl CudaSeq {
             Arg::I32(k as i32),
             Arg::I32(t as i32),
         ];
-        self.gpu().launch("moe_route", t.div_ceil(64) as u32, 64, 0, &args)?;
+        // Blocks of 256 threads, as every stage the megakernel runs (one thread per token).
+        self.gpu().launch("moe_route", t.div_ceil(256) as u32, 256, 0, &args)?;
         self.norm(s.a.ptr, self.xcur(), moe.pre_norm_2, h, t, false)?;
         // Only each token's k routed experts run: (token, slot) pairs p = t·k + s.
         let pairs = t * k;
         let inter = moe.experts[0][0].rows as usize;
         let experts = |which: i32, x: u64, x_per_pair: bool, y: u64, rows: usize| {
+            let row_blocks = rows.div_ceil(MATVEC_ROWS_PER_BLOCK);
             let args = [
                 Arg::Ptr(moe.table),
                 Arg::I32(which),
@@ -2168,9 +2170,10 @@ impl CudaSeq {
                 Arg::Ptr(x),
                 Arg::I32(x_per_pair as i32),
                 Arg::Ptr(y),
+                Arg::I32(row_blocks as i32),
             ];
-            let grid = (rows.div_ceil(MATVEC_ROWS_PER_BLOCK) as u32, pairs as u32);
-            self.gpu().launch_2d("matvec_experts", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)
+            let grid = (row_blocks * pairs) as u32;
+            self.gpu().launch("matvec_experts", grid, (MATVEC_ROWS_PER_BLOCK * 32) as u32, 0, &args)
         };
         experts(0, s.a.ptr, false, s.g.ptr, inter)?;
         experts(1, s.a.ptr, false, s.u.ptr, inter)?;
