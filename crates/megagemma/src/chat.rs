@@ -40,6 +40,9 @@ pub struct ChatArgs {
     /// Compute backend: cpu, cuda, or auto.
     #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
     pub backend: String,
+    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
+    #[arg(long, value_name = "graph|megakernel")]
+    pub decode: Option<String>,
     /// Context length: the longest conversation a sequence may hold.
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
@@ -62,9 +65,10 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     }
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
+    let decode = args.decode.as_deref().map(str::parse).transpose()?;
     let model =
         Arc::new(megagemma_engine::model_files::load_model(&path, Default::default(), backend_kind.runs_on_cpu())?);
-    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None };
+    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let base = files.defaults.sampling_params(args.seed);

@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
     #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
     pub backend: String,
+    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
+    #[arg(long, value_name = "graph|megakernel")]
+    pub decode: Option<String>,
     /// Context length: the longest prompt + generation a sequence may hold.
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
@@ -88,6 +91,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let path = crate::run::resolve_model(&args.model)?;
     let backend_kind: BackendKind = args.backend.parse()?;
+    let decode = args.decode.as_deref().map(str::parse).transpose()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, backend_kind.runs_on_cpu())?);
     let (chat, backend) = concurrently(
@@ -97,7 +101,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
                 None => None,
             };
-            let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode: None };
+            let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
             open_backend_with(model.clone(), assistant, &opts)
         },
     )?;

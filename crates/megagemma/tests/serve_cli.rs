@@ -68,6 +68,23 @@ fn serve_with_a_missing_model_is_one_error_line() {
     assert!(err.starts_with("error: ") && err.trim_end().lines().count() == 1, "{err}");
 }
 
+/// `--decode` as `run` and `bench` take it: a mode CUDA does not have is one error line, before
+/// any model is loaded (`serve` and `chat` alike).
+#[test]
+fn an_unknown_decode_mode_is_one_error_line() {
+    let d = fixtures_dir().join("gemma3");
+    let d = d.to_str().unwrap();
+    let serve = ["serve", "--model", d, "--port", "0", "--decode", "warp"];
+    let chat = ["chat", "--model", d, "--decode", "warp"];
+    for (cmd, args) in [("serve", &serve[..]), ("chat", &chat[..])] {
+        let out = megagemma(args);
+        assert!(!out.status.success(), "{cmd}");
+        let err = stderr(&out);
+        assert!(err.starts_with("error: ") && err.trim_end().lines().count() == 1, "{cmd}: {err}");
+        assert!(err.contains("unknown decode mode `warp`"), "{cmd}: {err}");
+    }
+}
+
 #[test]
 fn shutdown_ends_running_streams_and_stops_listening() {
     let server = TestServer::with_defaults("gemma3");
