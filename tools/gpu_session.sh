@@ -22,7 +22,7 @@
 #     kernel only.
 #  4. Serving: tools/bench_serve.py on a committed fixture with `serve --backend cuda` (1, 4, 16,
 #     32 streaming clients; requests/s, TTFT p50/p99, aggregate tok/s), and tools/serve_fork_check.py
-#     (n = 2 and the prefix cache, both forks on the device).
+#     (n = 2 and the prefix cache, both forks on the device; graph, megakernel, MTP drafting).
 # QUICK=1 keeps every check and the E4B/E2B decode benches but skips the benches that only compare
 # (E2B megakernel, 8k context, prefill, 26B-A4B/31B, CUDA-core kernel, serving throughput): about
 # half the device time.
@@ -248,6 +248,11 @@ fi
 # The server's forks on CUDA: n = 2 greedy choices equal, and the prefix cache's fork gives the same text.
 timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda 2>&1 \
   | grep -v '^starting' | tee "$OUT/serve_fork.log"
+[ "${PIPESTATUS[0]}" = 0 ] || fail=1
+# The same with the megakernel (`serve --decode megakernel`): n = 2 steps both choices in one
+# batched megakernel launch.
+timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/gemma3 --backend cuda \
+  --serve-arg=--decode --serve-arg=megakernel 2>&1 | grep -v '^starting' | tee -a "$OUT/serve_fork.log"
 [ "${PIPESTATUS[0]}" = 0 ] || fail=1
 # The same with MTP drafting on the device: the lone greedy request is answered speculatively.
 timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtures/ple_shared_dw --backend cuda \
