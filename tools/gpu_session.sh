@@ -186,18 +186,21 @@ fi
 # steps (the lean entry), in verify passes of eight tokens (oracle drafts of 7, every one accepted)
 # and in batched steps of three sequences (`gpu_check batch DIR`: the wide entry).
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# A wait may take longer than the megakernel's 1 s under the sanitizer: 60 s here (its own CUBINs,
+# compiled once into the kernel cache, or carried: see MEGAGEMMA_CUDA_CUBINS).
+san_env=(env MEGAGEMMA_CUDA_DEFINES=MK_TIMEOUT_NS=60000000000ull)
 san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
 for tool in racecheck synccheck memcheck; do
-  timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
+  timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
     --prompt-ids "$san_ids" --greedy --ignore-eos -n 4 --output ids --backend cuda --decode megakernel \
     > "$OUT/sanitizer_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
   echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_$tool.log"))"
-  timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
+  timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
     --prompt-ids "$san_ids" --greedy --ignore-eos -n 9 --output ids --backend cuda --decode megakernel \
     --draft oracle --acceptance 1 --k 7 > "$OUT/sanitizer_wide_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
   echo "compute-sanitizer $tool (megakernel verify of 8, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_wide_$tool.log"))"
   if [ -x "$BIN/gpu_check" ]; then
-    timeout 300 "$SAN" --tool $tool --error-exitcode 9 "$BIN/gpu_check" batch tests/fixtures/sliding_wrap \
+    timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$BIN/gpu_check" batch tests/fixtures/sliding_wrap \
       > "$OUT/sanitizer_batch_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
     echo "compute-sanitizer $tool (batched steps, graph and megakernel, sliding_wrap): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_batch_$tool.log"))"
   fi

@@ -34,7 +34,12 @@ __device__ __forceinline__ void mk_mark(int where);
 #include "attention.cu"
 
 #define MK_ARGS 32
-#define MK_TIMEOUT_NS 1000000000ull  // 1 s per wait
+// 1 s per wait. Under compute-sanitizer (racecheck runs shared-memory code many times slower) the
+// session script compiles it longer (MEGAGEMMA_CUDA_DEFINES=MK_TIMEOUT_NS=…), so a slow stage is
+// not taken for a broken schedule.
+#ifndef MK_TIMEOUT_NS
+#define MK_TIMEOUT_NS 1000000000ull
+#endif
 
 // One stage (`MkStage` in src/megakernel.rs): kernel id (MK_KERNELS there, the cases below),
 // its grid, whether its body waits itself (`pdl_start()`), and its arguments in 8-byte slots
