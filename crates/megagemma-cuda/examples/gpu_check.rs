@@ -269,8 +269,12 @@ fn batch_check(dirs: &[PathBuf], synthetic: bool) -> Result<bool> {
         for decode in [Decode::Graph, Decode::Megakernel] {
             let r = batch_matches_lone(cm, prompts, steps, decode)?;
             ok &= r.ok();
+            let launches = match decode {
+                Decode::Megakernel => format!(", {}/{} passes one megakernel launch", r.megakernel_passes, r.steps),
+                Decode::Graph => String::new(),
+            };
             println!(
-                "batch {label:<28} {:<10} {} sequences: {:>3}/{} outputs bit-identical to lone steps  {}",
+                "batch {label:<28} {:<10} {} sequences: {:>3}/{} outputs bit-identical to lone steps{launches}  {}",
                 format!("{decode:?}"),
                 prompts.len(),
                 r.identical,

@@ -106,6 +106,11 @@ impl CudaBackend {
         id
     }
 
+    /// The sequence behind `seq` (the GPU checks look at how its passes ran).
+    pub(crate) fn seq(&self, seq: SeqId) -> Result<&CudaSeq> {
+        self.seqs.get(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
+    }
+
     fn seq_mut(&mut self, seq: SeqId) -> Result<&mut CudaSeq> {
         self.seqs.get_mut(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
     }

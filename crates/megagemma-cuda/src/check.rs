@@ -286,11 +286,17 @@ pub struct BatchReport {
     /// Steps × sequences whose logits were bit-identical to the lone sequence's.
     pub identical: usize,
     pub outputs: usize,
+    /// Under `Decode::Megakernel`: steps whose batched pass ran as one megakernel launch (seen
+    /// from the first sequence, which is in the first pass of eight); under `Decode::Graph`: 0.
+    pub megakernel_passes: usize,
+    pub steps: usize,
+    pub decode: Decode,
 }
 
 impl BatchReport {
     pub fn ok(&self) -> bool {
-        self.identical == self.outputs && self.outputs > 0
+        let in_kernel = self.decode != Decode::Megakernel || self.megakernel_passes == self.steps;
+        self.identical == self.outputs && self.outputs > 0 && in_kernel
     }
 }
 
@@ -315,9 +321,10 @@ pub fn batch_matches_lone(
         batched.push((x, tok));
         lone.push(y);
     }
-    let mut r = BatchReport { identical: 0, outputs: 0 };
+    let mut r = BatchReport { identical: 0, outputs: 0, megakernel_passes: 0, steps, decode };
     for _ in 0..steps {
         let outs = b.step(&batched, BWant::Logits)?;
+        r.megakernel_passes += usize::from(b.seq(batched[0].0)?.last_megakernel_was_batched());
         for ((_, tok), (o, &y)) in batched.iter_mut().zip(outs.iter().zip(&lone)) {
             let l = b.decode(y, *tok, BWant::Logits)?;
             r.outputs += 1;

@@ -1292,6 +1292,12 @@ impl CudaSeq {
         }
     }
 
+    /// Whether the last megakernel launch was a batched step's table (`step_batch` under
+    /// `Decode::Megakernel`, rather than its stages through a graph).
+    pub(crate) fn last_megakernel_was_batched(&self) -> bool {
+        self.megakernels.get(self.mk_last).is_some_and(|(p, _)| p.batched)
+    }
+
     /// `(stages, blocks)` of the megakernel once a decode step has run with it.
     pub fn megakernel_shape(&self) -> Option<(usize, u32)> {
         self.megakernels.get(self.mk_last).map(|(_, m)| (m.stages(), m.grid()))

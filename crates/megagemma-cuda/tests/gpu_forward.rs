@@ -105,7 +105,14 @@ fn batched_steps_equal_lone_steps() {
         let prompts: Vec<Vec<u32>> = (1..=9).map(|n| p.iter().cycle().take(n).copied().collect()).collect();
         for decode in [Decode::Graph, Decode::Megakernel] {
             let r = check::batch_matches_lone(&cm, &prompts, 6, decode).unwrap_or_else(|e| panic!("{label}: {e}"));
-            assert!(r.ok(), "{label} {decode:?}: {}/{} batched outputs equal the lone ones", r.identical, r.outputs);
+            assert!(
+                r.ok(),
+                "{label} {decode:?}: {}/{} batched outputs equal the lone ones, {}/{} passes in the megakernel",
+                r.identical,
+                r.outputs,
+                r.megakernel_passes,
+                r.steps
+            );
         }
     }
 }
