@@ -7,7 +7,7 @@
 use crate::candidates::candidates_on_device;
 use crate::draft::CudaAssistant;
 use crate::model::CudaModel;
-use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY};
+use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY, MK_MAX_TOKENS};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
     check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
@@ -241,18 +241,31 @@ impl Backend for CudaBackend {
     fn measure_read_bandwidth(&mut self) -> Result<Option<f64>> {
         Ok(Some(self.model.read_bandwidth(8 << 30)?))
     }
-    fn trace_decode_step(&mut self, seq: SeqId, token: u32, path: &std::path::Path) -> Result<String> {
+    fn trace_pass(&mut self, seq: SeqId, tokens: &[u32], path: &std::path::Path) -> Result<String> {
         if self.decode != Decode::Megakernel {
-            return Err(Error::invalid_input("a decode-step trace needs --decode megakernel"));
+            return Err(Error::invalid_input("a megakernel trace needs --decode megakernel"));
         }
-        self.check(seq, &[token, token])?;
+        if tokens.is_empty() || tokens.len() > MK_MAX_TOKENS {
+            return Err(Error::invalid_input(format!("a traced pass takes 1 to {MK_MAX_TOKENS} tokens")));
+        }
+        let step = tokens.len() == 1;
+        // A step is run twice (each commits its row, taken back after): room for two positions.
+        let twice = [tokens[0], tokens[0]];
+        self.check(seq, if step { &twice } else { tokens })?;
         let s = self.seq_mut(seq)?;
         let len = s.len();
         s.set_megakernel_trace(true);
-        // The first step records the stage table again (now with a trace buffer); the second is
-        // the traced one. Both are the committing steps `step` runs; neither is kept.
-        let next = s.step(token, false)?.argmax;
-        s.step(next, false)?;
+        // The first pass records the stage table again (now with a trace buffer); the second is
+        // the traced one. One token: the committing steps `step` runs; several: verify passes
+        // (staged rows). Neither is kept.
+        if step {
+            let next = s.step(tokens[0], false)?.argmax;
+            s.step(next, false)?;
+        } else {
+            let want = SeqWant { all_positions: true, logits: false };
+            s.forward(tokens, want)?;
+            s.forward(tokens, want)?;
+        }
         let trace = s.megakernel_trace()?;
         s.set_megakernel_trace(false);
         s.truncate_to(len)?;

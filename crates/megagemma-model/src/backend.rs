@@ -91,11 +91,11 @@ pub trait Backend: Send {
     fn launches_per_token(&self) -> Option<f64> {
         None
     }
-    /// Runs one decode step of `seq` on `token` with a per-block timeline recorded (the CUDA
-    /// megakernel), writes it to `path` as JSON and returns a table of where the step's time
-    /// went; the step is not committed.
-    fn trace_decode_step(&mut self, _seq: SeqId, _token: u32, _path: &std::path::Path) -> Result<String> {
-        Err(Error::invalid_input("a decode-step trace needs the CUDA backend with --decode megakernel"))
+    /// Runs one pass of `seq` over `tokens` with a per-block timeline recorded (the CUDA
+    /// megakernel) — a decode step for one token, a verify pass for several — writes it to
+    /// `path` as JSON and returns a table of where the pass's time went; nothing is committed.
+    fn trace_pass(&mut self, _seq: SeqId, _tokens: &[u32], _path: &std::path::Path) -> Result<String> {
+        Err(Error::invalid_input("a megakernel trace needs the CUDA backend with --decode megakernel"))
     }
 
     /// A new, empty sequence.

@@ -53,7 +53,8 @@ pub struct BenchArgs {
     pub decode: Option<String>,
     /// After the timed run, one more decode step with a per-block timeline recorded (CUDA,
     /// --decode megakernel), written to FILE as JSON (`tools/mk_trace.py FILE --png` draws it),
-    /// and a table of where its time went.
+    /// and a table of where its time went; with --draft, also a verify pass of k + 1 tokens
+    /// (FILE's name with `.verify` before its extension).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// Worker threads on the CPU (default: all cores).
@@ -149,11 +150,27 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         let seq = backend.new_sequence()?;
         let prompt = prompt_ids(args.prompt_len, backend.vocab_size());
         let tok = backend.prefill(seq, &prompt, Want::Argmax)?.argmax;
-        print!("{}", backend.trace_decode_step(seq, tok, path)?);
+        print!("{}", backend.trace_pass(seq, &[tok], path)?);
         println!("trace            {} (tools/mk_trace.py {} --png timeline.png)", path.display(), path.display());
+        // With drafting, also a verify pass of k + 1 tokens (the output and arbitrary drafts).
+        if draft.mode != DraftMode::None {
+            let vocab = backend.vocab_size() as u32;
+            let tokens: Vec<u32> =
+                std::iter::once(tok).chain((1..=draft.k as u32).map(|i| (tok + 7 * i) % vocab)).collect();
+            let vpath = verify_trace_path(path);
+            print!("{}", backend.trace_pass(seq, &tokens, &vpath)?);
+            println!("trace            {} ({}-token verify pass)", vpath.display(), tokens.len());
+        }
         backend.free(seq)?;
     }
     Ok(())
+}
+
+/// Where `--trace FILE` puts the verify pass's trace: `trace.json` → `trace.verify.json`.
+fn verify_trace_path(path: &std::path::Path) -> PathBuf {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    path.with_file_name(format!("{stem}.verify{ext}"))
 }
 
 /// The sampled run's parameters (`--temperature` and the options that go with it).
