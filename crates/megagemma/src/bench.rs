@@ -451,3 +451,16 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     });
     println!("{json}");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::verify_trace_path;
+    use std::path::Path;
+
+    #[test]
+    fn the_verify_trace_sits_beside_the_step_trace() {
+        assert_eq!(verify_trace_path(Path::new("out/e4b.json")), Path::new("out/e4b.verify.json"));
+        assert_eq!(verify_trace_path(Path::new("trace")), Path::new("trace.verify"));
+        assert_eq!(verify_trace_path(Path::new("a.b.json")), Path::new("a.b.verify.json"));
+    }
+}
