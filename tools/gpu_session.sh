@@ -190,20 +190,21 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 # compiled once into the kernel cache, or carried: see MEGAGEMMA_CUDA_CUBINS).
 san_env=(env MEGAGEMMA_CUDA_DEFINES=MK_TIMEOUT_NS=60000000000ull)
 san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
+san_run=("$MG" run --model tests/fixtures/sliding_wrap --quant q4 --prompt-ids "$san_ids" --greedy --ignore-eos
+  --output ids --backend cuda --decode megakernel)
+# One tool over one command: `sanitize TOOL NAME LABEL CMD...` logs to $OUT/sanitizer_NAME.log.
+sanitize() {
+  local tool=$1 name=$2 label=$3 r
+  shift 3
+  timeout 300 "${san_env[@]}" "$SAN" --tool "$tool" --error-exitcode 9 "$@" > "$OUT/sanitizer_$name.log" 2>&1 \
+    && r=clean || { r=FAIL; fail=1; }
+  echo "compute-sanitizer $tool ($label): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_$name.log"))"
+}
 for tool in racecheck synccheck memcheck; do
-  timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
-    --prompt-ids "$san_ids" --greedy --ignore-eos -n 4 --output ids --backend cuda --decode megakernel \
-    > "$OUT/sanitizer_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
-  echo "compute-sanitizer $tool (megakernel, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_$tool.log"))"
-  timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$MG" run --model tests/fixtures/sliding_wrap --quant q4 \
-    --prompt-ids "$san_ids" --greedy --ignore-eos -n 9 --output ids --backend cuda --decode megakernel \
-    --draft oracle --acceptance 1 --k 7 > "$OUT/sanitizer_wide_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
-  echo "compute-sanitizer $tool (megakernel verify of 8, sliding_wrap q4): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_wide_$tool.log"))"
-  if [ -x "$BIN/gpu_check" ]; then
-    timeout 300 "${san_env[@]}" "$SAN" --tool $tool --error-exitcode 9 "$BIN/gpu_check" batch tests/fixtures/sliding_wrap \
-      > "$OUT/sanitizer_batch_$tool.log" 2>&1 && r=clean || { r=FAIL; fail=1; }
-    echo "compute-sanitizer $tool (batched steps, graph and megakernel, sliding_wrap): $r ($(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer_batch_$tool.log"))"
-  fi
+  sanitize $tool $tool "megakernel, sliding_wrap q4" "${san_run[@]}" -n 4
+  sanitize $tool wide_$tool "megakernel verify of 8, sliding_wrap q4" "${san_run[@]}" -n 9 --draft oracle --acceptance 1 --k 7
+  [ -x "$BIN/gpu_check" ] && sanitize $tool batch_$tool "batched steps, graph and megakernel, sliding_wrap" \
+    "$BIN/gpu_check" batch tests/fixtures/sliding_wrap
 done
 
 for m in e4b e2b; do

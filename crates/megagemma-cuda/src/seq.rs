@@ -812,7 +812,14 @@ impl CudaSeq {
     /// the megakernel runs the recorded stages. `skew` ≠ 0 makes every wait unsatisfiable (the
     /// timeout test).
     fn megakernel_pass(&mut self, t: usize, first: usize, skew: u32) -> Result<()> {
-        let pass = MkPass { tokens: t, first, commit: self.commit_in_step, ahead: false, batched: false };
+        self.launch_megakernel(
+            MkPass { tokens: t, first, commit: self.commit_in_step, ahead: false, batched: false },
+            skew,
+        )
+    }
+
+    /// Launches `pass`'s table (recorded now if it is new); it becomes the last one run.
+    fn launch_megakernel(&mut self, pass: MkPass, skew: u32) -> Result<()> {
         let i = self.megakernel_table(pass)?;
         self.mk_last = i;
         self.megakernels[i].1.launch(&self.model.gpu, skew)
@@ -1212,11 +1219,12 @@ impl CudaSeq {
         // The pass and every column's commit: one graph or megakernel table per n (what differs
         // between steps is in the tables), or launched kernel by kernel without graphs.
         self.batched.set(true);
-        let megakernel = self.use_graphs && self.decode == Decode::Megakernel && n <= MK_MAX_TOKENS;
-        let ran = match (self.use_graphs, megakernel) {
-            (true, true) => self.batch_megakernel(n),
-            (true, false) => self.batch_graph(n),
-            (false, _) => self.run_batch(n),
+        let ran = if !self.use_graphs {
+            self.run_batch(n)
+        } else if self.decode == Decode::Megakernel && n <= MK_MAX_TOKENS {
+            self.batch_megakernel(n)
+        } else {
+            self.batch_graph(n)
         };
         self.batched.set(false);
         ran?;
@@ -1270,11 +1278,8 @@ impl CudaSeq {
     /// [`CudaSeq::run_batch`] as one megakernel launch, its stage table recorded on first use for
     /// each `n`; an error if a wait timed out.
     fn batch_megakernel(&mut self, n: usize) -> Result<()> {
-        let i = self.megakernel_table(MkPass { tokens: n, first: 0, commit: true, ahead: false, batched: true })?;
-        self.mk_last = i;
-        let gpu = &self.model.gpu;
-        self.megakernels[i].1.launch(gpu, 0)?;
-        self.megakernels[i].1.check(gpu)
+        self.launch_megakernel(MkPass { tokens: n, first: 0, commit: true, ahead: false, batched: true }, 0)?;
+        self.megakernels[self.mk_last].1.check(&self.model.gpu)
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
