@@ -305,27 +305,67 @@ __device__ __forceinline__ int2 norm_slice(int n4, int slices, int s) {
 // End of a sub-block, one block per row: x = (x + o·r_o·w1) · scale (the residual update and the
 // per-layer scalar), then a = x·r_x·w2 (the next sub-block's pre-norm; skipped when w2 is null).
 // A thread's elements are the float4s f = tid + q·blockDim (`residual4` and friends in common.cuh;
-// `dim` % 4 == 0), kept in registers for rows of up to 4·RES_F4·blockDim elements: o and x are
-// loaded together right after `pdl_start()` (w1 is asked of L2 before it), so the row costs one
-// load round trip and two block reductions. Wider rows (31B) re-read them, summing in the same order.
+// `dim` % 4 == 0), kept in registers for rows of up to 4·RES_F4·blockDim elements: the norm
+// weights w1 and w2 are loaded before `pdl_start()` (weights never depend on activations, so
+// neither reduction waits for a load after it), o and x together right after it, so the row costs
+// one load round trip and two block reductions. Wider rows (31B) re-read them, summing in the same
+// order (w1 is then only asked of L2 before the wait).
 // `residual_stats` (matvec_mma.cu) computes the same step folded into the next matvec: same bits.
-// SLICED (the prepared-input step of several-token passes, `add_norm_prep_*`): `slices` blocks per
-// row, each computing the row's statistics and writing its chunk-aligned slice (`norm_slice`) of x'
-// into `x_out` (never in place: the row's other blocks are still reading x) and of a.
-template <bool SLICED = false>
+// `slices` blocks per row (`add_norm`, `add_norm_prep_*`), each computing the row's
+// statistics and writing its chunk-aligned slice (`norm_slice`) of x' into `x_out` and of a, so
+// no block writes a whole row after its reductions. With several slices x_out is never x (the
+// row's other blocks are still reading x); with one it may be (the step in place).
 STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
-                         float* a, const float* __restrict__ w2, int dim, float eps, float* x_out = nullptr,
-                         int slices = 1) {
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) prefetch_l2(w1 + i);
-  pdl_start();
-  const int row = SLICED ? vb / slices : vb;
+                         float* a, const float* __restrict__ w2, int dim, float eps, float* x_out, int slices) {
+  const int row = vb / slices;
   const u64 base = (u64)row * dim;
   const int n4 = dim / 4, bd = blockDim.x;
-  const int2 mine = SLICED ? norm_slice(n4, slices, vb - row * slices) : make_int2(0, n4);
-  float* xr = x + base;
-  float* xo = SLICED ? x_out + base : xr;
-  const float* orow = o + base;
+  const int2 mine = norm_slice(n4, slices, vb - row * slices);
   const bool in_regs = n4 <= RES_F4 * bd;
+  // Launched, a thread holds its norm weights in registers across the wait. The megakernel copies
+  // them to shared memory instead (its dynamic shared memory is free between stages: `[2][RES_F4]
+  // [blockDim]` float4s, ADD_NORM_MK_SMEM on the host): held in registers across its wait (a
+  // call), they changed the register allocation of its whole decode entry. Each thread reads back
+  // only what it copied, so its own `cp.async.wait_all` is all the synchronisation needed.
+#ifdef MEGAKERNEL
+  extern __shared__ __align__(16) float4 norm_w[];
+  const auto w1q = [&](int q) { return norm_w[q * bd + threadIdx.x]; };
+  const auto w2q = [&](int q) { return norm_w[(RES_F4 + q) * bd + threadIdx.x]; };
+  if (in_regs) {
+#pragma unroll
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * bd;
+      if (f < n4)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(&norm_w[q * bd + threadIdx.x])),
+                     "l"(w1 + 4 * f) : "memory");
+      if (w2 && f < mine.y && f >= mine.x)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(&norm_w[(RES_F4 + q) * bd + threadIdx.x])),
+                     "l"(w2 + 4 * f) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+#else
+  float4 w1v[RES_F4], w2v[RES_F4];  // this thread's norm weights (w2: of its slice only)
+  const auto w1q = [&](int q) { return w1v[q]; };
+  const auto w2q = [&](int q) { return w2v[q]; };
+  if (in_regs) {
+#pragma unroll
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * bd;
+      w1v[q] = f < n4 ? ld4(w1, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+      w2v[q] = w2 && f < mine.y && f >= mine.x ? ld4(w2, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+#endif
+  if (!in_regs)
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) prefetch_l2(w1 + i);
+  pdl_start();
+#ifdef MEGAKERNEL
+  if (in_regs) asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+  float* xr = x + base;
+  float* xo = x_out + base;
+  const float* orow = o + base;
   float4 ov[RES_F4], xv[RES_F4];
   double ss = 0.0;
   if (in_regs) {
@@ -349,14 +389,14 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
     for (int q = 0; q < RES_F4; q++) {
       const int f = threadIdx.x + q * bd;
       if (f >= n4) continue;
-      xv[q] = residual4(xv[q], ov[q], r, ld4(w1, f), scale);
-      if (!SLICED || (f >= mine.x && f < mine.y)) st4(xo, f, xv[q]);
+      xv[q] = residual4(xv[q], ov[q], r, w1q(q), scale);
+      if (f >= mine.x && f < mine.y) st4(xo, f, xv[q]);
       ss2 = sumsq4(ss2, xv[q]);
     }
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) {
       const float4 v = residual4(ld4(xr, f), ld4(orow, f), r, ld4(w1, f), scale);
-      if (!SLICED || (f >= mine.x && f < mine.y)) st4(xo, f, v);
+      if (f >= mine.x && f < mine.y) st4(xo, f, v);
       ss2 = sumsq4(ss2, v);
     }
   }
@@ -367,12 +407,12 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {
       const int f = threadIdx.x + q * bd;
-      if (f < mine.y && (!SLICED || f >= mine.x)) st4(a + base, f, norm4(xv[q], r2, ld4(w2, f)));
+      if (f >= mine.x && f < mine.y) st4(a + base, f, norm4(xv[q], r2, w2q(q)));
     }
   } else {
-    // SLICED: this thread wrote x' of its slice's float4s itself (x_out), the rest it skips.
-    for (int f = threadIdx.x + (SLICED ? mine.x - mine.x % bd : 0); f < mine.y; f += bd)
-      if (!SLICED || f >= mine.x) st4(a + base, f, norm4(ld4(xo, f), r2, ld4(w2, f)));
+    // This thread wrote x' of its slice's float4s itself (x_out), the rest it skips.
+    for (int f = threadIdx.x + mine.x - mine.x % bd; f < mine.y; f += bd)
+      if (f >= mine.x) st4(a + base, f, norm4(ld4(xo, f), r2, ld4(w2, f)));
   }
 }
 

@@ -193,7 +193,7 @@ __device__ __forceinline__ void mk_dispatch(const MkStage& st, int b, int g) {
       break;
     case 3:  // add_norm
       add_norm_body(b, P(float*, 0), P(const float*, 1), P(const float*, 2), F(3), P(float*, 4), P(const float*, 5),
-                    I(6), F(7));
+                    I(6), F(7), P(float*, 8), I(9));
       break;
     case 4:  // gelu_gate
       gelu_gate_body(b, P(float*, 0), P(const float*, 1), I(2), I(3), I(4));

@@ -77,9 +77,12 @@ extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq,
                                          const float* __restrict__ inv_freq, int hd, const int* __restrict__ pos,
                                          int T, float eps) { qkv_norm_rope_body(blockIdx.x, q, wq, nq, k, wk, nk, v, nv, inv_freq, hd, pos, T, eps); }
 
-// `add_norm_body` is in common.cuh (the prepared-input variant in matvec_mma.cu runs it too).
+// `add_norm_body` is in common.cuh (the prepared-input variant in matvec_mma.cu runs it too):
+// `slices` blocks per row, x' into x_out (x itself with one slice).
 extern "C" __global__ void __launch_bounds__(256) add_norm(float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale,
-                                    float* a, const float* __restrict__ w2, int dim, float eps) { add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps); }
+                                    float* a, const float* __restrict__ w2, int dim, float eps, float* x_out, int slices) {
+  add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps, x_out, slices);
+}
 
 // x[t, i] = gelu(x[t, i]) · gate[t·stride + i] for x: [T, n] (the unfused GeGLU / PLE gate).
 STAGE void gelu_gate_body(const int vb, float* x, const float* __restrict__ gate, int n, int stride, int T) {

@@ -492,6 +492,8 @@ impl CudaSeq {
             Arg::Ptr(w2),
             Arg::I32(ap.hidden as i32),
             Arg::F32(ap.eps),
+            Arg::Ptr(asst.s.x.ptr), // in place: one block
+            Arg::I32(1),
         ];
         self.gpu().launch("add_norm", 1, 256, 0, &args)
     }

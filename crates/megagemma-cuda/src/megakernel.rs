@@ -58,6 +58,10 @@ const MK_BLOCKS_PER_SM: u32 = 2;
 /// Dynamic shared memory the megakernel may use (`Gpu::megakernel_fn` sets it).
 pub(crate) const MK_SMEM_MAX: u32 = 96 * 1024;
 
+/// Shared memory of a residual-step stage: its norm weights, `[2][RES_F4][MK_THREADS]` float4s
+/// (`add_norm_body` in `kernels/common.cuh`).
+const ADD_NORM_MK_SMEM: u32 = 2 * 3 * MK_THREADS * 16;
+
 /// One stage as the device reads it (`struct MkStage`).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -167,12 +171,14 @@ impl Megakernel {
         for (s, p) in stages.iter_mut().zip(prefetch_plan(&kernels, ahead)) {
             s.prefetch = p;
         }
-        // Each tensor-core matvec keeps its warps' cp.async rings after its inputs.
+        // Each tensor-core matvec keeps its warps' cp.async rings after its inputs; a residual step
+        // copies its norm weights there before its wait.
         let smem = recorded
             .iter()
-            .map(|r| match r.name.starts_with("matvec_q4t_") {
-                true => r.smem + mma_ring_bytes(if r.name.contains("g32") { 2 } else { 1 }),
-                false => r.smem,
+            .map(|r| match r.name.as_str() {
+                n if n.starts_with("matvec_q4t_") => r.smem + mma_ring_bytes(if n.contains("g32") { 2 } else { 1 }),
+                "add_norm" => r.smem.max(ADD_NORM_MK_SMEM),
+                _ => r.smem,
             })
             .max()
             .unwrap_or(0);
@@ -464,6 +470,15 @@ mod tests {
             assert!(src[case..].lines().nth(1).unwrap().contains("if constexpr (GENERAL)"), "{name}");
         }
         assert_eq!(src.matches("if constexpr (GENERAL)").count(), NOT_LEAN.len());
+    }
+
+    /// `ADD_NORM_MK_SMEM` mirrors `RES_F4` of common.cuh.
+    #[test]
+    fn add_norm_smem_matches_the_kernel() {
+        let common = include_str!("../kernels/common.cuh");
+        let line = common.lines().find(|l| l.starts_with("#define RES_F4 ")).unwrap();
+        let res_f4: u32 = line["#define RES_F4 ".len()..].split("//").next().unwrap().trim().parse().unwrap();
+        assert_eq!(ADD_NORM_MK_SMEM, 2 * res_f4 * MK_THREADS * 16);
     }
 
     /// `mma_ring_bytes` mirrors `MMA_WARPS`, `MMA_RING` and `MMA_RING_SLOT` of matvec_mma.cu.

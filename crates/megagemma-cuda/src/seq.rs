@@ -1710,8 +1710,7 @@ impl CudaSeq {
             // Each token's row in slices of whole chunks, a block each: every block takes the
             // row's statistics, and writes and prepares its slice only (one block per token built
             // the whole row after its reductions, on the critical path of every residual step).
-            let chunks = h.div_ceil(64);
-            let slices = chunks.div_ceil(chunks.div_ceil(self.prep_slices));
+            let slices = self.norm_slices();
             let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
             let more = [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(self.xother()), Arg::I32(slices as i32)];
             let args: [Arg; 11] = join(args, more);
@@ -1719,8 +1718,21 @@ impl CudaSeq {
             self.x_in_x2.set(!self.x_in_x2.get());
             return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
-        self.add_norm(p.o, p.w1, p.scale, p.w2, row0 + t)?;
+        // Otherwise the step runs first and the matvecs build their inputs from its output. Before
+        // one hidden-wide tensor-core launch (the megakernel's passes of several tokens, two-token
+        // passes) it runs in slices too, so no block writes a whole row after its reductions.
+        let sliced = row0 == 0 && !self.long_pass(t) && self.one_mma_launch(mats) && mats[0].0.cols as usize == h;
+        self.add_norm(p, row0 + t, if sliced { self.norm_slices() } else { 1 })?;
+        // Without w2 the matvec's input is the new residual, which a sliced step wrote elsewhere.
+        let x = if p.w2 == 0 { self.xcur() } else { x };
         self.matvec_many(mats, x, t)
+    }
+
+    /// Blocks per token of a sliced residual step: whole 64-column chunks each, about
+    /// `MEGAGEMMA_CUDA_PREP_SLICES` of them (default 8; 1: the step in place, one block a token).
+    fn norm_slices(&self) -> usize {
+        let chunks = self.model.plan.hidden.div_ceil(64);
+        chunks.div_ceil(chunks.div_ceil(self.prep_slices))
     }
 
     /// `y_i[t] = W_i·x[t]` for up to three matrices of the same width (Q/K/V, gate/up): one launch
@@ -2018,10 +2030,18 @@ impl CudaSeq {
     }
 
     /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
-    fn add_norm(&self, o: u64, w1: u64, scale: f32, w2: u64, t: usize) -> Result<()> {
-        let args = self.add_norm_args(o, w1, scale, w2);
+    /// The residual step `p` of `t` rows, each in `slices` blocks (`norm_slices`): in place with
+    /// one, else x' into the other residual buffer, which becomes the current one.
+    fn add_norm(&self, p: PendingNorm, t: usize, slices: usize) -> Result<()> {
+        let x_out = if slices > 1 { self.xother() } else { self.xcur() };
+        let args: [Arg; 10] =
+            join(self.add_norm_args(p.o, p.w1, p.scale, p.w2), [Arg::Ptr(x_out), Arg::I32(slices as i32)]);
         // 256 threads per row (every decode-step kernel has blocks of 256, as the megakernel runs them).
-        self.gpu().launch("add_norm", t as u32, 256, 0, &args)
+        self.gpu().launch("add_norm", (t * slices) as u32, 256, 0, &args)?;
+        if slices > 1 {
+            self.x_in_x2.set(!self.x_in_x2.get());
+        }
+        Ok(())
     }
 
     /// `add_norm`'s arguments (the `add_norm_prep_*` entries take the prepared inputs' buffer, the other
