@@ -122,7 +122,12 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   // while the previous kernel finishes. Staged rows (this pass's) only after it.
   if constexpr (HD > 0) hd = HD;
   if constexpr (ONE) T = 1;
-  const int split = vb % grid_splits, query = vb / grid_splits;
+  // Split-major: the blocks with keys come first (a query's splits past its keys return at once).
+  // The megakernel's blocks take virtual blocks b, b + gridDim, …, so while fewer than gridDim have
+  // keys each gets at most one; query-major, a block got two or three once a pass's queries had
+  // more than eight splits (264 blocks ≡ 8 mod 64 splits), and the stage waited for it.
+  const int queries = T * heads;
+  const int split = vb / queries, query = vb % queries;
   const int t = ONE ? 0 : query / heads, head = ONE ? query : query % heads;
   // tl: the token's index in its own sequence's pass (its staged row); raw0: that pass's first
   // row of kr/vr. A batched column is token 0 of a one-token pass whose raw row is column t.
