@@ -12,7 +12,6 @@
 #include "common.cuh"
 
 #define ATT_MAX_DPL 16      // dims per lane: head dims up to 512
-#define ATT_NORM_ROWS 9     // rows a fused attention norms per barrier: the query and eight staged keys
 #define ATT_WARPS 8
 #define ATT_FEW_TOKENS 8    // passes up to this many tokens split up to ATT_MAX_SPLITS ways
 #define ATT_MAX_SPLITS 64
@@ -183,48 +182,23 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
   pdl_start();
   const float* qrow = q + ((u64)t * heads + head) * hd;
   if (fused & ATT_FUSED_Q) {
-    // The query (row 0) and the range's staged keys and values (rows 1 + i), normed and rotated
-    // into shared memory, ATT_NORM_ROWS rows per barrier (a block reduction per key made a verify
-    // pass's last split of its last token the slowest block of the stage). Thread i < half holds
-    // the pair (i, i + half) of every row: its raw values go to the row's place in shared memory
-    // and their squares' warp sums to att_red; after the barrier each thread adds a row's warp sums
-    // in warp order, as a block reduction does (so the bits of one row at a time), and norms and
-    // rotates its pair in place.
-    __shared__ double att_red[ATT_NORM_ROWS][2][ATT_WARPS];
-    const bool vnorm = fused & ATT_FUSED_VNORM;
-    for (int r0 = 0; r0 <= ns; r0 += ATT_NORM_ROWS) {
-      const int r1 = min(ns + 1, r0 + ATT_NORM_ROWS);
-#pragma unroll 4
-      for (int r = r0; r < r1; r++) {
-        const u64 raw = (u64)(js0 + r - 1 - p0 + raw0) * kvw + kvh * hd;
-        const float2 x = head_pair(r == 0 ? qrow : kr + raw, half);
-        const float2 vx = r == 0 ? make_float2(0.f, 0.f) : head_pair(vr + raw, half);
-        store_pair(r == 0 ? qs : kn + (r - 1) * hd, half, x);
-        if (r > 0) store_pair(vn + (r - 1) * hd, half, vx);
-        const double sx = warp_reduce(pair_sq(x), SumOp()), sv = warp_reduce(pair_sq(vx), SumOp());
-        if (lane == 0) att_red[r - r0][0][warp] = sx, att_red[r - r0][1][warp] = sv;
+    // The query and the range's staged keys and values, normed and rotated into shared memory:
+    // one block reduction for the query and the first key and value, one per further key.
+    float2 x = head_pair(qrow, half);
+    for (int i = 0; i == 0 || i < ns; i++) {
+      const u64 raw = (u64)(js0 + i - p0 + raw0) * kvw + kvh * hd;
+      const float2 kx = i < ns ? head_pair(kr + raw, half) : make_float2(0.f, 0.f);
+      const float2 vx = i < ns ? head_pair(vr + raw, half) : make_float2(0.f, 0.f);
+      double sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
+      block_sum_d3(sx, sk, sv);
+      if (i == 0) store_pair(qs, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wq != nullptr, wqp, f, pos));
+      if (i < ns) {
+        store_pair(kn + i * hd, half, norm_rope_pair(kx, rms_scale(sk, hd, eps), wk != nullptr, wkp, f, js0 + i));
+        const bool vnorm = fused & ATT_FUSED_VNORM;
+        store_pair(vn + i * hd, half,
+                   vnorm ? norm_rope_pair(vx, rms_scale(sv, hd, eps), false, wkp, 0.f, 0) : vx);
       }
-      __syncthreads();
-      if ((int)threadIdx.x < half) {
-        for (int r = r0; r < r1; r++) {
-          double sx = att_red[r - r0][0][0], sv = att_red[r - r0][1][0];
-#pragma unroll
-          for (int w = 1; w < ATT_WARPS; w++) sx = sx + att_red[r - r0][0][w], sv = sv + att_red[r - r0][1][w];
-          float* row = r == 0 ? qs : kn + (r - 1) * hd;
-          const float2 x = make_float2(row[threadIdx.x], row[threadIdx.x + half]);
-          if (r == 0) {
-            store_pair(qs, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wq != nullptr, wqp, f, pos));
-          } else {
-            store_pair(row, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wk != nullptr, wkp, f, js0 + r - 1));
-            float* vrow = vn + (r - 1) * hd;
-            if (vnorm) {
-              const float2 v = make_float2(vrow[threadIdx.x], vrow[threadIdx.x + half]);
-              store_pair(vrow, half, norm_rope_pair(v, rms_scale(sv, hd, eps), false, wkp, 0.f, 0));
-            }
-          }
-        }
-      }
-      if (r1 <= ns) __syncthreads();  // att_red is reused
+      x = make_float2(0.f, 0.f);
     }
   } else {
     for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = qrow[d];
