@@ -1016,7 +1016,7 @@ MMA_ENTRY(matvec_q4t_1_g32, 1, 2, false, true)
   extern "C" __global__ void __launch_bounds__(256) add_norm_prep##SUFFIX(                                     \
       float* x, const float* __restrict__ o, const float* __restrict__ w1, float scale, float* a,             \
       const float* __restrict__ w2, int dim, float eps, unsigned char* prep, float* x_out, int slices) {       \
-    add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps, x_out, slices);                         \
+    add_norm_body(blockIdx.x, x, o, w1, scale, a, w2, dim, eps, x_out, slices);                                \
     __syncthreads(); /* the block's slice of a (or x') is written */                                           \
     const int j = blockIdx.x / slices;                                                                         \
     const int2 c = slice_chunks(dim / 4, slices, blockIdx.x - j * slices);                                     \

@@ -2029,9 +2029,9 @@ impl CudaSeq {
         })
     }
 
-    /// `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2` when `w2` is non-zero.
-    /// The residual step `p` of `t` rows, each in `slices` blocks (`norm_slices`): in place with
-    /// one, else x' into the other residual buffer, which becomes the current one.
+    /// The residual step `p` of `t` rows — `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2`
+    /// when `w2` is non-zero — each row in `slices` blocks (`norm_slices`): in place with one, else
+    /// x' into the other residual buffer, which becomes the current one.
     fn add_norm(&self, p: PendingNorm, t: usize, slices: usize) -> Result<()> {
         let x_out = if slices > 1 { self.xother() } else { self.xcur() };
         let args: [Arg; 10] =
