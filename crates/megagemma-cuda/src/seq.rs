@@ -1719,8 +1719,9 @@ impl CudaSeq {
             return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
         // Otherwise the step runs first and the matvecs build their inputs from its output. Before
-        // one hidden-wide tensor-core launch (the megakernel's passes of several tokens, two-token
-        // passes) it runs in slices too, so no block writes a whole row after its reductions.
+        // one hidden-wide tensor-core launch (the megakernel's passes of several tokens, whose
+        // tables take no prepared-input entries) it runs in slices too, so no block writes a whole
+        // row after its reductions.
         let sliced = row0 == 0 && !self.long_pass(t) && self.one_mma_launch(mats) && mats[0].0.cols as usize == h;
         self.add_norm(p, row0 + t, if sliced { self.norm_slices() } else { 1 })?;
         // Without w2 the matvec's input is the new residual, which a sliced step wrote elsewhere.
