@@ -267,11 +267,15 @@ pub fn cubin_from(file: &str, arch: &str, device_key: &str, prebuilt: Option<&Pa
     Ok(c.cubin)
 }
 
-/// The value of `#define NAME value` in the embedded kernel file `file` (what follows the name, up
-/// to a `//` comment): host constants that mirror a kernel's are tested against it.
+/// The value of `#define NAME value` in the embedded kernel file `file` or `common.cuh` (what
+/// follows the name, up to a `//` comment): host constants that mirror a kernel's are tested
+/// against it.
 #[cfg(test)]
 pub(crate) fn kernel_define(file: &str, name: &str) -> String {
-    let src = KERNEL_FILES.iter().find(|(f, _)| *f == file).map(|(_, s)| *s).expect(file);
+    let src = match file {
+        "common.cuh" => COMMON,
+        _ => KERNEL_FILES.iter().find(|(f, _)| *f == file).map(|(_, s)| *s).expect(file),
+    };
     let head = format!("#define {name} ");
     let line = src.lines().find(|l| l.starts_with(&head)).expect(name);
     line[head.len()..].split("//").next().unwrap_or_default().trim().to_string()

@@ -475,9 +475,7 @@ mod tests {
     /// `ADD_NORM_MK_SMEM` mirrors `RES_F4` of common.cuh.
     #[test]
     fn add_norm_smem_matches_the_kernel() {
-        let common = include_str!("../kernels/common.cuh");
-        let line = common.lines().find(|l| l.starts_with("#define RES_F4 ")).unwrap();
-        let res_f4: u32 = line["#define RES_F4 ".len()..].split("//").next().unwrap().trim().parse().unwrap();
+        let res_f4: u32 = crate::compile::kernel_define("common.cuh", "RES_F4").parse().unwrap();
         assert_eq!(ADD_NORM_MK_SMEM, 2 * res_f4 * MK_THREADS * 16);
     }
 

@@ -1710,12 +1710,7 @@ impl CudaSeq {
             // Each token's row in slices of whole chunks, a block each: every block takes the
             // row's statistics, and writes and prepares its slice only (one block per token built
             // the whole row after its reductions, on the critical path of every residual step).
-            let slices = self.norm_slices();
-            let args = self.add_norm_args(p.o, p.w1, p.scale, p.w2);
-            let more = [Arg::Ptr(self.s.mma_prep.ptr), Arg::Ptr(self.xother()), Arg::I32(slices as i32)];
-            let args: [Arg; 11] = join(args, more);
-            self.gpu().launch(step, (t * slices) as u32, 256, 0, &args)?;
-            self.x_in_x2.set(!self.x_in_x2.get());
+            self.add_norm(p, t, self.norm_slices(), Some((step, self.s.mma_prep.ptr)))?;
             return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
         }
         // Otherwise the step runs first and the matvecs build their inputs from its output. Before
@@ -1723,7 +1718,7 @@ impl CudaSeq {
         // tables take no prepared-input entries) it runs in slices too, so no block writes a whole
         // row after its reductions.
         let sliced = row0 == 0 && !self.long_pass(t) && self.one_mma_launch(mats) && mats[0].0.cols as usize == h;
-        self.add_norm(p, row0 + t, if sliced { self.norm_slices() } else { 1 })?;
+        self.add_norm(p, row0 + t, if sliced { self.norm_slices() } else { 1 }, None)?;
         // Without w2 the matvec's input is the new residual, which a sliced step wrote elsewhere.
         let x = if p.w2 == 0 { self.xcur() } else { x };
         self.matvec_many(mats, x, t)
@@ -2032,33 +2027,31 @@ impl CudaSeq {
 
     /// The residual step `p` of `t` rows — `x = (x + norm(o)·w1) · scale`, then `a = norm(x)·w2`
     /// when `w2` is non-zero — each row in `slices` blocks (`norm_slices`): in place with one, else
-    /// x' into the other residual buffer, which becomes the current one.
-    fn add_norm(&self, p: PendingNorm, t: usize, slices: usize) -> Result<()> {
+    /// x' into the other residual buffer, which becomes the current one. `prep`: run as the
+    /// prepared-input entry given, which also writes the output's digit planes to the buffer given
+    /// (`add_norm_prep_*`).
+    fn add_norm(&self, p: PendingNorm, t: usize, slices: usize, prep: Option<(&str, u64)>) -> Result<()> {
+        let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
         let x_out = if slices > 1 { self.xother() } else { self.xcur() };
-        let args: [Arg; 10] =
-            join(self.add_norm_args(p.o, p.w1, p.scale, p.w2), [Arg::Ptr(x_out), Arg::I32(slices as i32)]);
+        let mut args = vec![
+            Arg::Ptr(self.xcur()),
+            Arg::Ptr(p.o),
+            Arg::Ptr(p.w1),
+            Arg::F32(p.scale),
+            Arg::Ptr(self.s.a.ptr),
+            Arg::Ptr(p.w2),
+            Arg::I32(h as i32),
+            Arg::F32(eps),
+        ];
+        args.extend(prep.map(|(_, buf)| Arg::Ptr(buf)));
+        args.extend([Arg::Ptr(x_out), Arg::I32(slices as i32)]);
+        let kernel = prep.map_or("add_norm", |(step, _)| step);
         // 256 threads per row (every decode-step kernel has blocks of 256, as the megakernel runs them).
-        self.gpu().launch("add_norm", (t * slices) as u32, 256, 0, &args)?;
+        self.gpu().launch(kernel, (t * slices) as u32, 256, 0, &args)?;
         if slices > 1 {
             self.x_in_x2.set(!self.x_in_x2.get());
         }
         Ok(())
-    }
-
-    /// `add_norm`'s arguments (the `add_norm_prep_*` entries take the prepared inputs' buffer, the other
-    /// residual buffer and their blocks per token after them).
-    fn add_norm_args(&self, o: u64, w1: u64, scale: f32, w2: u64) -> [Arg; 8] {
-        let (h, eps) = (self.model.plan.hidden, self.model.plan.eps);
-        [
-            Arg::Ptr(self.xcur()),
-            Arg::Ptr(o),
-            Arg::Ptr(w1),
-            Arg::F32(scale),
-            Arg::Ptr(self.s.a.ptr),
-            Arg::Ptr(w2),
-            Arg::I32(h as i32),
-            Arg::F32(eps),
-        ]
     }
 
     /// Attention of the pass's `t` tokens over this sequence's cache, or in a batched step of
