@@ -661,7 +661,14 @@ __device__ __forceinline__ void tile_slice(const Mat& W, int tile, int ws, int k
 // no registers, so the matvec fits beside every other stage in the megakernel's 128 registers
 // without spills. A lane copies, and later reads, only its own 16 bytes of codes and 4 bytes per
 // scale unit, so its own `cp.async.wait_group` is all the synchronisation a slot needs.
-#define MMA_RING 8
+// Four slots, not eight: the megakernel's shared memory and its L1 cache share each SM's 256 KB, and
+// 20 KB less ring a block moves the carveout from 196 to 164 KB, the L1 from 60 to 92 KB, which its
+// register spills and re-read activations use (forty-fifth session, H100: decode E4B −1.6%, E2B
+// −2.6%, 3-column verify −3%; 12 KB more shared memory instead: +2.1%). `MMA_RING=N` in
+// MEGAGEMMA_CUDA_DEFINES sets it for an experiment (the host's `mma_ring_bytes` follows).
+#ifndef MMA_RING
+#define MMA_RING 4
+#endif
 #define MMA_RING_SLOT(UPC) (512 + 128 * (UPC))
 
 // Copies chunk cc's codes (this lane's 16 bytes) and scales to the slot at shared address `dst`

@@ -105,10 +105,22 @@ pub fn mma_kernel(h: usize, g32: bool, gated: bool, ring: bool) -> &'static str 
     }
 }
 
+/// Slots per warp of the tensor-core matvec's cp.async ring (`MMA_RING` in `kernels/matvec_mma.cu`).
+pub(crate) const MMA_RING_SLOTS: u32 = 4;
+
 /// Shared memory of the tensor-core matvec's cp.async rings beside its inputs (`MMA_RING` slots
-/// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps).
+/// of `MMA_RING_SLOT(UPC)` bytes per warp in `kernels/matvec_mma.cu`; 8 warps). `MMA_RING=N` in
+/// `MEGAGEMMA_CUDA_DEFINES` sets the slots for an experiment, here and in the kernel.
 pub(crate) fn mma_ring_bytes(upc: u32) -> u32 {
-    8 * 8 * (512 + 128 * upc)
+    static SLOTS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let slots = *SLOTS.get_or_init(|| {
+        let list = std::env::var("MEGAGEMMA_CUDA_DEFINES").unwrap_or_default();
+        crate::compile::define_in(&list, "MMA_RING")
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=16).contains(n))
+            .unwrap_or(MMA_RING_SLOTS)
+    });
+    8 * slots * (512 + 128 * upc)
 }
 
 /// Kernels that call `pdl_start()` before touching activations (see `kernels/common.cuh`), besides

@@ -29,6 +29,8 @@
 //! results), `MEGAGEMMA_CUDA_ATT_SPLIT_KEYS` (fewest
 //! keys per attention block, default 16; part of the arithmetic), `MEGAGEMMA_CUDA_MK_PREFETCH=N` (the
 //! megakernel asks L2 for the next N matvec stages' weights where HBM idles; default 0),
+//! `MEGAGEMMA_CUDA_MK_SMEM_EXTRA=BYTES` (the megakernel takes that much more shared memory than its
+//! stages use, so less L1 is left: an experiment; same results),
 //! `MEGAGEMMA_CUDA_MMA_WAVES` (most virtual blocks per grid slot the tensor-core split aims for, default 1),
 //! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part) and `MEGAGEMMA_CUDA_MMA_SPLITS=
 //! ROWSxCOLS=KS:PARTS;...` (the split of launches of that shape; all three part of the arithmetic),
@@ -42,7 +44,8 @@
 //! request, e.g. `MMA_SCALES_F4`: the matvec's unit scales as one 16-byte load per lane instead of
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` (the host's grid and
-//! splits follow it);
+//! splits follow it); `MMA_RING=N`: N slots per warp in the cp.async ring, default 4 (the host's
+//! shared memory follows it);
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
 //! goes, with `tools/mk_trace.py`).

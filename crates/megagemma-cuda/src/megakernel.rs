@@ -182,6 +182,9 @@ impl Megakernel {
             })
             .max()
             .unwrap_or(0);
+        // `MEGAGEMMA_CUDA_MK_SMEM_EXTRA=BYTES`: more dynamic shared memory than the stages use, for
+        // measuring what the L1 cache left beside it is worth (the two share each SM's 256 KB).
+        let smem = smem + crate::device::env_count("MEGAGEMMA_CUDA_MK_SMEM_EXTRA", 0..=65536, 0) as u32;
         if smem > MK_SMEM_MAX {
             bail!("a stage needs {smem} bytes of shared memory: the megakernel has {MK_SMEM_MAX}");
         }
