@@ -113,13 +113,7 @@ pub(crate) const MMA_RING_SLOTS: u32 = 4;
 /// `MEGAGEMMA_CUDA_DEFINES` sets the slots for an experiment, here and in the kernel.
 pub(crate) fn mma_ring_bytes(upc: u32) -> u32 {
     static SLOTS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let slots = *SLOTS.get_or_init(|| {
-        let list = std::env::var("MEGAGEMMA_CUDA_DEFINES").unwrap_or_default();
-        crate::compile::define_in(&list, "MMA_RING")
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (1..=16).contains(n))
-            .unwrap_or(MMA_RING_SLOTS)
-    });
+    let slots = *SLOTS.get_or_init(|| defined_count("MMA_RING", 1..=16).map_or(MMA_RING_SLOTS, |n| n as u32));
     8 * slots * (512 + 128 * upc)
 }
 
@@ -219,10 +213,11 @@ pub(crate) fn env_count(name: &str, range: std::ops::RangeInclusive<usize>, defa
     std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|v| range.contains(v)).unwrap_or(default)
 }
 
-/// `MMA_BLOCKS_PER_SM=N` in `MEGAGEMMA_CUDA_DEFINES`.
-fn defined_mma_blocks_per_sm() -> Option<usize> {
+/// `NAME=N` in `MEGAGEMMA_CUDA_DEFINES`, N within `range`: a kernel experiment's count that the
+/// host's grid or shared memory must follow (`MMA_BLOCKS_PER_SM`, `MMA_RING`).
+fn defined_count(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
     let list = std::env::var("MEGAGEMMA_CUDA_DEFINES").ok()?;
-    crate::compile::define_in(&list, "MMA_BLOCKS_PER_SM")?.parse().ok().filter(|n| (1..=64).contains(n))
+    crate::compile::define_in(&list, name)?.parse().ok().filter(|n| range.contains(n))
 }
 
 impl Q4Stream {
@@ -239,7 +234,11 @@ impl Q4Stream {
             mma_waves: var("MEGAGEMMA_CUDA_MMA_WAVES", 1).max(1),
             // The kernels' `MMA_BLOCKS_PER_SM` (their register budget) when a define sets it, so
             // the grid and the split's round follow it without a second knob.
-            mma_blocks_per_sm: var("MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM", defined_mma_blocks_per_sm().unwrap_or(2)).max(1),
+            mma_blocks_per_sm: var(
+                "MEGAGEMMA_CUDA_MMA_BLOCKS_PER_SM",
+                defined_count("MMA_BLOCKS_PER_SM", 1..=64).unwrap_or(2),
+            )
+            .max(1),
             mma_part_chunks: env_count("MEGAGEMMA_CUDA_MMA_PART_CHUNKS", 1..=4096, MMA_PART_CHUNKS),
             mma_ring: std::env::var("MEGAGEMMA_CUDA_MMA_RING").is_ok_and(|v| v == "1"),
             mma_one: std::env::var("MEGAGEMMA_CUDA_MMA_ONE").map_or(true, |v| v != "0"),
