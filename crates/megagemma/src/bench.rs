@@ -7,10 +7,11 @@
 //! A table for people, then one JSON line for tools. Speculative drafting (`--draft`) is timed
 //! end to end on the same prompt.
 
+use crate::backend_args::BackendArgs;
 use crate::run::{resolve_model, DraftArgs};
 use anyhow::{bail, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions, Decode};
+use megagemma_engine::backends::{open_backend_with, Decode};
 use megagemma_engine::generate::decode::{choose, want_for};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::sampling::{Sampler, SamplingParams};
@@ -42,15 +43,8 @@ pub struct BenchArgs {
     /// CUDA for up to 8; a batched matmul on the CPU), and report the aggregate tok/s.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub batch: usize,
-    /// Context length of the sequence.
-    #[arg(short = 'c', long)]
-    pub ctx: Option<usize>,
-    /// Compute backend: cpu, cuda, or auto.
-    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
-    pub backend: String,
-    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
-    #[arg(long, value_name = "graph|megakernel")]
-    pub decode: Option<String>,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// After the timed run, one more decode step with a per-block timeline recorded (CUDA,
     /// --decode megakernel), written to FILE as JSON (`tools/mk_trace.py FILE --png` draws it),
     /// and a table of where its time went; with --draft, also a verify pass of k + 1 tokens
@@ -107,12 +101,10 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if !(1..=256).contains(&args.batch) {
         bail!("--batch must be between 1 and 256");
     }
-    let kind: BackendKind = args.backend.parse()?;
-    let decode: Option<Decode> = args.decode.as_deref().map(str::parse).transpose()?;
-    if args.trace.is_some() && decode != Some(Decode::Megakernel) {
+    let opts = args.backend.options()?;
+    if args.trace.is_some() && opts.decode != Some(Decode::Megakernel) {
         bail!("--trace records the decode megakernel: give --backend cuda --decode megakernel");
     }
-    let opts = BackendOptions { kind, max_context: args.ctx, decode };
     // A synthetic model drafts with a random assistant of the real shapes: no --assistant then.
     let synthetic_mtp = args.synthetic.is_some() && args.draft.draft == "mtp" && args.draft.assistant.is_none();
     let draft = if synthetic_mtp {
@@ -124,7 +116,7 @@ pub fn bench(args: BenchArgs) -> Result<()> {
         (Some(m), None) => {
             let path = resolve_model(m)?;
             let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-            let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, kind.runs_on_cpu())?);
+            let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
             let assistant = match &args.draft.assistant {
                 Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
                 None => None,

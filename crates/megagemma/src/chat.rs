@@ -1,8 +1,9 @@
 //! `megagemma chat`: an interactive, streaming conversation in the terminal.
 
+use crate::backend_args::BackendArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend, BackendKind, BackendOptions};
+use megagemma_engine::backends::open_backend;
 use megagemma_engine::chat_template::{encode_chat_with, ChatMessage};
 use megagemma_engine::generate::{generate, DraftParams, GenerateParams};
 use megagemma_engine::model_files::{concurrently, ChatModel};
@@ -37,15 +38,8 @@ pub struct ChatArgs {
     /// Random seed for sampling.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Compute backend: cpu, cuda, or auto.
-    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
-    pub backend: String,
-    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
-    #[arg(long, value_name = "graph|megakernel")]
-    pub decode: Option<String>,
-    /// Context length: the longest conversation a sequence may hold.
-    #[arg(short = 'c', long)]
-    pub ctx: Option<usize>,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Gemma 4 thinking mode: the model reasons in a thought channel before answering (hidden
     /// unless --show-thoughts; never kept in the conversation).
     #[arg(long)]
@@ -64,11 +58,9 @@ pub fn chat(args: ChatArgs) -> Result<()> {
         bail!("--greedy cannot be combined with --temperature");
     }
     let path = crate::run::resolve_model(&args.model)?;
-    let backend_kind: BackendKind = args.backend.parse()?;
-    let decode = args.decode.as_deref().map(str::parse).transpose()?;
+    let opts = args.backend.options()?;
     let model =
-        Arc::new(megagemma_engine::model_files::load_model(&path, Default::default(), backend_kind.runs_on_cpu())?);
-    let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
+        Arc::new(megagemma_engine::model_files::load_model(&path, Default::default(), opts.kind.runs_on_cpu())?);
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let base = files.defaults.sampling_params(args.seed);

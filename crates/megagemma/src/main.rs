@@ -1,5 +1,6 @@
 //! `megagemma`: run Gemma models from the command line.
 
+mod backend_args;
 mod bench;
 mod chat;
 mod demo;

@@ -1,8 +1,9 @@
 //! `megagemma run`: one prompt in, generated tokens out.
 
+use crate::backend_args::BackendArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
+use megagemma_engine::backends::open_backend_with;
 use megagemma_engine::chat_template::{encode_chat, ChatMessage};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::model_files::{concurrently, generation_defaults, stop_ids, text_files, TextFiles};
@@ -75,15 +76,8 @@ pub struct RunArgs {
     /// affine group 64) or q4_0 (symmetric group 32). See docs/quantization.md.
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
-    /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
-    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
-    pub backend: String,
-    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
-    #[arg(long, value_name = "graph|megakernel")]
-    pub decode: Option<String>,
-    /// Context length: the longest prompt + generation a sequence may hold.
-    #[arg(short = 'c', long)]
-    pub ctx: Option<usize>,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     #[command(flatten)]
     pub draft: DraftArgs,
 }
@@ -164,10 +158,10 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
     };
     let draft = args.draft.params(args.seed)?;
-    let backend_kind: BackendKind = args.backend.parse()?;
+    let opts = args.backend.options()?;
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant, backend_kind.runs_on_cpu())?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant, opts.kind.runs_on_cpu())?);
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;
@@ -208,8 +202,6 @@ pub fn run(args: RunArgs) -> Result<()> {
             Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
             None => None,
         };
-        let decode = args.decode.as_deref().map(str::parse).transpose()?;
-        let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
         let t_open = Instant::now();
         let backend = open_backend_with(model.clone(), assistant, &opts)?;
         Ok((params, backend, t_open.elapsed().as_secs_f64()))

@@ -1,8 +1,9 @@
 //! `megagemma serve`: the OpenAI-compatible HTTP server.
 
+use crate::backend_args::BackendArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use megagemma_engine::backends::{open_backend_with, BackendKind, BackendOptions};
+use megagemma_engine::backends::open_backend_with;
 use megagemma_engine::model_files::{concurrently, ChatModel};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_server::{Server, ServerConfig};
@@ -27,15 +28,8 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on the /v1 endpoints.
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Compute backend: cpu, cuda, or auto (CUDA when a device is present).
-    #[arg(long, default_value = "auto", value_name = "cpu|cuda|auto")]
-    pub backend: String,
-    /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
-    #[arg(long, value_name = "graph|megakernel")]
-    pub decode: Option<String>,
-    /// Context length: the longest prompt + generation a sequence may hold.
-    #[arg(short = 'c', long)]
-    pub ctx: Option<usize>,
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Requests that may wait for a sequence; more are answered 503.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -90,10 +84,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         bail!("--draft mtp and --assistant DIR go together (the assistant is the MTP drafter)");
     }
     let path = crate::run::resolve_model(&args.model)?;
-    let backend_kind: BackendKind = args.backend.parse()?;
-    let decode = args.decode.as_deref().map(str::parse).transpose()?;
+    let opts = args.backend.options()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, backend_kind.runs_on_cpu())?);
+    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
     let (chat, backend) = concurrently(
         || ChatModel::open(&path, &model),
         || {
@@ -101,7 +94,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 Some(dir) => Some(Arc::new(AssistantModel::load(dir, &model, quant)?)),
                 None => None,
             };
-            let opts = BackendOptions { kind: backend_kind, max_context: args.ctx, decode };
             open_backend_with(model.clone(), assistant, &opts)
         },
     )?;
