@@ -38,6 +38,9 @@ pub struct ChatArgs {
     /// Random seed for sampling.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
+    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
+    pub quant: String,
     #[command(flatten)]
     pub backend: BackendArgs,
     /// Gemma 4 thinking mode: the model reasons in a thought channel before answering (hidden
@@ -59,8 +62,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     }
     let path = crate::run::resolve_model(&args.model)?;
     let opts = args.backend.options()?;
-    let model =
-        Arc::new(megagemma_engine::model_files::load_model(&path, Default::default(), opts.kind.runs_on_cpu())?);
+    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
+    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let base = files.defaults.sampling_params(args.seed);

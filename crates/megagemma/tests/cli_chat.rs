@@ -14,12 +14,17 @@ fn chat(input: &str, extra: &[&str]) -> (String, String, bool) {
 }
 
 fn run_text(prompt: &str, system: Option<&str>) -> String {
+    run_text_with(prompt, system, &[])
+}
+
+fn run_text_with(prompt: &str, system: Option<&str>, extra: &[&str]) -> String {
     let d = fixtures_dir().join("gemma3");
     let mut args =
         vec!["run", "--model", d.to_str().unwrap(), "--prompt", prompt, "--greedy", "-n", "12", "--output", "json"];
     if let Some(s) = system {
         args.extend(["--system", s]);
     }
+    args.extend(extra);
     let out = megagemma(&args);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
@@ -35,6 +40,20 @@ fn first_answer_equals_run_and_commands_work() {
     assert_eq!(out, expected);
     assert_eq!(err.matches("tok/s").count(), 2, "a speed line after each answer: {err}");
     assert!(err.contains("conversation cleared"), "{err}");
+}
+
+#[test]
+fn quantized_chat_answers_as_quantized_run() {
+    for quant in ["q4", "q4_0"] {
+        let (out, err, ok) = chat("the cat sat\n", &["--quant", quant]);
+        assert!(ok, "{err}");
+        let run = run_text_with("the cat sat", None, &["--quant", quant]);
+        assert_eq!(out, format!("{run}\n"), "--quant {quant}");
+    }
+    // The quantized answer is not the stored weights' answer (else this test could not fail).
+    assert_ne!(run_text_with("the cat sat", None, &["--quant", "q4"]), run_text("the cat sat", None));
+    let (_, err, ok) = chat("the cat sat\n", &["--quant", "q3"]);
+    assert!(!ok && err.lines().count() == 1, "{err}");
 }
 
 #[test]
