@@ -1,13 +1,13 @@
 //! `megagemma chat`: an interactive, streaming conversation in the terminal.
 
 use crate::backend_args::BackendArgs;
-use anyhow::{bail, Context, Result};
+use crate::sampling_args::SamplingArgs;
+use anyhow::{Context, Result};
 use clap::Args;
 use megagemma_engine::backends::open_backend;
 use megagemma_engine::chat_template::{encode_chat_with, ChatMessage};
 use megagemma_engine::generate::{generate, DraftParams, GenerateParams};
 use megagemma_engine::model_files::{concurrently, ChatModel};
-use megagemma_engine::sampling::SamplingParams;
 use megagemma_engine::thoughts::{thinking_context, Part, ThoughtSplitter};
 use rustyline::error::ReadlineError;
 use std::io::{BufRead, IsTerminal, Write};
@@ -29,15 +29,8 @@ pub struct ChatArgs {
     /// Do not stop at end-of-sequence ids: every answer runs to --max-new-tokens (or Ctrl-C).
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Greedy decoding (same as --temperature 0).
-    #[arg(long)]
-    pub greedy: bool,
-    /// Sampling temperature (0 = greedy). Default: the checkpoint's generation_config, else greedy.
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    /// Random seed for sampling.
-    #[arg(long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
     #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
     pub quant: String,
@@ -57,22 +50,13 @@ Commands: /reset (forget the conversation), /system TEXT (set the system message
 Ctrl-C stops the current answer; Ctrl-D or /quit leaves. Up/Down recall earlier messages (in a terminal).";
 
 pub fn chat(args: ChatArgs) -> Result<()> {
-    if args.greedy && args.temperature.is_some() {
-        bail!("--greedy cannot be combined with --temperature");
-    }
     let path = crate::run::resolve_model(&args.model)?;
     let opts = args.backend.options()?;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
-    let base = files.defaults.sampling_params(args.seed);
-    let sampling = if args.greedy {
-        SamplingParams::greedy()
-    } else {
-        SamplingParams { temperature: args.temperature.unwrap_or(base.temperature), ..base }
-    };
-    sampling.validate()?;
+    let sampling = args.sampling.params(&files.defaults)?;
     let params = GenerateParams {
         max_new_tokens: args.max_new_tokens,
         sampling,

@@ -8,6 +8,7 @@ mod info;
 mod pull;
 mod quantize;
 mod run;
+mod sampling_args;
 mod serve;
 
 use clap::{Parser, Subcommand};

@@ -1,13 +1,13 @@
 //! `megagemma run`: one prompt in, generated tokens out.
 
 use crate::backend_args::BackendArgs;
+use crate::sampling_args::SamplingArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use megagemma_engine::backends::open_backend_with;
 use megagemma_engine::chat_template::{encode_chat, ChatMessage};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::model_files::{concurrently, generation_defaults, stop_ids, text_files, TextFiles};
-use megagemma_engine::sampling::SamplingParams;
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
 use std::io::Write;
@@ -46,21 +46,8 @@ pub struct RunArgs {
     /// Maximum number of tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// Greedy decoding (same as --temperature 0).
-    #[arg(long)]
-    pub greedy: bool,
-    /// Sampling temperature (0 = greedy). Default: the checkpoint's generation_config, else greedy.
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    #[arg(long)]
-    pub min_p: Option<f32>,
-    /// Random seed for sampling (same seed, same output).
-    #[arg(long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Do not stop at end-of-sequence ids: generate exactly --max-new-tokens.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -157,7 +144,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             crate::demo::demo_model_dir()?
         }
     };
-    let draft = args.draft.params(args.seed)?;
+    let draft = args.draft.params(args.sampling.seed)?;
     let opts = args.backend.options()?;
     let t_load = Instant::now();
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
@@ -188,7 +175,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         // A GGUF file carries its stop ids in its metadata (ModelConfig); a checkpoint directory in
         // generation_config.json / config.json, whose errors are reported, not ignored.
         let defaults = generation_defaults(&dir)?;
-        let sampling = sampling_params(&args, &defaults)?;
+        let sampling = args.sampling.params(&defaults)?;
         let stop_ids = stop_ids(&defaults, &model);
         let params = GenerateParams {
             max_new_tokens: args.max_new_tokens,
@@ -297,29 +284,6 @@ pub fn run(args: RunArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn sampling_params(
-    args: &RunArgs,
-    defaults: &megagemma_engine::sampling::GenerationDefaults,
-) -> Result<SamplingParams> {
-    let explicit = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() || args.min_p.is_some();
-    if args.greedy {
-        if explicit {
-            bail!("--greedy cannot be combined with --temperature/--top-k/--top-p/--min-p");
-        }
-        return Ok(SamplingParams::greedy());
-    }
-    let base = defaults.sampling_params(args.seed);
-    let p = SamplingParams {
-        temperature: args.temperature.unwrap_or(base.temperature),
-        top_k: args.top_k.unwrap_or(base.top_k),
-        top_p: args.top_p.unwrap_or(base.top_p),
-        min_p: args.min_p.unwrap_or(base.min_p),
-        seed: args.seed,
-    };
-    p.validate()?;
-    Ok(p)
 }
 
 pub fn rayon_threads(n: usize) -> Result<()> {

@@ -19,10 +19,12 @@ fn run_text(prompt: &str, system: Option<&str>) -> String {
 
 fn run_text_with(prompt: &str, system: Option<&str>, extra: &[&str]) -> String {
     let d = fixtures_dir().join("gemma3");
-    let mut args =
-        vec!["run", "--model", d.to_str().unwrap(), "--prompt", prompt, "--greedy", "-n", "12", "--output", "json"];
+    let mut args = vec!["run", "--model", d.to_str().unwrap(), "--prompt", prompt, "-n", "12", "--output", "json"];
     if let Some(s) = system {
         args.extend(["--system", s]);
+    }
+    if !extra.iter().any(|a| a.starts_with("--temperature")) {
+        args.push("--greedy");
     }
     args.extend(extra);
     let out = megagemma(&args);
@@ -54,6 +56,22 @@ fn quantized_chat_answers_as_quantized_run() {
     assert_ne!(run_text_with("the cat sat", None, &["--quant", "q4"]), run_text("the cat sat", None));
     let (_, err, ok) = chat("the cat sat\n", &["--quant", "q3"]);
     assert!(!ok && err.lines().count() == 1, "{err}");
+}
+
+#[test]
+fn sampled_chat_answers_as_sampled_run() {
+    // chat's own "--greedy" is replaced by the sampling flags (the helper puts it first).
+    let d = fixtures_dir().join("gemma3");
+    let flags = ["--temperature", "0.9", "--top-k", "8", "--top-p", "0.95", "--min-p", "0.01", "--seed", "7"];
+    let mut args = vec!["chat", "--model", d.to_str().unwrap(), "-n", "12"];
+    args.extend(flags);
+    let out = megagemma_with_input(&args, b"the cat sat\n");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let run = run_text_with("the cat sat", None, &flags);
+    assert_eq!(stdout(&out), format!("{run}\n"));
+    assert_ne!(run, run_text("the cat sat", None), "sampling chose the greedy tokens: the test could not fail");
+    let (_, err, ok) = chat("the cat sat\n", &["--top-k", "3"]);
+    assert!(!ok && err.contains("--greedy cannot be combined"), "{err}");
 }
 
 #[test]
