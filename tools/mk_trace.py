@@ -43,7 +43,7 @@ def by_kernel(trace):
 def per_stage(trace, first, last):
     """Rows for stages [first, last): critical-path µs (previous stage's last block to finish to this
     stage's), blocks that worked, when their waits were satisfied (µs after the previous stage
-    ended: first, last) and their work (min, median, max µs)."""
+    ended: first, median, last) and their work (min, median, max µs)."""
     grid, names, t = trace["grid"], trace["stages"], trace["t"]
     prev_end = max(t[b][first - 1][2] for b in range(grid)) if first > 0 else min(t[b][0][0] for b in range(grid))
     rows = []
@@ -52,9 +52,9 @@ def per_stage(trace, first, last):
         end = max(c[2] for c in cells)
         waited = [c for c in cells if c[1] != 0]
         work = sorted(c[2] - c[1] for c in waited) or [0]
-        sat = [c[1] - prev_end for c in waited] or [0]
-        rows.append((s, names[s], (end - prev_end) / 1e3, len(waited), min(sat) / 1e3, max(sat) / 1e3,
-                     work[0] / 1e3, work[len(work) // 2] / 1e3, work[-1] / 1e3))
+        sat = sorted(c[1] - prev_end for c in waited) or [0]
+        rows.append((s, names[s], (end - prev_end) / 1e3, len(waited), sat[0] / 1e3, sat[len(sat) // 2] / 1e3,
+                     sat[-1] / 1e3, work[0] / 1e3, work[len(work) // 2] / 1e3, work[-1] / 1e3))
         prev_end = max(prev_end, end)
     return rows
 
@@ -79,10 +79,11 @@ def main():
         first, last = (int(v) for v in args.stages.split(":"))
         if not 0 <= first < last <= len(names):
             sys.exit(f"--stages: need 0 <= FIRST < LAST <= {len(names)}")
-        print(f"\n{'stage':>5} {'kernel':<26} {'critical us':>11} {'blocks':>6} {'waits met us':>13} "
+        print(f"\n{'stage':>5} {'kernel':<26} {'critical us':>11} {'blocks':>6} {'waits met min/med/max us':>24} "
               f"{'work min/med/max us':>21}")
-        for s, name, crit, n, s0, s1, w0, w1, w2 in per_stage(trace, first, last):
-            print(f"{s:>5} {name:<26} {crit:>11.2f} {n:>6} {s0:>6.2f}..{s1:<5.2f} {w0:>6.2f} {w1:>6.2f} {w2:>7.2f}")
+        for s, name, crit, n, s0, sm, s1, w0, w1, w2 in per_stage(trace, first, last):
+            print(f"{s:>5} {name:<26} {crit:>11.2f} {n:>6} {s0:>7.2f} {sm:>7.2f} {s1:>8.2f} "
+                  f"{w0:>6.2f} {w1:>6.2f} {w2:>7.2f}")
     if not args.png:
         return
     try:

@@ -60,5 +60,7 @@ fn the_tool_attributes_time_as_the_backend_does() {
     let total: f64 = rows.iter().map(|r| r[2].parse::<f64>().unwrap()).sum();
     assert!((total - t.total_us()).abs() < 0.05, "{total} vs {}", t.total_us());
     assert_eq!(rows[2][3], "3", "{out}");
-    assert_eq!((rows[2][5], rows[2][6], rows[2][7]), ("2.00", "2.50", "8.00"), "{out}");
+    // Stage 2: waits met 1.0, 1.5 and 1.0 µs after stage 1's last block ended; work 8, 2.5 and 2 µs.
+    assert_eq!((rows[2][4], rows[2][5], rows[2][6]), ("1.00", "1.00", "1.50"), "{out}");
+    assert_eq!((rows[2][7], rows[2][8], rows[2][9]), ("2.00", "2.50", "8.00"), "{out}");
 }
