@@ -276,7 +276,7 @@ timeout 300 python3 tools/serve_fork_check.py --binary "$MG" --model tests/fixtu
     [ -f "$f" ] && echo "compute-sanitizer $(basename "$f" .log | sed 's/^sanitizer_//'): $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f")"
   done
   for f in "$OUT"/bench_*.log; do
-    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch|sampled) ' "$f" | tr -s ' ' | paste -sd ';')"
+    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(build|decode|achieved|verify|speculative|batch|sampled|graph path) ' "$f" | tr -s ' ' | paste -sd ';')"
   done
   echo "gpu_session: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
 } | tee "$OUT/summary.txt"

@@ -7,7 +7,7 @@
 use crate::candidates::candidates_on_device;
 use crate::draft::CudaAssistant;
 use crate::model::CudaModel;
-use crate::seq::{CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY, MK_MAX_TOKENS};
+use crate::seq::{decode_from_env, CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY, MK_MAX_TOKENS};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
     check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
@@ -54,7 +54,7 @@ impl CudaBackend {
             stats: BackendStats::default(),
             step_launches: 0,
             step_tokens: 0,
-            decode: Decode::from_env(),
+            decode: decode_from_env(),
             batch_steps: std::env::var("MEGAGEMMA_CUDA_BATCH").map_or(true, |v| v != "0"),
             assistant: None,
             device_draw: None,
@@ -275,6 +275,15 @@ impl Backend for CudaBackend {
     }
     fn launches_per_token(&self) -> Option<f64> {
         (self.step_tokens > 0).then(|| self.step_launches as f64 / self.step_tokens as f64)
+    }
+
+    fn decode_launch(&self) -> Option<Decode> {
+        Some(self.decode)
+    }
+
+    fn set_decode_launch(&mut self, decode: Decode) -> Result<()> {
+        self.decode = decode;
+        Ok(())
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {

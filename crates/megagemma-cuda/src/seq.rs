@@ -18,6 +18,7 @@ use crate::mma_split::{
 use crate::model::CudaModel;
 use crate::weights::{DevLayer, DevMoe};
 use cudarc::driver::CudaGraph;
+pub use megagemma_model::backend::Decode;
 use megagemma_model::backend::{check_draw, no_finite_logit};
 use megagemma_model::draw::DrawParams;
 use megagemma_model::plan::LayerPlan;
@@ -87,31 +88,10 @@ enum StepGraphs {
     Sampled,
 }
 
-/// How a single-token pass (decode step) is launched.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decode {
-    /// The stage kernels captured in a CUDA graph, replayed per token.
-    Graph,
-    /// One persistent kernel running the recorded stages (`megakernel.rs`).
-    Megakernel,
-}
-
-impl Decode {
-    /// `MEGAGEMMA_CUDA_DECODE=megakernel|graph` (default graph).
-    pub fn from_env() -> Decode {
-        std::env::var("MEGAGEMMA_CUDA_DECODE").ok().and_then(|v| v.parse().ok()).unwrap_or(Decode::Graph)
-    }
-}
-
-impl std::str::FromStr for Decode {
-    type Err = megagemma_model::Error;
-    fn from_str(s: &str) -> Result<Decode> {
-        match s {
-            "graph" => Ok(Decode::Graph),
-            "megakernel" => Ok(Decode::Megakernel),
-            other => bail!("unknown decode mode `{other}` (expected graph or megakernel)"),
-        }
-    }
+/// `MEGAGEMMA_CUDA_DECODE=megakernel|graph` (default graph): how new sequences launch their decode
+/// steps when the caller does not say.
+pub fn decode_from_env() -> Decode {
+    std::env::var("MEGAGEMMA_CUDA_DECODE").ok().and_then(|v| v.parse().ok()).unwrap_or(Decode::Graph)
 }
 
 /// What a forward returns per position.
@@ -588,7 +568,7 @@ impl CudaSeq {
             ahead_graph: None,
             step_log: HostLog::new(gpu, STEP_LOG)?,
             pipeline: std::env::var("MEGAGEMMA_CUDA_PIPELINE").map_or(true, |v| v != "0"),
-            decode: Decode::from_env(),
+            decode: decode_from_env(),
             megakernels: Vec::new(),
             mk_last: 0,
             commit_in_step: false,

@@ -24,6 +24,36 @@ impl fmt::Display for SeqId {
     }
 }
 
+/// How a backend with more than one way launches a single-token pass (a decode step): the
+/// CUDA backend's stage kernels captured in a CUDA graph, or one persistent kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decode {
+    /// The stage kernels captured in a CUDA graph, replayed per token.
+    Graph,
+    /// One persistent kernel running the recorded stages (the CUDA megakernel).
+    Megakernel,
+}
+
+impl std::str::FromStr for Decode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Decode> {
+        match s {
+            "graph" => Ok(Decode::Graph),
+            "megakernel" => Ok(Decode::Megakernel),
+            other => Err(Error::invalid_input(format!("unknown decode mode `{other}` (expected graph or megakernel)"))),
+        }
+    }
+}
+
+impl fmt::Display for Decode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Decode::Graph => "graph",
+            Decode::Megakernel => "megakernel",
+        })
+    }
+}
+
 /// What a call hands back for each position it was asked about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Want {
@@ -90,6 +120,18 @@ pub trait Backend: Send {
     /// Kernel launches per decode step (GPU backends).
     fn launches_per_token(&self) -> Option<f64> {
         None
+    }
+    /// How new sequences launch their decode steps, where the backend has more than one way.
+    fn decode_launch(&self) -> Option<Decode> {
+        None
+    }
+    /// New sequences launch their decode steps as `decode` says (existing ones keep theirs): so
+    /// that `bench` can time the megakernel against the graph path in one run.
+    fn set_decode_launch(&mut self, decode: Decode) -> Result<()> {
+        Err(Error::invalid_input(format!(
+            "the {} backend has one way to launch a decode step, not `{decode}`",
+            self.name()
+        )))
     }
     /// Runs one pass of `seq` over `tokens` with a per-block timeline recorded (the CUDA
     /// megakernel) — a decode step for one token, a verify pass for several — writes it to

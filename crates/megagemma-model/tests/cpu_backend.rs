@@ -1,6 +1,6 @@
 //! CPU backend invariants that speculative decoding, batching and long generations rely on.
 
-use megagemma_model::backend::BackendStats;
+use megagemma_model::backend::{BackendStats, Decode};
 use megagemma_model::cpu::CpuBackend;
 use megagemma_model::error::ErrorKind;
 use megagemma_model::{Backend, Model, SeqId, Want};
@@ -258,4 +258,19 @@ fn sampled_decoding_in_one_call_is_decode_and_draw_in_a_loop() {
 fn greedy_decoding_in_one_call_is_decode_in_a_loop() {
     let mut b = CpuBackend::new(fixture("sliding_wrap")).with_max_context(40);
     megagemma_model::conformance::greedy_in_one_call(&mut b, &[2, 5, 9]).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `--decode graph|megakernel` names a way to launch decode steps; the CPU backend has one way,
+/// and asking it for another is an input error, not a silent no-op.
+#[test]
+fn decode_launch_modes_parse_and_the_cpu_has_one_way() {
+    for d in [Decode::Graph, Decode::Megakernel] {
+        assert_eq!(d.to_string().parse::<Decode>().unwrap(), d);
+    }
+    let e = "warp".parse::<Decode>().unwrap_err();
+    assert!(e.to_string().contains("unknown decode mode `warp`"), "{e}");
+    let mut b = CpuBackend::new(fixture("sliding_wrap"));
+    assert_eq!(b.decode_launch(), None);
+    let e = b.set_decode_launch(Decode::Graph).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
 }

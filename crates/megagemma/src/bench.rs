@@ -16,7 +16,7 @@ use megagemma_engine::generate::decode::{choose, want_for};
 use megagemma_engine::generate::{generate, DraftMode, DraftParams, GenerateParams};
 use megagemma_engine::sampling::{Sampler, SamplingParams};
 use megagemma_model::assistant::AssistantModel;
-use megagemma_model::backend::{Backend, Want};
+use megagemma_model::backend::{Backend, SeqId, Want};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -77,6 +77,8 @@ struct Figures {
     read_gbps: f64,
     prefill_tps: f64,
     decode_ms: f64,
+    /// With `--decode megakernel` on CUDA: the graph path's decode ms per token, same run.
+    graph_ms: Option<f64>,
     verify_cols: usize,
     verify_ms: f64,
     weight_bytes: usize,
@@ -189,22 +191,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
     b.decode(warm, o.argmax, Want::Argmax)?;
     b.free(warm)?;
 
-    let seq = b.new_sequence()?;
-    let t0 = Instant::now();
-    let mut tok = b.prefill(seq, &prompt, Want::Argmax)?.argmax;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    // Greedy decoding as `run` does it (steps queued ahead of the host where the backend can),
-    // after one untimed step: graphs are captured per sequence, on its first step.
-    b.decode_greedy(seq, tok, 1, &mut |t| {
-        tok = t;
-        true
-    })?;
-    let t1 = Instant::now();
-    b.decode_greedy(seq, tok, args.tokens, &mut |t| {
-        tok = t;
-        true
-    })?;
-    let decode_ms = t1.elapsed().as_secs_f64() * 1e3 / args.tokens as f64;
+    let DecodeRun { seq, tok, prefill_s, decode_ms } = decode_run(b, &prompt, args.tokens)?;
 
     // Verify passes of k + 1 columns, each discarded (commit 0) so the position stays put.
     let verify_cols = draft.k + 1;
@@ -240,6 +227,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         Some((g.decode_tokens_per_second(), mean))
     };
     let launches = b.launches_per_token();
+    let graph_ms = graph_baseline(b, args)?;
     let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
     let sampled_tps = match sampling_params(args) {
         Some(sampling) => Some(measure_sampled(b, args, &prompt, sampling)?),
@@ -249,6 +237,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         read_gbps,
         prefill_tps: args.prompt_len as f64 / prefill_s,
         decode_ms,
+        graph_ms,
         verify_cols,
         verify_ms,
         weight_bytes: b.decode_weight_bytes(),
@@ -258,6 +247,51 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         batch_ms,
         sampled_tps,
     })
+}
+
+/// A timed sequence: its prefill, then greedy decoding as `run` does it.
+struct DecodeRun {
+    seq: SeqId,
+    /// The last token decoded (not yet fed).
+    tok: u32,
+    prefill_s: f64,
+    decode_ms: f64,
+}
+
+/// Prefills a new sequence with `prompt`, then decodes `tokens` greedily as `run` does (steps
+/// queued ahead of the host where the backend can), after one untimed step: graphs are captured
+/// per sequence, on its first step. The sequence is left for the caller.
+fn decode_run(b: &mut dyn Backend, prompt: &[u32], tokens: usize) -> Result<DecodeRun> {
+    let seq = b.new_sequence()?;
+    let t0 = Instant::now();
+    let mut tok = b.prefill(seq, prompt, Want::Argmax)?.argmax;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    b.decode_greedy(seq, tok, 1, &mut |t| {
+        tok = t;
+        true
+    })?;
+    let t1 = Instant::now();
+    b.decode_greedy(seq, tok, tokens, &mut |t| {
+        tok = t;
+        true
+    })?;
+    let decode_ms = t1.elapsed().as_secs_f64() * 1e3 / tokens as f64;
+    Ok(DecodeRun { seq, tok, prefill_s, decode_ms })
+}
+
+/// Decode ms per token of the graph path, timed after the megakernel's figures (issue 10 measures
+/// the megakernel against it in the same run); `None` unless the backend ran the megakernel.
+fn graph_baseline(b: &mut dyn Backend, args: &BenchArgs) -> Result<Option<f64>> {
+    if b.decode_launch() != Some(Decode::Megakernel) {
+        return Ok(None);
+    }
+    b.set_decode_launch(Decode::Graph)?;
+    let prompt = prompt_ids(args.prompt_len, b.vocab_size());
+    let run = decode_run(b, &prompt, args.tokens);
+    b.set_decode_launch(Decode::Megakernel)?;
+    let run = run?;
+    b.free(run.seq)?;
+    Ok(Some(run.decode_ms))
 }
 
 /// Sampled tok/s as `run` decodes (the k highest logits drawn through `decode_sampled` where the
@@ -380,6 +414,13 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
     if let Some(l) = launches {
         println!("launches/token   {l:.1}");
     }
+    if let Some(ms) = f.graph_ms {
+        println!(
+            "graph path       {ms:.3} ms/token = {:.1} tok/s in the same run: the megakernel is {:.2}x the graph",
+            1e3 / ms,
+            ms / f.decode_ms
+        );
+    }
     if let Some(ms) = f.draft_ms {
         let k = f.verify_cols - 1;
         println!(
@@ -432,6 +473,8 @@ fn report(label: &str, b: &dyn Backend, args: &BenchArgs, f: &Figures) {
         "verify_ms": f.verify_ms,
         "verify_over_decode": f.verify_ms / f.decode_ms,
         "launches_per_token": launches,
+        "graph_decode_ms_per_token": f.graph_ms,
+        "megakernel_over_graph": f.graph_ms.map(|ms| ms / f.decode_ms),
         "draft": args.draft.draft,
         "draft_ms": f.draft_ms,
         "spec_tok_s": f.spec_tps.map(|s| s.0),

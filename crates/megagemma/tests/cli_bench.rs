@@ -26,6 +26,9 @@ fn bench_prints_the_table_and_a_json_line() {
         assert!(json[key].as_f64().is_some_and(|v| v > 0.0), "{key} = {}", json[key]);
     }
     assert!(json["weight_bytes_per_token"].as_u64().unwrap() > 0);
+    // The graph-path baseline is timed only beside the CUDA megakernel.
+    assert!(json["graph_decode_ms_per_token"].is_null() && json["megakernel_over_graph"].is_null());
+    assert!(!text.contains("graph path"), "{text}");
     // The figures name the code they measured: the commit this checkout's binary was built from
     // ("unknown" outside a git checkout), also in `--version`.
     let head = std::process::Command::new("git").args(["rev-parse", "--short=9", "HEAD"]).output();
