@@ -279,8 +279,8 @@ fn decode_run(b: &mut dyn Backend, prompt: &[u32], tokens: usize) -> Result<Deco
     Ok(DecodeRun { seq, tok, prefill_s, decode_ms })
 }
 
-/// Decode ms per token of the graph path, timed after the megakernel's figures (issue 10 measures
-/// the megakernel against it in the same run); `None` unless the backend ran the megakernel.
+/// Decode ms per token of the graph path, timed after the megakernel's figures: the baseline the
+/// megakernel is measured against, in the same run. `None` unless the backend ran the megakernel.
 fn graph_baseline(b: &mut dyn Backend, args: &BenchArgs) -> Result<Option<f64>> {
     if b.decode_launch() != Some(Decode::Megakernel) {
         return Ok(None);
