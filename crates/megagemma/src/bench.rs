@@ -227,7 +227,7 @@ fn measure(b: &mut dyn Backend, args: &BenchArgs, draft: &megagemma_engine::gene
         Some((g.decode_tokens_per_second(), mean))
     };
     let launches = b.launches_per_token();
-    let graph_ms = graph_baseline(b, args)?;
+    let graph_ms = graph_baseline(b, &prompt, args.tokens)?;
     let batch_ms = if args.batch > 1 { Some(measure_batch(b, args, &prompt)?) } else { None };
     let sampled_tps = match sampling_params(args) {
         Some(sampling) => Some(measure_sampled(b, args, &prompt, sampling)?),
@@ -281,13 +281,12 @@ fn decode_run(b: &mut dyn Backend, prompt: &[u32], tokens: usize) -> Result<Deco
 
 /// Decode ms per token of the graph path, timed after the megakernel's figures: the baseline the
 /// megakernel is measured against, in the same run. `None` unless the backend ran the megakernel.
-fn graph_baseline(b: &mut dyn Backend, args: &BenchArgs) -> Result<Option<f64>> {
+fn graph_baseline(b: &mut dyn Backend, prompt: &[u32], tokens: usize) -> Result<Option<f64>> {
     if b.decode_launch() != Some(Decode::Megakernel) {
         return Ok(None);
     }
     b.set_decode_launch(Decode::Graph)?;
-    let prompt = prompt_ids(args.prompt_len, b.vocab_size());
-    let run = decode_run(b, &prompt, args.tokens);
+    let run = decode_run(b, prompt, tokens);
     b.set_decode_launch(Decode::Megakernel)?;
     let run = run?;
     b.free(run.seq)?;
