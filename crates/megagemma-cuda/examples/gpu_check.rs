@@ -314,7 +314,7 @@ fn draft_cost(name: &str) -> Result<bool> {
     use megagemma_model::backend::{Backend, Want as BWant};
     let cm = CudaModel::synthetic(name, "q4")?;
     let vocab = cm.plan().vocab_size as u32;
-    let mut b = CudaBackend::new(cm.clone(), Some(256)).with_synthetic_assistant()?;
+    let mut b = CudaBackend::new(cm.clone(), 256).with_synthetic_assistant()?;
     let seq = b.new_sequence()?;
     let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 1000) % vocab).collect();
     let tok = b.prefill(seq, &prompt, BWant::Argmax)?.argmax;

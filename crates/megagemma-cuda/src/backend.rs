@@ -7,7 +7,9 @@
 use crate::candidates::candidates_on_device;
 use crate::draft::CudaAssistant;
 use crate::model::CudaModel;
-use crate::seq::{decode_from_env, CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY, MK_MAX_TOKENS};
+use crate::seq::{
+    decode_from_env, kv_cache_bytes, CudaSeq, Decode, Want as SeqWant, MAX_BATCH, MAX_VERIFY, MK_MAX_TOKENS,
+};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::{
     check_pass, decode_sampled_steps, top_candidates, top_logprobs, Backend, BackendStats, Draft, PosOut, SeqId, Want,
@@ -20,8 +22,91 @@ use megagemma_model::Result;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// Default context when none is asked for (KV memory is allocated up front per sequence).
-pub const DEFAULT_MAX_CONTEXT: usize = 8192;
+/// Device memory kept out of the caches when sizing the default context: for cuBLAS, the long
+/// passes' workspace and graphs (at least this, or a tenth of what is free).
+const CONTEXT_RESERVE: usize = 2 << 30;
+/// What a sequence allocates beside its K/V caches (scratch and staging rows of a prefill chunk).
+const SEQ_OVERHEAD: usize = 512 << 20;
+/// The default context is a multiple of this when free memory caps it.
+const CONTEXT_STEP: usize = 1024;
+
+/// The context a sequence gets when none is asked for (`--ctx`): the model's maximum, unless
+/// `sequences` sequences' caches (allocated whole when a sequence starts) would not fit in `free`
+/// bytes of device memory; then the most that fits, in steps of 1,024 (at least one step, or the
+/// model's maximum when smaller).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DefaultContext {
+    pub tokens: usize,
+    pub model_max: usize,
+    pub free: usize,
+    pub sequences: usize,
+}
+
+impl DefaultContext {
+    pub fn new(plan: &ModelPlan, free: usize, sequences: usize) -> DefaultContext {
+        let (model_max, sequences) = (plan.max_positions.max(1), sequences.max(1));
+        let usable = free.saturating_sub(CONTEXT_RESERVE.max(free / 10)) / sequences;
+        let fits = |n: usize| kv_cache_bytes(plan, n).saturating_add(SEQ_OVERHEAD) <= usable;
+        let tokens = if fits(model_max) {
+            model_max
+        } else {
+            // Cache bytes grow with the length: the largest fitting multiple of the step.
+            let (mut lo, mut hi) = (0, model_max / CONTEXT_STEP);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if fits(mid * CONTEXT_STEP) {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            (lo * CONTEXT_STEP).max(CONTEXT_STEP.min(model_max))
+        };
+        DefaultContext { tokens, model_max, free, sequences }
+    }
+
+    /// For a model on the device now.
+    pub fn measure(model: &CudaModel, sequences: usize) -> Result<DefaultContext> {
+        let (free, _) = model.gpu.memory()?;
+        Ok(DefaultContext::new(model.plan(), free, sequences))
+    }
+
+    /// Whether free memory made it shorter than the model's maximum.
+    pub fn capped(&self) -> bool {
+        self.tokens < self.model_max
+    }
+
+    /// One line for the user when the context was capped.
+    pub fn note(&self) -> Option<String> {
+        self.capped().then(|| {
+            let many = if self.sequences == 1 {
+                "one sequence's".to_string()
+            } else {
+                format!("{} sequences'", self.sequences)
+            };
+            format!(
+                "context {} tokens, not the model's {}: {many} caches must fit in the {:.1} GiB of GPU memory free \
+                 (--ctx sets it)",
+                thousands(self.tokens),
+                thousands(self.model_max),
+                self.free as f64 / (1u64 << 30) as f64
+            )
+        })
+    }
+}
+
+/// 131072 as "131,072".
+fn thousands(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
 
 pub struct CudaBackend {
     model: Arc<CudaModel>,
@@ -45,12 +130,14 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
-    pub fn new(model: Arc<CudaModel>, max_context: Option<usize>) -> CudaBackend {
+    /// A backend whose sequences hold at most `max_context` positions (for the default, see
+    /// [`DefaultContext`]).
+    pub fn new(model: Arc<CudaModel>, max_context: usize) -> CudaBackend {
         CudaBackend {
             model,
             seqs: BTreeMap::new(),
             next_id: 0,
-            max_context: max_context.unwrap_or(DEFAULT_MAX_CONTEXT).max(1),
+            max_context: max_context.max(1),
             stats: BackendStats::default(),
             step_launches: 0,
             step_tokens: 0,
@@ -395,5 +482,65 @@ impl Backend for CudaBackend {
             })
             .collect();
         Ok(Draft { ids, probs })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::seq::kv_cache_bytes;
+    use crate::synthetic::synthetic_config;
+
+    const GIB: usize = 1 << 30;
+
+    fn plan(name: &str) -> ModelPlan {
+        ModelPlan::new(&synthetic_config(name).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_default_context_is_the_models_maximum_when_it_fits() {
+        let p = plan("e4b");
+        // E4B's four cache-owning full layers: 2 KV heads of 512, K and V in f32.
+        let per_position = kv_cache_bytes(&p, 200_000) - kv_cache_bytes(&p, 199_999);
+        assert_eq!(per_position, 4 * 2 * 2 * 512 * 4);
+        let d = DefaultContext::new(&p, 70 * GIB, 1);
+        assert_eq!((d.tokens, d.model_max), (131_072, 131_072));
+        assert!(!d.capped() && d.note().is_none());
+    }
+
+    #[test]
+    fn free_memory_caps_the_default_context() {
+        let p = plan("e4b");
+        for (free, sequences) in [(6 * GIB, 1), (70 * GIB, 20), (40 * GIB, 20), (80 * GIB, 256)] {
+            let d = DefaultContext::new(&p, free, sequences);
+            assert!(d.capped(), "{free} {sequences}");
+            assert!(d.tokens.is_multiple_of(CONTEXT_STEP) && d.tokens >= CONTEXT_STEP);
+            // The caches fit with the reserve kept, and one step more would not.
+            let usable = (free - CONTEXT_RESERVE.max(free / 10)) / sequences;
+            let needs = |n| kv_cache_bytes(&p, n) + SEQ_OVERHEAD;
+            assert!(needs(d.tokens) <= usable || d.tokens == CONTEXT_STEP);
+            assert!(needs(d.tokens + CONTEXT_STEP) > usable);
+            let note = d.note().unwrap();
+            assert!(
+                note.contains(&thousands(d.tokens)) && note.contains("131,072") && note.contains("--ctx"),
+                "{note}"
+            );
+        }
+        // More sequences, shorter contexts.
+        let few = DefaultContext::new(&p, 40 * GIB, 4).tokens;
+        let many = DefaultContext::new(&p, 40 * GIB, 16).tokens;
+        assert!(many < few, "{many} {few}");
+        // Nothing free: one step, never zero.
+        assert_eq!(DefaultContext::new(&p, 0, 1).tokens, CONTEXT_STEP);
+    }
+
+    #[test]
+    fn a_smaller_model_maximum_is_kept() {
+        let mut c = synthetic_config("tiny").unwrap();
+        c.max_position_embeddings = 700;
+        let d = DefaultContext::new(&ModelPlan::new(&c).unwrap(), 0, 1);
+        assert_eq!(d.tokens, 700);
+        assert_eq!(thousands(1_234_567), "1,234,567");
+        assert_eq!(thousands(999), "999");
     }
 }

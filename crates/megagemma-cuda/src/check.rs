@@ -312,7 +312,7 @@ pub fn batch_matches_lone(
 ) -> Result<BatchReport> {
     use megagemma_model::backend::{Backend, Want as BWant};
     let ctx = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps + 2;
-    let mut b = crate::CudaBackend::new(cm.clone(), Some(ctx)).with_decode(decode);
+    let mut b = crate::CudaBackend::new(cm.clone(), ctx).with_decode(decode);
     let (mut batched, mut lone) = (vec![], vec![]);
     for p in prompts {
         let (x, y) = (b.new_sequence()?, b.new_sequence()?);
@@ -504,7 +504,7 @@ pub fn drafts_match(
     let vocab = model.plan.vocab_size as u32;
     let mut cpu = CpuBackend::new(model.clone()).with_assistant(assistant.clone());
     let cm = CudaModel::load(model)?;
-    let mut gpu = CudaBackend::new(cm, Some(prompt.len() + tokens + k + 2)).with_assistant(assistant)?;
+    let mut gpu = CudaBackend::new(cm, prompt.len() + tokens + k + 2).with_assistant(assistant)?;
     let (sc, sg) = (cpu.new_sequence()?, gpu.new_sequence()?);
     let mut tok = cpu.prefill(sc, prompt, BWant::Argmax)?.argmax;
     gpu.prefill(sg, prompt, BWant::Argmax)?;
@@ -607,7 +607,7 @@ pub fn candidates_match_host(cm: &Arc<CudaModel>, prompt: &[u32], k: usize) -> s
         Ok(())
     };
     for decode in [Decode::Graph, Decode::Megakernel] {
-        let mut b = crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 16)).with_decode(decode);
+        let mut b = crate::CudaBackend::new(cm.clone(), prompt.len() + 16).with_decode(decode);
         let (x, y) = (b.new_sequence().map_err(err)?, b.new_sequence().map_err(err)?);
         let (px, py) = (
             b.prefill(x, prompt, BWant::Logits).map_err(err)?,
@@ -804,7 +804,7 @@ pub fn sampled_match_host(cm: &Arc<CudaModel>, prompt: &[u32]) -> std::result::R
     for decode in [Decode::Graph, Decode::Megakernel] {
         for params in &draws {
             let mut b =
-                crate::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode).with_device_draw(true);
+                crate::CudaBackend::new(cm.clone(), prompt.len() + 24).with_decode(decode).with_device_draw(true);
             megagemma_model::conformance::sampled_in_one_call(&mut b, prompt, params)
                 .map_err(|e| format!("{decode:?} {params:?}: {e}"))?;
             checked += 1;

@@ -607,6 +607,12 @@ impl Gpu {
         }
     }
 
+    /// Device memory free now and in all, in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", e))?;
+        result::mem_get_info().map_err(|e| cuda_err("memory query", e))
+    }
+
     pub fn sync(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| cuda_err("synchronize", e))
     }

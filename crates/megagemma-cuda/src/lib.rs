@@ -68,7 +68,7 @@ pub mod synthetic;
 pub mod tiled;
 pub mod weights;
 
-pub use backend::CudaBackend;
+pub use backend::{CudaBackend, DefaultContext};
 pub use candidates::MAX_CANDIDATES;
 pub use long_pass::{FEW_TOKENS, LONG_PASS_TOKENS};
 pub use megakernel::{MkKindTime, MkTrace, MK_KERNELS};

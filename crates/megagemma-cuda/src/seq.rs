@@ -21,7 +21,7 @@ use cudarc::driver::CudaGraph;
 pub use megagemma_model::backend::Decode;
 use megagemma_model::backend::{check_draw, no_finite_logit};
 use megagemma_model::draw::DrawParams;
-use megagemma_model::plan::LayerPlan;
+use megagemma_model::plan::{LayerPlan, ModelPlan};
 use megagemma_model::{bail, Result};
 use std::sync::Arc;
 
@@ -521,6 +521,25 @@ pub(crate) fn f32s(n: usize) -> usize {
     n * 4
 }
 
+/// K (and V) rows a cache-owning layer keeps for a sequence of at most `max_len` positions, and its
+/// ring length (0: rows by position): a sliding layer's ring of W + 1 slots, or `max_len` rows when
+/// that is fewer; a full layer `max_len` rows.
+fn cache_slots(lp: &LayerPlan, max_len: usize) -> (usize, usize) {
+    match lp.window.map(|w| w + 1) {
+        Some(ring) if ring <= max_len => (ring, ring),
+        _ => (max_len, 0),
+    }
+}
+
+/// Bytes of K/V cache one sequence of at most `max_len` positions allocates.
+pub fn kv_cache_bytes(plan: &ModelPlan, max_len: usize) -> usize {
+    plan.layers
+        .iter()
+        .filter(|lp| !lp.is_kv_shared())
+        .map(|lp| 2 * f32s(cache_slots(lp, max_len).0 * lp.kv_width()))
+        .sum()
+}
+
 impl CudaSeq {
     /// A sequence of at most `max_len` positions.
     pub fn new(model: &Arc<CudaModel>, max_len: usize) -> Result<CudaSeq> {
@@ -533,9 +552,7 @@ impl CudaSeq {
                 None
             } else {
                 let width = lp.kv_width();
-                let ring = lp.window.map_or(0, |w| w + 1);
-                let slots = if ring > 0 { ring.min(max_len) } else { max_len };
-                let ring = if ring > 0 && ring <= max_len { ring } else { 0 };
+                let (slots, ring) = cache_slots(lp, max_len);
                 Some(LayerCache {
                     k: gpu.alloc_zeros(f32s(slots * width))?,
                     v: gpu.alloc_zeros(f32s(slots * width))?,

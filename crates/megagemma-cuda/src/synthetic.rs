@@ -68,6 +68,8 @@ fn base_config() -> ModelConfig {
         head_dims: vec![],
         kv_heads: vec![],
         sliding_window: 0,
+        // E2B and E4B (spec §1.1); 26B-A4B and 31B set their own.
+        max_position_embeddings: 131_072,
         rope_sliding: RopeSpec { theta: 10_000.0, proportional: false, partial_rotary_factor: 1.0, factor: 1.0 },
         rope_full: RopeSpec { theta: 1_000_000.0, proportional: true, partial_rotary_factor: 0.25, factor: 1.0 },
         rms_norm_eps: 1e-6,
@@ -109,6 +111,7 @@ fn config_large(name: &str) -> ModelConfig {
         head_dims,
         kv_heads,
         sliding_window: 1024,
+        max_position_embeddings: 262_144,
         attention_k_eq_v: true,
         moe: moe.then_some(MoeConfig { num_experts: 128, top_k: 8, intermediate_size: 704 }),
         ..base_config()

@@ -252,7 +252,7 @@ fn pipelined_decoding_equals_steps() {
 fn greedy_decoding_in_one_call_is_decode_in_a_loop() {
     for (label, cm, prompt) in uploaded_fixtures() {
         for decode in [Decode::Graph, Decode::Megakernel] {
-            let mut b = megagemma_cuda::CudaBackend::new(cm.clone(), Some(prompt.len() + 24)).with_decode(decode);
+            let mut b = megagemma_cuda::CudaBackend::new(cm.clone(), prompt.len() + 24).with_decode(decode);
             if let Err(e) = megagemma_model::conformance::greedy_in_one_call(&mut b, &prompt) {
                 panic!("{label} {decode:?}: {e}");
             }

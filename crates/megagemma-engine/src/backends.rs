@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 /// How CUDA decode steps launch (`--decode graph|megakernel`).
 pub use megagemma_cuda::Decode;
-use megagemma_cuda::{CudaBackend, CudaModel};
+use megagemma_cuda::{CudaBackend, CudaModel, DefaultContext};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_model::backend::Backend;
 use megagemma_model::cpu::CpuBackend;
@@ -63,15 +63,28 @@ pub struct BackendOptions {
     /// CUDA decode steps: a CUDA graph or the persistent megakernel (`None`: the backend's
     /// default, or `MEGAGEMMA_CUDA_DECODE`).
     pub decode: Option<Decode>,
+    /// Sequences the caller holds at once (0 counts as 1): CUDA allocates each one's caches whole,
+    /// so the default context is what that many fit in free memory, up to the model's maximum.
+    pub sequences: usize,
 }
 
 impl BackendOptions {
-    fn cuda(&self, cm: Arc<CudaModel>) -> CudaBackend {
-        let b = CudaBackend::new(cm, self.max_context);
-        match self.decode {
+    fn cuda(&self, cm: Arc<CudaModel>) -> megagemma_model::Result<CudaBackend> {
+        let ctx = match self.max_context {
+            Some(n) => n,
+            None => {
+                let d = DefaultContext::measure(&cm, self.sequences)?;
+                if let Some(note) = d.note() {
+                    eprintln!("note: {note}");
+                }
+                d.tokens
+            }
+        };
+        let b = CudaBackend::new(cm, ctx);
+        Ok(match self.decode {
             Some(d) => b.with_decode(d),
             None => b,
-        }
+        })
     }
 }
 
@@ -89,8 +102,8 @@ pub fn open_backend_with(
     if !opts.kind.runs_on_cpu() {
         let spinner = crate::progress::spinner("uploading the weights to the GPU");
         let loaded = CudaModel::load(&model).and_then(|cm| match &assistant {
-            Some(a) => opts.cuda(cm).with_assistant(a),
-            None => Ok(opts.cuda(cm)),
+            Some(a) => opts.cuda(cm)?.with_assistant(a),
+            None => opts.cuda(cm),
         });
         crate::progress::finish(spinner);
         match loaded {
@@ -117,7 +130,7 @@ pub fn open_synthetic(name: &str, quant: &str, assistant: bool, opts: &BackendOp
         bail!("--synthetic {name}: synthetic models are built on a GPU, and no CUDA device is available here");
     }
     let cm = CudaModel::synthetic(name, quant)?;
-    let b = opts.cuda(cm);
+    let b = opts.cuda(cm)?;
     Ok(Box::new(if assistant { b.with_synthetic_assistant()? } else { b }))
 }
 

@@ -57,6 +57,9 @@ pub struct ModelConfig {
     pub head_dims: Vec<usize>,
     pub kv_heads: Vec<usize>,
     pub sliding_window: usize,
+    /// The longest context the model was trained for (`max_position_embeddings`; GGUF
+    /// `context_length`): the default context length.
+    pub max_position_embeddings: usize,
     pub rope_sliding: RopeSpec,
     pub rope_full: RopeSpec,
     pub rms_norm_eps: f64,
@@ -82,6 +85,8 @@ pub struct ModelConfig {
 /// lists a config implies (layer types, head dims, RoPE tables) small before any weight is read.
 pub const MAX_LAYERS: usize = 1024;
 pub const MAX_HEAD_DIM: usize = 8192;
+/// `max_position_embeddings` when a config names none (transformers' Gemma 3 and Gemma 4 default).
+pub const DEFAULT_MAX_POSITIONS: usize = 131_072;
 
 /// `value` of `key`, or an error when it is above `max`.
 pub fn check_limit(key: &str, value: usize, max: usize) -> Result<usize> {
@@ -203,6 +208,8 @@ impl ModelConfig {
         let rms_norm_eps = c.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
         let sliding_window =
             c.usize_opt("sliding_window")?.unwrap_or(if family == Family::Gemma4 { 512 } else { 4096 });
+        // transformers' Gemma3TextConfig and Gemma4TextConfig default.
+        let max_position_embeddings = c.usize_opt("max_position_embeddings")?.unwrap_or(DEFAULT_MAX_POSITIONS);
         if let Some(act) = c.str_opt("hidden_activation").or_else(|| c.str_opt("hidden_act")) {
             if act != "gelu_pytorch_tanh" && act != "gelu_tanh" {
                 bail!("unsupported hidden_activation `{act}` (only gelu_pytorch_tanh)");
@@ -304,6 +311,7 @@ impl ModelConfig {
             head_dims,
             kv_heads,
             sliding_window,
+            max_position_embeddings,
             rope_sliding,
             rope_full,
             rms_norm_eps,
@@ -339,6 +347,7 @@ impl ModelConfig {
             ("num_hidden_layers", self.num_layers),
             ("num_attention_heads", self.num_heads),
             ("sliding_window", self.sliding_window),
+            ("max_position_embeddings", self.max_position_embeddings),
         ] {
             if v == 0 {
                 bail!("`{key}` must be positive, got 0");
@@ -605,5 +614,12 @@ mod tests {
         assert_eq!((c.rope_full.theta, c.rope_full.factor), (1e6, 8.0));
         assert_eq!((c.rope_sliding.theta, c.rope_sliding.factor), (1e4, 1.0));
         assert_eq!(c.ple_dim, 0);
+        assert_eq!(c.max_position_embeddings, DEFAULT_MAX_POSITIONS);
+        let mut v = v;
+        v["max_position_embeddings"] = json!(32768);
+        assert_eq!(ModelConfig::from_json(&v).unwrap().max_position_embeddings, 32768);
+        v["max_position_embeddings"] = json!(0);
+        let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+        assert!(e.contains("max_position_embeddings"), "{e}");
     }
 }

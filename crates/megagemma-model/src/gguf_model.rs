@@ -11,7 +11,9 @@
 //!   `ffn_gate_up_exps` / `ffn_down_exps` tensors, one matrix per expert in place). Gemma 4 norms
 //!   are stored as is (the converter's norm shift is 0) and used as `x̂·w`.
 
-use crate::config::{check_limit, AttnKind, Family, ModelConfig, MoeConfig, RopeSpec, MAX_LAYERS};
+use crate::config::{
+    check_limit, AttnKind, Family, ModelConfig, MoeConfig, RopeSpec, DEFAULT_MAX_POSITIONS, MAX_LAYERS,
+};
 use crate::gguf::{GgufArray, GgufFile, GgufMatrix, GgufValue};
 use crate::matrix::RowDot;
 use crate::weights::{Matrix, TensorSource};
@@ -142,6 +144,7 @@ fn gemma3_config(f: &GgufFile) -> Result<ModelConfig> {
         head_dims: vec![head_dim; num_layers],
         kv_heads: vec![num_kv_heads; num_layers],
         sliding_window,
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(DEFAULT_MAX_POSITIONS),
         rope_sliding: plain_rope(10_000.0),
         rope_full,
         rms_norm_eps: m.float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
@@ -315,6 +318,7 @@ fn gemma4_config(f: &GgufFile) -> Result<ModelConfig> {
         kv_heads,
         // transformers' Gemma 4 default.
         sliding_window: m.opt("attention.sliding_window")?.unwrap_or(512),
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(DEFAULT_MAX_POSITIONS),
         rope_sliding: plain_rope(theta_swa),
         rope_full,
         rms_norm_eps: m.float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),

@@ -59,6 +59,8 @@ pub struct ModelPlan {
     /// Experts per MoE layer and each expert's MLP width (0 without MoE).
     pub moe_experts: usize,
     pub moe_width: usize,
+    /// The model's longest context (`max_position_embeddings`).
+    pub max_positions: usize,
 }
 
 impl ModelPlan {
@@ -114,6 +116,7 @@ impl ModelPlan {
             moe_top_k: c.moe.as_ref().map_or(0, |m| m.top_k),
             moe_experts: c.moe.as_ref().map_or(0, |m| m.num_experts),
             moe_width: c.moe.as_ref().map_or(0, |m| m.intermediate_size),
+            max_positions: c.max_position_embeddings,
         })
     }
 

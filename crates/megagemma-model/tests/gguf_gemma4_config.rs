@@ -31,6 +31,8 @@ fn gguf_metadata_resolves_like_config_json() {
         assert_eq!(g.head_dims, c.head_dims, "{name}: head dims");
         assert_eq!(g.kv_heads, c.kv_heads, "{name}: kv heads");
         assert_eq!(g.sliding_window, c.sliding_window, "{name}: window");
+        // GGUF `context_length`; the fixtures' config.json says 4,096 (the default would be 131,072).
+        assert_eq!((g.max_position_embeddings, c.max_position_embeddings), (4096, 4096), "{name}: context");
         assert_eq!(g.rope_sliding, c.rope_sliding, "{name}: sliding rope");
         assert_eq!(g.rope_full, c.rope_full, "{name}: full rope");
         // GGUF stores the epsilon as f32.

@@ -14,7 +14,8 @@ pub struct BackendArgs {
     #[arg(long, value_name = "graph|megakernel")]
     pub decode: Option<String>,
     /// Context length: the longest prompt + generation a sequence may hold (default: 32,768 on the
-    /// CPU, 8,192 on CUDA, whose caches are allocated whole when a sequence starts).
+    /// CPU; on CUDA, whose caches are allocated whole when a sequence starts, the model's maximum as
+    /// far as free GPU memory holds it, with a note when it does not).
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
 }
@@ -24,6 +25,6 @@ impl BackendArgs {
     pub fn options(&self) -> Result<BackendOptions> {
         let kind: BackendKind = self.backend.parse()?;
         let decode = self.decode.as_deref().map(str::parse).transpose()?;
-        Ok(BackendOptions { kind, max_context: self.ctx, decode })
+        Ok(BackendOptions { kind, max_context: self.ctx, decode, sequences: 1 })
     }
 }

@@ -103,7 +103,9 @@ pub fn bench(args: BenchArgs) -> Result<()> {
     if !(1..=256).contains(&args.batch) {
         bail!("--batch must be between 1 and 256");
     }
-    let opts = args.backend.options()?;
+    let mut opts = args.backend.options()?;
+    // `--batch N` holds N sequences beside the timed one.
+    opts.sequences = args.batch + 1;
     if args.trace.is_some() && opts.decode != Some(Decode::Megakernel) {
         bail!("--trace records the decode megakernel: give --backend cuda --decode megakernel");
     }

@@ -84,7 +84,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         bail!("--draft mtp and --assistant DIR go together (the assistant is the MTP drafter)");
     }
     let path = crate::run::resolve_model(&args.model)?;
-    let opts = args.backend.options()?;
+    let mut opts = args.backend.options()?;
+    // Running requests (forks for n > 1 included) and the prefix cache's kept sequences.
+    opts.sequences = args.max_batch + args.prefix_cache;
     let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
     let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
     let (chat, backend) = concurrently(

@@ -50,7 +50,7 @@ impl TestServer {
         let model = Arc::new(Model::load(&dir).unwrap());
         let chat = ChatModel::open(&dir, &model).unwrap();
         let assistant = assistant.map(|a| Arc::new(AssistantModel::load(a, &model, QuantMode::Stored).unwrap()));
-        let opts = BackendOptions { kind: BackendKind::Cpu, max_context: ctx, decode: None };
+        let opts = BackendOptions { kind: BackendKind::Cpu, max_context: ctx, decode: None, sequences: 1 };
         let backend = open_backend_with(model, assistant, &opts).unwrap();
         let server = Server::new(config, backend, chat).unwrap();
         let handle = server.shutdown_handle();
