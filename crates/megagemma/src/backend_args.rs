@@ -13,9 +13,9 @@ pub struct BackendArgs {
     /// CUDA decode steps: a replayed CUDA graph, or one persistent kernel (experimental, slower so far).
     #[arg(long, value_name = "graph|megakernel")]
     pub decode: Option<String>,
-    /// Context length: the longest prompt + generation a sequence may hold (default: 32,768 on the
-    /// CPU; on CUDA, whose caches are allocated whole when a sequence starts, the model's maximum as
-    /// far as free GPU memory holds it, with a note when it does not).
+    /// Context length: the longest prompt + generation a sequence may hold (default: the model's
+    /// maximum, at most 32,768 on the CPU; on CUDA, whose caches are allocated whole when a sequence
+    /// starts, as far as free GPU memory holds it, with a note when it does not).
     #[arg(short = 'c', long)]
     pub ctx: Option<usize>,
 }

@@ -117,8 +117,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if !args.host.is_loopback() && args.api_key.is_none() {
         eprintln!("warning: listening on {bound} without --api-key: anyone who can reach it may use it");
     }
+    let ctx = backend.max_context();
     let server = Server::new(config, backend, chat)?;
-    eprintln!("serving `{model_name}` on http://{bound} (OpenAI API under /v1; Ctrl-C stops)");
+    eprintln!("serving `{model_name}` on http://{bound} (context {ctx} tokens; OpenAI API under /v1; Ctrl-C stops)");
     server.serve_blocking(listener, true)?;
     eprintln!("stopped");
     Ok(())

@@ -94,7 +94,19 @@ fn ctrl_c_stops_the_answer_not_the_program() {
     use std::io::Read;
     let d = fixtures_dir().join("gemma3");
     let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
-        .args(["chat", "--model", d.to_str().unwrap(), "--greedy", "-n", "30000", "--ignore-eos", "--backend", "cpu"])
+        .args([
+            "chat",
+            "--model",
+            d.to_str().unwrap(),
+            "--greedy",
+            "-n",
+            "30000",
+            "--ignore-eos",
+            "--backend",
+            "cpu",
+            "--ctx",
+            "32768",
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

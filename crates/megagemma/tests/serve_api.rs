@@ -239,7 +239,7 @@ fn logprobs_describe_the_chosen_tokens() {
 
 #[test]
 fn a_client_that_leaves_mid_stream_frees_its_sequence() {
-    let server = TestServer::with_defaults(MODEL);
+    let server = TestServer::with_long_context(MODEL);
     let mut s = server.stream(
         "/v1/completions",
         &json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true, "stream": true}),
@@ -327,7 +327,7 @@ fn many_concurrent_clients_get_their_lone_outputs_and_leak_nothing() {
 #[test]
 fn a_client_that_leaves_before_a_whole_reply_frees_its_sequence() {
     use std::io::Write;
-    let server = TestServer::with_defaults(MODEL);
+    let server = TestServer::with_long_context(MODEL);
     let body = json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true}).to_string();
     let mut s = std::net::TcpStream::connect(server.addr).unwrap();
     write!(

@@ -23,6 +23,8 @@ fn serve_process_answers_and_stops_on_sigterm() {
     let mut line = String::new();
     err.read_line(&mut line).unwrap();
     assert!(line.starts_with("serving `gemma3` on http://127.0.0.1:"), "{line}");
+    // The default context: the fixture's max_position_embeddings, below the CPU's 32,768.
+    assert!(line.contains("(context 4096 tokens;"), "{line}");
     let addr = line.split("http://").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
 
     let r = request(addr, "GET", "/v1/models", &[], None);
@@ -87,7 +89,7 @@ fn an_unknown_decode_mode_is_one_error_line() {
 
 #[test]
 fn shutdown_ends_running_streams_and_stops_listening() {
-    let server = TestServer::with_defaults("gemma3");
+    let server = TestServer::with_long_context("gemma3");
     let addr = server.addr;
     let mut s = server.stream(
         "/v1/completions",

@@ -113,7 +113,7 @@ fn a_full_queue_gets_503() {
     let server = TestServer::start(
         MODEL,
         ServerConfig { model_name: MODEL.into(), max_batch: 1, max_queue: 1, ..Default::default() },
-        None,
+        Some(LONG_CONTEXT),
     );
     let long = json!({"prompt": "the cat", "max_tokens": 30000, "ignore_eos": true, "stream": true});
     let mut running = server.stream("/v1/completions", &long);

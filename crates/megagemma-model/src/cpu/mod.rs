@@ -19,7 +19,7 @@ use std::sync::Arc;
 const PREFILL_CHUNK: usize = 512;
 
 /// Default context when none is asked for: long enough for real chats, small enough that a
-/// forgotten sequence cannot eat the machine.
+/// forgotten sequence cannot eat the machine (or the model's maximum, when that is shorter).
 pub const DEFAULT_MAX_CONTEXT: usize = 32_768;
 
 /// One sequence: its KV cache and the final-normed hidden states the drafter reads.
@@ -51,12 +51,13 @@ impl CpuBackend {
         for m in model.weights.matrices() {
             m.prepare_cpu_layout();
         }
+        let max_context = DEFAULT_MAX_CONTEXT.min(model.plan.max_positions);
         CpuBackend {
             model,
             assistant: None,
             seqs: BTreeMap::new(),
             next_id: 0,
-            max_context: DEFAULT_MAX_CONTEXT,
+            max_context,
             scratch: ChunkOut::default(),
             stats: BackendStats::default(),
         }

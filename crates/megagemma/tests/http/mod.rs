@@ -18,6 +18,9 @@ pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name).canonicalize().unwrap()
 }
 
+/// A context long enough for a request of 30,000 tokens that a test ends before it is done.
+pub const LONG_CONTEXT: usize = 32_768;
+
 pub struct TestServer {
     pub addr: SocketAddr,
     handle: ShutdownHandle,
@@ -62,6 +65,12 @@ impl TestServer {
 
     pub fn with_defaults(name: &str) -> TestServer {
         Self::start(name, ServerConfig { model_name: name.into(), ..Default::default() }, None)
+    }
+
+    /// The defaults with a context of `LONG_CONTEXT` (past the fixtures' 4,096): room for requests
+    /// that run until the test stops them.
+    pub fn with_long_context(name: &str) -> TestServer {
+        Self::start(name, ServerConfig { model_name: name.into(), ..Default::default() }, Some(LONG_CONTEXT))
     }
 
     pub fn get(&self, path: &str) -> Resp {
