@@ -4,6 +4,9 @@
 use anyhow::Result;
 use clap::Args;
 use megagemma_engine::backends::{BackendKind, BackendOptions};
+use megagemma_model::quant::load::QuantMode;
+use megagemma_model::Model;
+use std::path::Path;
 
 #[derive(Args, Debug)]
 pub struct BackendArgs {
@@ -26,5 +29,27 @@ impl BackendArgs {
         let kind: BackendKind = self.backend.parse()?;
         let decode = self.decode.as_deref().map(str::parse).transpose()?;
         Ok(BackendOptions { kind, max_context: self.ctx, decode, sequences: 1 })
+    }
+}
+
+/// How `run`, `chat` and `serve` load a checkpoint's weights.
+#[derive(Args, Debug)]
+pub struct QuantArgs {
+    /// Weights: none (as stored: dense, or an MLX checkpoint's 4-bit), q4 (quantize on load, MLX
+    /// affine group 64) or q4_0 (symmetric group 32). See docs/quantization.md.
+    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
+    pub quant: String,
+}
+
+impl QuantArgs {
+    /// The mode `--quant` names; an unknown one is one error line.
+    pub fn mode(&self) -> Result<QuantMode> {
+        Ok(self.quant.parse()?)
+    }
+
+    /// The model in `dir` with these weights, for the backend `opts` opens (the CPU keeps only
+    /// its own layouts).
+    pub fn load(&self, dir: &Path, opts: &BackendOptions) -> Result<Model> {
+        Ok(megagemma_engine::model_files::load_model(dir, self.mode()?, opts.kind.runs_on_cpu())?)
     }
 }

@@ -1,6 +1,6 @@
 //! `megagemma chat`: an interactive, streaming conversation in the terminal.
 
-use crate::backend_args::BackendArgs;
+use crate::backend_args::{BackendArgs, QuantArgs};
 use crate::sampling_args::SamplingArgs;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -31,9 +31,8 @@ pub struct ChatArgs {
     pub ignore_eos: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
-    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
-    pub quant: String,
+    #[command(flatten)]
+    pub weights: QuantArgs,
     #[command(flatten)]
     pub backend: BackendArgs,
     /// Gemma 4 thinking mode: the model reasons in a thought channel before answering (hidden
@@ -52,8 +51,7 @@ Ctrl-C stops the current answer; Ctrl-D or /quit leaves. Up/Down recall earlier 
 pub fn chat(args: ChatArgs) -> Result<()> {
     let path = crate::run::resolve_model(&args.model)?;
     let opts = args.backend.options()?;
-    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
+    let model = Arc::new(args.weights.load(&path, &opts)?);
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let sampling = args.sampling.params(&files.defaults)?;

@@ -1,6 +1,6 @@
 //! `megagemma run`: one prompt in, generated tokens out.
 
-use crate::backend_args::BackendArgs;
+use crate::backend_args::{BackendArgs, QuantArgs};
 use crate::sampling_args::SamplingArgs;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
@@ -59,10 +59,8 @@ pub struct RunArgs {
     /// Worker threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
-    /// Weights: none (as stored: dense, or an MLX checkpoint's 4-bit), q4 (quantize on load, MLX
-    /// affine group 64) or q4_0 (symmetric group 32). See docs/quantization.md.
-    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
-    pub quant: String,
+    #[command(flatten)]
+    pub weights: QuantArgs,
     #[command(flatten)]
     pub backend: BackendArgs,
     #[command(flatten)]
@@ -147,8 +145,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     let draft = args.draft.params(args.sampling.seed)?;
     let opts = args.backend.options()?;
     let t_load = Instant::now();
-    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&dir, quant, opts.kind.runs_on_cpu())?);
+    let quant = args.weights.mode()?;
+    let model = Arc::new(args.weights.load(&dir, &opts)?);
     let load_secs = t_load.elapsed().as_secs_f64();
     // Only text in or out needs a tokenizer (building one from GGUF metadata takes a moment).
     let needs_tokenizer = args.prompt.is_some() || args.output != OutputFormat::Ids;

@@ -1,6 +1,6 @@
 //! `megagemma serve`: the OpenAI-compatible HTTP server.
 
-use crate::backend_args::BackendArgs;
+use crate::backend_args::{BackendArgs, QuantArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use megagemma_engine::backends::open_backend_with;
@@ -58,9 +58,8 @@ pub struct ServeArgs {
     /// length (0 = every waiting prompt whole).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub prefill_chunk: usize,
-    /// Weights: none, q4 or q4_0 (see `megagemma run --help`).
-    #[arg(long, default_value = "none", value_name = "none|q4|q4_0")]
-    pub quant: String,
+    #[command(flatten)]
+    pub weights: QuantArgs,
     /// Worker threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
@@ -87,8 +86,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let mut opts = args.backend.options()?;
     // Running requests (forks for n > 1 included) and the prefix cache's kept sequences.
     opts.sequences = args.max_batch + args.prefix_cache;
-    let quant: megagemma_model::quant::load::QuantMode = args.quant.parse()?;
-    let model = Arc::new(megagemma_engine::model_files::load_model(&path, quant, opts.kind.runs_on_cpu())?);
+    let quant = args.weights.mode()?;
+    let model = Arc::new(args.weights.load(&path, &opts)?);
     let (chat, backend) = concurrently(
         || ChatModel::open(&path, &model),
         || {
