@@ -50,6 +50,6 @@ impl QuantArgs {
     /// The model in `dir` with these weights, for the backend `opts` opens (the CPU keeps only
     /// its own layouts).
     pub fn load(&self, dir: &Path, opts: &BackendOptions) -> Result<Model> {
-        Ok(megagemma_engine::model_files::load_model(dir, self.mode()?, opts.kind.runs_on_cpu())?)
+        megagemma_engine::model_files::load_model(dir, self.mode()?, opts.kind.runs_on_cpu())
     }
 }
