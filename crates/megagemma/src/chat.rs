@@ -53,6 +53,8 @@ pub fn chat(args: ChatArgs) -> Result<()> {
     let opts = args.backend.options()?;
     let model = Arc::new(args.weights.load(&path, &opts)?);
     let (files, mut backend) = concurrently(|| ChatModel::open(&path, &model), || open_backend(model.clone(), &opts))?;
+    // The host's weights live on only in a CPU backend: on CUDA their copy is given back here.
+    drop(model);
     let template_vars = if args.think { thinking_context(&files.template)? } else { serde_json::json!({}) };
     let sampling = args.sampling.params(&files.defaults)?;
     let params = GenerateParams {

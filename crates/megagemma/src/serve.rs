@@ -98,6 +98,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             open_backend_with(model.clone(), assistant, &opts)
         },
     )?;
+    // The host's weights live on only in a CPU backend: on CUDA their copy is given back here,
+    // not held for the server's lifetime.
+    drop(model);
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
     let config = ServerConfig {
         model_name: model_name.clone(),
