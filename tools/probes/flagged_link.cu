@@ -26,6 +26,15 @@
 // Every wait is bounded (~1 s: the error flag is set and the block leaves). Printed per mode:
 // µs per stage and ms per token (STAGES stages), medians over TOKENS launches.
 //
+// Measured on an H100 80GB HBM3, 2026-12-06 (docs/perf-notes.md "Forty-seventh session"), 264 × 256, 303 stages,
+// 8.8 MB of weights a stage, medians of 35 tokens (two runs each, ms a token / µs a stage):
+//   counter, all   1.247–1.253 / 4.12–4.14     counter, prod   1.209–1.242 / 3.99–4.10
+//   flagged        1.286 / 4.24 (BACKOFF_NS=256 the same; POLL_FIRST=1 1.326 / 4.38)
+//   no wait        0.856–0.860 / 2.83 (the weight stream: 8.8 MB in 2.83 µs, 3.1 TB/s)
+// A first version that checked each flag right after its load (one round trip per element, in
+// sequence) took 1.52 ms. So the flag does not pay: the links cost ~1.3 µs a stage over the work,
+// and a poll of the data itself costs as much as a poll of a counter and a load after it.
+//
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/fl tools/probes/flagged_link.cu && /tmp/fl
 #include <cstdio>
@@ -41,6 +50,12 @@
 #endif
 #ifndef WEIGHT_BYTES
 #define WEIGHT_BYTES (8600 * 1024)  // 2.61 GB / 303 stages
+#endif
+#ifndef BACKOFF_NS
+#define BACKOFF_NS 64  // a flagged poll's sleep between rounds
+#endif
+#ifndef POLL_FIRST
+#define POLL_FIRST 0
 #endif
 #define THREADS 256
 #define PER_THREAD (DIM / THREADS)
@@ -115,18 +130,26 @@ chain(const uint4* __restrict__ weights, size_t weight_words, float* rows, uint2
       unsigned stale = (1u << PER_THREAD) - 1;  // elements whose flag is not yet the token's
       const unsigned long long deadline = now_ns() + TIMEOUT_NS;
       for (unsigned spins = 0; stale; spins++) {
+        // Every stale element's load in flight at once, then the flags (a check right after
+        // each load would wait a round trip per element).
+        unsigned long long v[PER_THREAD];
 #pragma unroll
         for (int k = 0; k < PER_THREAD; k++) {
-          if (!(stale >> k & 1)) continue;
+          v[k] = 0;
+          // POLL_FIRST: while the thread's first element is stale, poll only it (a tenth of
+          // the loads in flight while producers are still working).
+          if (!(stale >> k & 1) || (POLL_FIRST && k > 0 && (stale & 1))) continue;
           // One 64-bit access: value and flag are read together (single-copy atomic).
-          unsigned long long v;
-          asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(row + threadIdx.x + k * THREADS) : "memory");
-          if ((unsigned)(v >> 32) == want || s == 0) {
-            x[k] = __uint_as_float((unsigned)v);
+          asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v[k]) : "l"(row + threadIdx.x + k * THREADS));
+        }
+#pragma unroll
+        for (int k = 0; k < PER_THREAD; k++) {
+          if ((stale >> k & 1) && ((unsigned)(v[k] >> 32) == want || s == 0)) {
+            x[k] = __uint_as_float((unsigned)v[k]);
             stale &= ~(1u << k);
           }
         }
-        if (stale && spins > 4) __nanosleep(64);
+        if (stale && spins > 4) __nanosleep(BACKOFF_NS);
         if (stale && now_ns() > deadline) {
           atomicExch(err, 1u);  // stale values from here on: the printed figure says TIMED OUT
           for (int k = 0; k < PER_THREAD; k++) if (stale >> k & 1) x[k] = 0.f;
