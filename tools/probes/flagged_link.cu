@@ -57,6 +57,9 @@
 #ifndef POLL_FIRST
 #define POLL_FIRST 0
 #endif
+#ifndef LIGHT_PRODUCERS
+#define LIGHT_PRODUCERS 0
+#endif
 #define THREADS 256
 #define PER_THREAD (DIM / THREADS)
 #define CHUNK 16
@@ -101,7 +104,9 @@ chain(const uint4* __restrict__ weights, size_t weight_words, float* rows, uint2
     // 1. Weights before the wait: this block's share of stage s, into registers.
     const size_t base = ((size_t)(token * STAGES + s) * gridDim.x + blockIdx.x) * per_block % (weight_words - per_block);
     uint4 w[(WEIGHT_BYTES / 16 / 256 + THREADS - 1) / THREADS + 1];
-    const int nw = (int)((per_block + THREADS - 1 - threadIdx.x) / THREADS);
+    // LIGHT_PRODUCERS: producer blocks load no weights (is a stage's link the slowest producer's
+    // weights, arriving late, rather than the signal's round trips?).
+    const int nw = LIGHT_PRODUCERS && producer ? 0 : (int)((per_block + THREADS - 1 - threadIdx.x) / THREADS);
 #pragma unroll
     for (int i = 0; i < (int)(sizeof(w) / sizeof(w[0])); i++)
       w[i] = i < nw ? __ldcs(weights + base + threadIdx.x + (size_t)i * THREADS) : make_uint4(0, 0, 0, 0);
