@@ -488,7 +488,6 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::seq::kv_cache_bytes;
     use crate::synthetic::synthetic_config;
 
     const GIB: usize = 1 << 30;
