@@ -145,3 +145,32 @@ fn info_prints_the_layer_plan() {
     let bad = megagemma(&["info", "--model", "/nonexistent/dir"]);
     assert!(!bad.status.success() && stderr(&bad).starts_with("error: "));
 }
+
+/// `--ctx` past the model's `max_position_embeddings` (4,096 in the fixtures) runs, with one note
+/// saying so; within it there is no note.
+#[test]
+fn a_context_past_the_trained_maximum_is_noted() {
+    let d = fixtures_dir().join("ple_shared_dw");
+    let run = |ctx: &str| {
+        let out = megagemma(&[
+            "run",
+            "--model",
+            d.to_str().unwrap(),
+            "--prompt-ids",
+            "2,100,200",
+            "--max-new-tokens",
+            "2",
+            "--output",
+            "ids",
+            "--backend",
+            "cpu",
+            "--ctx",
+            ctx,
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        stderr(&out)
+    };
+    let past = run("5000");
+    assert!(past.contains("note: --ctx 5000 is past the model's trained maximum of 4096 positions"), "{past}");
+    assert!(!run("4096").contains("trained maximum"));
+}
