@@ -32,8 +32,10 @@
 //   flagged        1.286 / 4.24 (BACKOFF_NS=256 the same; POLL_FIRST=1 1.326 / 4.38)
 //   no wait        0.856–0.860 / 2.83 (the weight stream: 8.8 MB in 2.83 µs, 3.1 TB/s)
 // A first version that checked each flag right after its load (one round trip per element, in
-// sequence) took 1.52 ms. So the flag does not pay: the links cost ~1.3 µs a stage over the work,
-// and a poll of the data itself costs as much as a poll of a counter and a load after it.
+// sequence) took 1.52 ms. With -DLIGHT_PRODUCERS=1 (producers stream no weights): counter, all
+// 0.768 / 2.54; counter, prod 0.709 / 2.34; flagged 0.858 / 2.83; no wait 0.402 / 1.33. So the flag
+// does not pay: the links cost ~1.2 µs a stage over the work whether or not producers stream, and
+// a poll of the data itself costs more than a poll of a counter and a load after it.
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/fl tools/probes/flagged_link.cu && /tmp/fl
