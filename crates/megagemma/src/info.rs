@@ -24,8 +24,8 @@ pub fn info(args: InfoArgs) -> Result<()> {
     println!("model        {}", path.display());
     println!("architecture {} ({:?})", c.architecture, c.family);
     println!(
-        "vocab {}  hidden {}  layers {}  heads {}  sliding window {}",
-        c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.sliding_window
+        "vocab {}  hidden {}  layers {}  heads {}  sliding window {}  context {}",
+        c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.sliding_window, c.max_position_embeddings
     );
     if c.ple_dim > 0 {
         println!("per-layer embeddings: {} per layer", c.ple_dim);

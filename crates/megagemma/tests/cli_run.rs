@@ -142,6 +142,8 @@ fn info_prints_the_layer_plan() {
     assert!(row(3).contains("1 (shared)") && row(5).contains("2 (shared)"), "{text}");
     assert!(row(0).contains("own") && row(5).contains("full"), "{text}");
     assert!(text.contains("weights streamed per decode step"));
+    // The fixture's max_position_embeddings.
+    assert!(text.contains("sliding window 8  context 4096"), "{text}");
     let bad = megagemma(&["info", "--model", "/nonexistent/dir"]);
     assert!(!bad.status.success() && stderr(&bad).starts_with("error: "));
 }
