@@ -1,5 +1,5 @@
 //! The flags that choose and size the compute backend, the same on `run`, `chat`, `serve` and
-//! `bench`.
+//! `bench`, and how `run`, `chat` and `serve` load the weights (`--quant`).
 
 use anyhow::Result;
 use clap::Args;
