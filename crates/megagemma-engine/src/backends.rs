@@ -71,12 +71,13 @@ pub struct BackendOptions {
 impl BackendOptions {
     /// A note when `--ctx` asks for more positions than the model was trained for (positions past
     /// it still run, as with other engines, but their outputs are not what the model learned).
-    fn past_trained_maximum(&self, max_positions: usize) -> Option<String> {
-        self.max_context.filter(|&n| n > max_positions).map(|n| {
-            format!(
-                "--ctx {n} is past the model's trained maximum of {max_positions} positions (max_position_embeddings)"
-            )
-        })
+    fn note_past_trained_maximum(&self, max_positions: usize) {
+        if let Some(n) = self.max_context.filter(|&n| n > max_positions) {
+            eprintln!(
+                "note: --ctx {n} is past the model's trained maximum of {max_positions} positions \
+                 (max_position_embeddings)"
+            );
+        }
     }
 
     fn cuda(&self, cm: Arc<CudaModel>) -> megagemma_model::Result<CudaBackend> {
@@ -109,9 +110,7 @@ pub fn open_backend_with(
     assistant: Option<Arc<AssistantModel>>,
     opts: &BackendOptions,
 ) -> Result<Box<dyn Backend>> {
-    if let Some(note) = opts.past_trained_maximum(model.plan.max_positions) {
-        eprintln!("note: {note}");
-    }
+    opts.note_past_trained_maximum(model.plan.max_positions);
     if !opts.kind.runs_on_cpu() {
         let spinner = crate::progress::spinner("uploading the weights to the GPU");
         let loaded = CudaModel::load(&model).and_then(|cm| match &assistant {
@@ -143,9 +142,7 @@ pub fn open_synthetic(name: &str, quant: &str, assistant: bool, opts: &BackendOp
         bail!("--synthetic {name}: synthetic models are built on a GPU, and no CUDA device is available here");
     }
     let cm = CudaModel::synthetic(name, quant)?;
-    if let Some(note) = opts.past_trained_maximum(cm.plan().max_positions) {
-        eprintln!("note: {note}");
-    }
+    opts.note_past_trained_maximum(cm.plan().max_positions);
     let b = opts.cuda(cm)?;
     Ok(Box::new(if assistant { b.with_synthetic_assistant()? } else { b }))
 }

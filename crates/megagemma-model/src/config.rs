@@ -87,6 +87,8 @@ pub const MAX_LAYERS: usize = 1024;
 pub const MAX_HEAD_DIM: usize = 8192;
 /// `max_position_embeddings` when a config names none (transformers' Gemma 3 and Gemma 4 default).
 pub const DEFAULT_MAX_POSITIONS: usize = 131_072;
+/// Far above any Gemma's context (262,144): keeps cache sizes computed from it far from overflow.
+pub const MAX_POSITIONS: usize = 1 << 24;
 
 /// `value` of `key`, or an error when it is above `max`.
 pub fn check_limit(key: &str, value: usize, max: usize) -> Result<usize> {
@@ -353,6 +355,7 @@ impl ModelConfig {
                 bail!("`{key}` must be positive, got 0");
             }
         }
+        check_limit("max_position_embeddings", self.max_position_embeddings, MAX_POSITIONS)?;
         let n = check_limit("num_hidden_layers", self.num_layers, MAX_LAYERS)?;
         for (key, len) in [
             ("layer_types", self.layer_types.len()),
@@ -618,8 +621,10 @@ mod tests {
         let mut v = v;
         v["max_position_embeddings"] = json!(32768);
         assert_eq!(ModelConfig::from_json(&v).unwrap().max_position_embeddings, 32768);
-        v["max_position_embeddings"] = json!(0);
-        let e = ModelConfig::from_json(&v).unwrap_err().to_string();
-        assert!(e.contains("max_position_embeddings"), "{e}");
+        for bad in [0, MAX_POSITIONS + 1] {
+            v["max_position_embeddings"] = json!(bad);
+            let e = ModelConfig::from_json(&v).unwrap_err().to_string();
+            assert!(e.contains("max_position_embeddings"), "{bad}: {e}");
+        }
     }
 }
