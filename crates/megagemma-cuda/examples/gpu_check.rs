@@ -19,6 +19,9 @@
 //!   goes, kernel by kernel (run with `MEGAGEMMA_CUDA_PROFILE=1 MEGAGEMMA_CUDA_GRAPHS=0`).
 //! `gpu_check verifycost [e4b|e2b] [COLS]`: a decode step against a verify pass of COLS tokens (default
 //!   3), kernel by kernel (run with `MEGAGEMMA_CUDA_PROFILE=1 MEGAGEMMA_CUDA_GRAPHS=0`).
+//! `gpu_check seqcost [e4b|e2b] [REQUESTS]`: what a request costs beside its passes: REQUESTS short
+//!   requests (new sequence, 64-token prefill, 16 greedy tokens, free) at the model's default
+//!   context, with freed sequences reused (the default) and with each allocated anew.
 //! `gpu_check all`: fixtures, verify and bench in turn. Exit status 1 when a check fails.
 
 use megagemma_cuda::check::{
@@ -79,6 +82,10 @@ fn run(cmd: &str, rest: &[String]) -> Result<bool> {
         "verifycost" => {
             let cols = rest.get(1).and_then(|c| c.parse().ok()).unwrap_or(3);
             verify_cost(rest.first().map_or("e4b", String::as_str), cols)
+        }
+        "seqcost" => {
+            let requests = rest.get(1).and_then(|t| t.parse().ok()).unwrap_or(8);
+            seq_cost(rest.first().map_or("e4b", String::as_str), requests)
         }
         "prefill" => {
             let name = rest.first().map_or("e4b", String::as_str);
@@ -329,6 +336,49 @@ fn draft_cost(name: &str) -> Result<bool> {
         println!("  {k:<48} {:>5} launches {:>8.3} ms  {:>7.2} us each", n / 10, secs * 1e2, secs * 1e6 / n as f64);
     }
     Ok(true)
+}
+
+/// `requests` short requests on synthetic `name` at its default context for one sequence, timed
+/// per request (the first of each run apart: it allocates and captures in both), with the
+/// backend's pool of freed sequences on and off.
+fn seq_cost(name: &str, requests: usize) -> Result<bool> {
+    use megagemma_cuda::backend::{CudaBackend, DefaultContext};
+    use megagemma_model::backend::{Backend, Want as BWant};
+    let cm = CudaModel::synthetic(name, "q4")?;
+    let vocab = cm.plan().vocab_size as u32;
+    let ctx = DefaultContext::measure(&cm, 1)?.tokens;
+    let prompt: Vec<u32> = (0..64u32).map(|i| (i * 7919 + 1000) % vocab).collect();
+    let mut ids_of = vec![];
+    for pool in [true, false] {
+        let mut b = CudaBackend::new(cm.clone(), ctx).with_sequence_pool(pool);
+        let mut ms = vec![];
+        let mut ids = vec![];
+        for _ in 0..requests.max(2) {
+            let t = Instant::now();
+            let seq = b.new_sequence()?;
+            let tok = b.prefill(seq, &prompt, BWant::Argmax)?.argmax;
+            ids.clear();
+            b.decode_greedy(seq, tok, 16, &mut |t| {
+                ids.push(t);
+                true
+            })?;
+            b.free(seq)?;
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let rest = &ms[1..];
+        println!(
+            "synthetic {name}, context {ctx}, pool {}: first request {:.2} ms, then {:.2} ms a request (min {:.2}, max {:.2})",
+            if pool { "on " } else { "off" },
+            ms[0],
+            rest.iter().sum::<f64>() / rest.len() as f64,
+            rest.iter().cloned().fold(f64::MAX, f64::min),
+            rest.iter().cloned().fold(0.0, f64::max)
+        );
+        ids_of.push(ids);
+    }
+    let same = ids_of[0] == ids_of[1];
+    println!("same ids with and without the pool: {same}");
+    Ok(same)
 }
 
 /// Twenty decode steps, then twenty verify passes of `cols` tokens (discarded) on synthetic `name`;

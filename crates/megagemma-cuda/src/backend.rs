@@ -29,6 +29,8 @@ const CONTEXT_RESERVE: usize = 2 << 30;
 const SEQ_OVERHEAD: usize = 512 << 20;
 /// The default context is a multiple of this when free memory caps it.
 const CONTEXT_STEP: usize = 1024;
+/// Freed sequences kept for reuse, at most.
+const SPARE_SEQUENCES: usize = 16;
 
 /// The context a sequence gets when none is asked for (`--ctx`): the model's maximum, unless
 /// `sequences` sequences' caches (allocated whole when a sequence starts) would not fit in `free`
@@ -127,6 +129,13 @@ pub struct CudaBackend {
     /// New sequences draw sampled steps on the device (`CudaSeq::set_device_draw`); `None`: as
     /// `MEGAGEMMA_CUDA_DEVICE_DRAW` says.
     device_draw: Option<bool>,
+    /// Freed sequences, reused by `new_sequence` and `fork` before anything is allocated: a
+    /// sequence's caches at a long context are gigabytes that would otherwise be allocated, zeroed
+    /// and freed (a synchronising `cuMemFree`) per request, and its captured graphs would be
+    /// captured again. The pool never holds more than the most sequences live at once, so the
+    /// device memory held is what that peak needed (`MEGAGEMMA_CUDA_SEQ_POOL=0`: none kept).
+    spare: Vec<CudaSeq>,
+    keep_spares: bool,
 }
 
 impl CudaBackend {
@@ -145,6 +154,33 @@ impl CudaBackend {
             batch_steps: std::env::var("MEGAGEMMA_CUDA_BATCH").map_or(true, |v| v != "0"),
             assistant: None,
             device_draw: None,
+            spare: Vec::new(),
+            keep_spares: std::env::var("MEGAGEMMA_CUDA_SEQ_POOL").map_or(true, |v| v != "0"),
+        }
+    }
+
+    /// Whether freed sequences are kept for reuse (the default; see `spare`).
+    pub fn with_sequence_pool(mut self, on: bool) -> CudaBackend {
+        self.keep_spares = on;
+        if !on {
+            self.spare.clear();
+        }
+        self
+    }
+
+    /// Freed sequences held for reuse now.
+    pub fn spare_sequences(&self) -> usize {
+        self.spare.len()
+    }
+
+    /// A sequence with no positions: a spare one when there is one, else a new allocation.
+    fn blank_sequence(&mut self) -> Result<CudaSeq> {
+        match self.spare.pop() {
+            Some(mut s) => {
+                s.clear();
+                Ok(s)
+            }
+            None => CudaSeq::new(&self.model, self.max_context),
         }
     }
 
@@ -374,7 +410,7 @@ impl Backend for CudaBackend {
     }
 
     fn new_sequence(&mut self) -> Result<SeqId> {
-        let mut s = CudaSeq::new(&self.model, self.max_context)?;
+        let mut s = self.blank_sequence()?;
         s.set_decode(self.decode);
         s.set_keep_hidden(self.assistant.is_some());
         if let Some(on) = self.device_draw {
@@ -383,11 +419,17 @@ impl Backend for CudaBackend {
         Ok(self.add(s))
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
-        let copy = self.seq_mut(seq)?.fork()?;
+        self.seq(seq)?;
+        let blank = self.blank_sequence()?;
+        let copy = self.seq(seq)?.fork_into(blank)?;
         Ok(self.add(copy))
     }
     fn free(&mut self, seq: SeqId) -> Result<()> {
-        self.seqs.remove(&seq).map(|_| ()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))
+        let s = self.seqs.remove(&seq).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))?;
+        if self.keep_spares && self.spare.len() < SPARE_SEQUENCES {
+            self.spare.push(s);
+        }
+        Ok(())
     }
     fn seq_len(&self, seq: SeqId) -> Result<usize> {
         self.seqs.get(&seq).map(|s| s.len()).ok_or_else(|| Error::invalid_input(format!("unknown sequence {seq}")))

@@ -380,6 +380,95 @@ pub fn fork_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize) -> Result
     Ok(ForkReport { steps: steps - 1, identical, ids_equal_fresh: fresh == ids })
 }
 
+/// A sequence the backend reused (`CudaBackend`'s pool of freed sequences) against a fresh
+/// backend's new sequence.
+pub struct ReuseReport {
+    /// The pool held the two freed sequences, and the new ones took them.
+    pub reused: bool,
+    /// Logit rows (the prefill's, then each step's) bit-identical to the fresh sequence's.
+    pub identical: usize,
+    pub rows: usize,
+    /// Pipelined greedy decoding on a reused sequence gave the fresh sequence's ids.
+    pub greedy_equal: bool,
+    /// A fork into a reused sequence then stepped as its original, bit for bit.
+    pub fork_identical: bool,
+}
+
+impl ReuseReport {
+    pub fn ok(&self) -> bool {
+        self.reused && self.identical == self.rows && self.greedy_equal && self.fork_identical
+    }
+}
+
+/// Runs a longer request (`prompt` and 160 more tokens, pipelined greedy steps, a fork) on a
+/// backend, frees its sequences, then runs `prompt` on the sequences the backend reuses: `steps`
+/// steps with logits, pipelined greedy decoding, and a fork. Everything must equal a fresh
+/// backend's run, bit for bit: a reused sequence reads nothing its earlier request left.
+pub fn reuse_matches(cm: &Arc<CudaModel>, prompt: &[u32], steps: usize, decode: Decode) -> Result<ReuseReport> {
+    use crate::backend::CudaBackend;
+    use megagemma_model::backend::{Backend, SeqId, Want as BWant};
+    const FORK_STEPS: usize = 4;
+    let long = long_prompt(prompt, cm.plan().vocab_size, prompt.len() + 160);
+    let max_len = long.len() + steps + FORK_STEPS + 24;
+    let backend = |pool: bool| CudaBackend::new(cm.clone(), max_len).with_decode(decode).with_sequence_pool(pool);
+    // Prefill and `steps` steps with logits; returns the sequence and its rows.
+    let rows_of = |b: &mut CudaBackend| -> Result<(SeqId, Vec<Vec<f32>>, u32)> {
+        let seq = b.new_sequence()?;
+        let o = b.prefill(seq, prompt, BWant::Logits)?;
+        let (mut rows, mut tok) = (vec![o.logits], o.argmax);
+        for _ in 0..steps {
+            let o = b.decode(seq, tok, BWant::Logits)?;
+            rows.push(o.logits);
+            tok = o.argmax;
+        }
+        Ok((seq, rows, tok))
+    };
+    let greedy_of = |b: &mut CudaBackend| -> Result<(SeqId, Vec<u32>)> {
+        let seq = b.new_sequence()?;
+        let tok = b.prefill(seq, prompt, BWant::Argmax)?.argmax;
+        let mut ids = vec![tok];
+        b.decode_greedy(seq, tok, steps, &mut |t| {
+            ids.push(t);
+            true
+        })?;
+        Ok((seq, ids))
+    };
+    let fork_steps = |b: &mut CudaBackend, seq: SeqId, tok: u32| -> Result<bool> {
+        let f = b.fork(seq)?;
+        let (mut a, mut c) = (tok, tok);
+        let mut same = true;
+        for _ in 0..FORK_STEPS {
+            let oa = b.decode(seq, a, BWant::Logits)?;
+            let oc = b.decode(f, c, BWant::Logits)?;
+            same &= oa.logits == oc.logits;
+            (a, c) = (oa.argmax, oc.argmax);
+        }
+        Ok(same)
+    };
+
+    let mut fresh = backend(false);
+    let (_, want_rows, _) = rows_of(&mut fresh)?;
+    let (_, want_ids) = greedy_of(&mut fresh)?;
+
+    let mut b = backend(true);
+    let a = b.new_sequence()?;
+    let tok = b.prefill(a, &long, BWant::Argmax)?.argmax;
+    b.decode_greedy(a, tok, 20, &mut |_| true)?;
+    let a2 = b.fork(a)?;
+    b.decode_greedy(a2, tok, 3, &mut |_| true)?;
+    b.free(a)?;
+    b.free(a2)?;
+    let pooled = b.spare_sequences() == 2;
+    let (seq, rows, tok) = rows_of(&mut b)?;
+    let (greedy, ids) = greedy_of(&mut b)?;
+    let reused = pooled && b.spare_sequences() == 0;
+    let identical = rows.iter().zip(&want_rows).filter(|(r, w)| r == w).count();
+    // The greedy sequence goes back to the pool; the fork takes it.
+    b.free(greedy)?;
+    let fork_identical = fork_steps(&mut b, seq, tok)? && b.spare_sequences() == 0;
+    Ok(ReuseReport { reused, identical, rows: want_rows.len(), greedy_equal: ids == want_ids, fork_identical })
+}
+
 /// Pipelined greedy decoding (`CudaSeq::decode_greedy`) against `step` in a loop.
 pub struct PipelineReport {
     pub steps: usize,

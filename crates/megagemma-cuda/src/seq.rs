@@ -655,7 +655,16 @@ impl CudaSeq {
     /// copied) and its settings: each cache layer's K/V rows copied on the device — the whole ring
     /// of a sliding layer, the first `len` rows of a full one.
     pub fn fork(&self) -> Result<CudaSeq> {
-        let mut copy = CudaSeq::new(&self.model, self.max_len)?;
+        self.fork_into(CudaSeq::new(&self.model, self.max_len)?)
+    }
+
+    /// [`fork`](Self::fork) into `copy`, an unused sequence of the same model and length (a new
+    /// one, or one given back and kept for reuse: its positions are forgotten first).
+    pub fn fork_into(&self, mut copy: CudaSeq) -> Result<CudaSeq> {
+        if !Arc::ptr_eq(&copy.model, &self.model) || copy.max_len != self.max_len {
+            bail!("a fork needs a sequence of the same model and length");
+        }
+        copy.clear();
         let gpu = &self.model.gpu;
         for (dst, src) in copy.caches.iter().zip(&self.caches) {
             if let (Some(d), Some(s)) = (dst, src) {
@@ -672,13 +681,22 @@ impl CudaSeq {
         copy.decode = self.decode;
         copy.trace_megakernel = self.trace_megakernel;
         copy.trace_file = self.trace_file.clone();
-        copy.keep_hidden = self.keep_hidden;
+        copy.set_keep_hidden(self.keep_hidden);
         if self.has_hidden {
             gpu.copy(copy.hidden.ptr, self.hidden.ptr, f32s(self.model.plan.hidden))?;
             copy.has_hidden = true;
         }
         gpu.sync()?;
         Ok(copy)
+    }
+
+    /// Forgets every position, for reuse as a new sequence: the caches and captured graphs stay
+    /// (a pass reads no cache row past the positions it holds, and every step's slot of the step
+    /// log is cleared before the step is queued), so nothing is allocated or zeroed again.
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.staged = 0;
+        self.has_hidden = false;
     }
 
     /// The most positions this sequence holds.

@@ -259,3 +259,25 @@ fn greedy_decoding_in_one_call_is_decode_in_a_loop() {
         }
     }
 }
+
+/// A sequence the backend reuses after a longer request gives a fresh sequence's logits, bit for
+/// bit, in steps, pipelined greedy decoding and a fork, on the graph and megakernel paths.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --include-ignored on the GPU machine"]
+fn reused_sequences_equal_fresh_ones() {
+    for (label, cm, prompt) in uploaded_fixtures() {
+        for decode in [Decode::Graph, Decode::Megakernel] {
+            let r =
+                check::reuse_matches(&cm, &prompt, 12, decode).unwrap_or_else(|e| panic!("{label} {decode:?}: {e}"));
+            assert!(
+                r.ok(),
+                "{label} {decode:?}: reused {}, {}/{} rows identical, greedy equal {}, fork identical {}",
+                r.reused,
+                r.identical,
+                r.rows,
+                r.greedy_equal,
+                r.fork_identical
+            );
+        }
+    }
+}
