@@ -35,7 +35,8 @@
 //! `MEGAGEMMA_CUDA_MMA_PART_CHUNKS` (most chunks per column part) and `MEGAGEMMA_CUDA_MMA_SPLITS=
 //! ROWSxCOLS=KS:PARTS;...` (the split of launches of that shape; all three part of the arithmetic),
 //! `MEGAGEMMA_CUDA_BATCH=0` (a step of several sequences runs one pass per sequence instead of one
-//! weight pass per eight), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
+//! weight pass per eight), `MEGAGEMMA_CUDA_SEQ_POOL=0` (freed sequences are not kept for reuse:
+//! each new one allocates and zeroes its caches), `MEGAGEMMA_CUDA_MMA_RING=1` (launched passes of up to four tokens stream
 //! the tensor-core matvec's weights through the megakernel's cp.async ring; same results),
 //! `MEGAGEMMA_CUDA_MMA_ONE=0` (single-token launches run the four-token tensor-core entries with
 //! one token instead of the entries built for one; same results), `MEGAGEMMA_CUDA_ATT_ONE=0` (decode steps
