@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 pub use megagemma_cuda::Decode;
 use megagemma_cuda::{CudaBackend, CudaModel, DefaultContext};
 use megagemma_model::assistant::AssistantModel;
-use megagemma_model::backend::Backend;
+use megagemma_model::backend::{Backend, Want};
 use megagemma_model::cpu::CpuBackend;
 use megagemma_model::Model;
 use std::fmt;
@@ -132,6 +132,23 @@ pub fn open_backend_with(
         b = b.with_assistant(a);
     }
     Ok(Box::new(b))
+}
+
+/// Runs a one-token prompt and two greedy steps on a throwaway sequence, then frees it, so that
+/// the first request does not pay for what a backend does once: the GPU's kernels loaded and its
+/// step graphs captured (kept with the freed sequence, which the CUDA backend reuses), a
+/// memory-mapped checkpoint's pages read in. Nothing it computes is kept; fewer steps on a context
+/// too short for two.
+pub fn warm_up(b: &mut dyn Backend) -> Result<()> {
+    let seq = b.new_sequence()?;
+    let steps = b.max_context().saturating_sub(1).min(2);
+    let ran = (|| -> megagemma_model::Result<()> {
+        let tok = b.prefill(seq, &[0], Want::Argmax)?.argmax;
+        b.decode_greedy(seq, tok, steps, &mut |_| true)?;
+        Ok(())
+    })();
+    b.free(seq)?;
+    Ok(ran?)
 }
 
 /// A model of a real shape with random weights, built on the device without a checkpoint

@@ -3,7 +3,7 @@
 use crate::backend_args::{BackendArgs, QuantArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use megagemma_engine::backends::open_backend_with;
+use megagemma_engine::backends::{open_backend_with, warm_up};
 use megagemma_engine::model_files::{concurrently, ChatModel};
 use megagemma_model::assistant::AssistantModel;
 use megagemma_server::{Server, ServerConfig};
@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// Worker threads (default: all cores).
     #[arg(short, long)]
     pub threads: Option<usize>,
+    /// Start serving without the warm-up pass (by default one short pass runs first, so the
+    /// first request does not pay for loading kernels and capturing GPU graphs).
+    #[arg(long)]
+    pub no_warmup: bool,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -88,7 +92,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     opts.sequences = args.max_batch + args.prefix_cache;
     let quant = args.weights.mode()?;
     let model = Arc::new(args.weights.load(&path, &opts)?);
-    let (chat, backend) = concurrently(
+    let (chat, mut backend) = concurrently(
         || ChatModel::open(&path, &model),
         || {
             let assistant = match &args.assistant {
@@ -101,6 +105,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // The host's weights live on only in a CPU backend: on CUDA their copy is given back here,
     // not held for the server's lifetime.
     drop(model);
+    if !args.no_warmup {
+        warm_up(&mut *backend).context("warm-up pass")?;
+    }
     let model_name = args.name.clone().unwrap_or_else(|| default_name(&args.model));
     let config = ServerConfig {
         model_name: model_name.clone(),
