@@ -419,7 +419,7 @@ impl Backend for CudaBackend {
         Ok(self.add(s))
     }
     fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
-        self.seq(seq)?;
+        self.seq(seq)?; // an unknown id must not use up a spare
         let blank = self.blank_sequence()?;
         let copy = self.seq(seq)?.fork_into(blank)?;
         Ok(self.add(copy))
