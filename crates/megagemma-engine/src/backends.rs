@@ -134,16 +134,31 @@ pub fn open_backend_with(
     Ok(Box::new(b))
 }
 
-/// Runs a one-token prompt and two greedy steps on a throwaway sequence, then frees it, so that
-/// the first request does not pay for what a backend does once: the GPU's kernels loaded and its
-/// step graphs captured (kept with the freed sequence, which the CUDA backend reuses), a
-/// memory-mapped checkpoint's pages read in. Nothing it computes is kept; fewer steps on a context
-/// too short for two.
+/// Prompt passes the warm-up runs, in tokens: each size class a backend may run its own way (on
+/// CUDA: up to 8 tokens as verify passes, 9 to 19 on the matvecs, 20 and more on cuBLAS).
+const WARM_UP_PASSES: [usize; 3] = [8, 12, 24];
+
+/// Runs a few prompt passes and two greedy steps on a throwaway sequence, then frees it, so that
+/// the first request does not pay for what a backend does once: the GPU's kernels loaded (CUDA
+/// loads each on first use), cuBLAS started, the step graphs captured (kept with the freed
+/// sequence, which the CUDA backend reuses), a memory-mapped checkpoint's pages read in. Nothing it
+/// computes is kept; a context too short for it all gets fewer tokens.
 pub fn warm_up(b: &mut dyn Backend) -> Result<()> {
     let seq = b.new_sequence()?;
-    let steps = b.max_context().saturating_sub(1).min(2);
+    let ctx = b.max_context();
     let ran = (|| -> megagemma_model::Result<()> {
-        let tok = b.prefill(seq, &[0], Want::Argmax)?.argmax;
+        // Two positions are kept for the steps, but a one-position context still takes a prompt.
+        let mut room = ctx.saturating_sub(2).max(1);
+        let mut tok = 0;
+        for pass in WARM_UP_PASSES {
+            let n = pass.min(room);
+            if n == 0 {
+                break;
+            }
+            tok = b.prefill(seq, &vec![0; n], Want::Argmax)?.argmax;
+            room -= n;
+        }
+        let steps = ctx.saturating_sub(b.seq_len(seq)?).min(2);
         b.decode_greedy(seq, tok, steps, &mut |_| true)?;
         Ok(())
     })();
