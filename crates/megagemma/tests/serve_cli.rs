@@ -10,11 +10,13 @@ use serde_json::json;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-#[test]
-fn serve_process_answers_and_stops_on_sigterm() {
+/// Starts `serve` on the gemma3 fixture with `extra` arguments, asks one greedy chat completion,
+/// stops the process with SIGTERM and returns the answer.
+fn serve_answer_then_sigterm(extra: &[&str]) -> String {
     let d = fixtures_dir().join("gemma3");
     let mut child = Command::new(env!("CARGO_BIN_EXE_megagemma"))
         .args(["serve", "--model", d.to_str().unwrap(), "--port", "0", "--backend", "cpu"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -29,15 +31,27 @@ fn serve_process_answers_and_stops_on_sigterm() {
 
     let r = request(addr, "GET", "/v1/models", &[], None);
     assert_eq!(r.json()["data"][0]["id"], "gemma3");
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}).to_string();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0,
+                      "ignore_eos": true})
+    .to_string();
     let r =
         request(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], Some(body.as_bytes()));
     assert_eq!(r.status, 200, "{}", r.body);
+    let answer = r.json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
 
     let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(kill.success());
     let status = child.wait().unwrap();
     assert!(status.success(), "serve should exit 0 on SIGTERM, got {status}");
+    answer
+}
+
+#[test]
+fn serve_process_answers_and_stops_on_sigterm() {
+    let warmed = serve_answer_then_sigterm(&[]);
+    assert!(!warmed.is_empty());
+    // The warm-up pass before listening changes no answer.
+    assert_eq!(serve_answer_then_sigterm(&["--no-warmup"]), warmed);
 }
 
 /// Drafting flags that do not go together are refused with one line, before anything loads.
