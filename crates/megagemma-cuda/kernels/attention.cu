@@ -189,7 +189,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
       const u64 raw = (u64)(js0 + i - p0 + raw0) * kvw + kvh * hd;
       const float2 kx = i < ns ? head_pair(kr + raw, half) : make_float2(0.f, 0.f);
       const float2 vx = i < ns ? head_pair(vr + raw, half) : make_float2(0.f, 0.f);
-      double sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
+      stat_t sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
       block_sum_d3(sx, sk, sv);
       if (i == 0) store_pair(qs, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wq != nullptr, wqp, f, pos));
       if (i < ns) {

@@ -128,30 +128,42 @@ __device__ __forceinline__ T block_reduce(T v, Op op) {
   return t;
 }
 
+// The type a row's sum of squares is accumulated and reduced in: f32, as DESIGN.md's CUDA
+// contract allows (f32 accumulation). `STATS_F64` (MEGAGEMMA_CUDA_DEFINES) restores the f64 form of
+// the CPU reference, which the forty-ninth session measured slower on the chain of every norm (f64
+// conversions, double shuffles, the f64 `rsqrt`: graph E2B +2.1%, E4B +1.3%, megakernel +3.3% /
+// +2.3% on an H100). Every GPU path uses these functions, so decode and verify stay bit-identical
+// either way.
+#ifdef STATS_F64
+typedef double stat_t;
+#else
+typedef float stat_t;
+#endif
+
 __device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp()); }
-__device__ __forceinline__ double block_sum_d(double v) { return block_reduce(v, SumOp()); }
+__device__ __forceinline__ stat_t block_sum_d(stat_t v) { return block_reduce(v, SumOp()); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
-// 1 / RMS of a row from its f64 sum of squares (+ eps): every norm's scale, as the CPU reference.
-// f64 `rsqrt` (about 1 ulp of a double), not a correctly rounded division of a correctly rounded
-// square root, and the mean square as ss · (1/dim), the reciprocal independent of ss (scheduled
-// before the reduction ends), not an f64 division after it: ~49 + ~25 fewer instructions per warp
-// on the folded residual step's critical path (fifteenth session: E4B decode −1.3% and −1%). The
-// product is exact when dim is a power of two (head dims); for E4B's 2560 or E2B's 1536 it is within
-// an ulp of a double. So the float differs from the CPU's only when the exact value lies within a
-// few ulps of a double from a float rounding boundary. Every GPU path calls this one function, so
-// decode and verify stay bit-identical.
-__device__ __forceinline__ float rms_scale(double ss, int dim, float eps) {
+// 1 / RMS of a row from its sum of squares (+ eps): every norm's scale. The mean square as
+// ss · (1/dim), the reciprocal independent of ss (scheduled before the reduction ends), not a
+// division after it (fifteenth session: E4B decode −1.3% and −1%); then `rsqrtf` (with STATS_F64,
+// the f64 `rsqrt`, about 1 ulp of a double). Every GPU path calls this one function, so decode and
+// verify stay bit-identical.
+__device__ __forceinline__ float rms_scale(stat_t ss, int dim, float eps) {
+#ifndef STATS_F64
+  return rsqrtf(__fadd_rn(__fmul_rn(ss, __frcp_rn((float)dim)), eps));
+#else
   return (float)rsqrt(__dadd_rn(__dmul_rn(ss, __drcp_rn((double)dim)), (double)eps));
+#endif
 }
 
-// 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in f64 as the CPU reference does.
-// Called by every thread of the block.
+// 1 / RMS of x[0 .. dim) (+ eps), the mean square accumulated in `stat_t`. Called by every thread
+// of the block.
 __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
-  double ss = 0.0;
+  stat_t ss = 0;
 #pragma unroll 4
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    double v = x[i];
+    stat_t v = x[i];
     ss += v * v;
   }
   return rms_scale(block_sum_d(ss), dim, eps);
@@ -191,8 +203,8 @@ __device__ __forceinline__ float sum_in_order(const float* p, u64 stride, int n)
 
 // Three block sums at once (one barrier round), each combined exactly as `block_sum_d` combines
 // one: the same bits as three calls.
-__device__ __forceinline__ void block_sum_d3(double& x, double& y, double& z) {
-  __shared__ double sh[3][32];
+__device__ __forceinline__ void block_sum_d3(stat_t& x, stat_t& y, stat_t& z) {
+  __shared__ stat_t sh[3][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   x = warp_reduce(x, SumOp());
   y = warp_reduce(y, SumOp());
@@ -224,8 +236,8 @@ __device__ __forceinline__ float2 head_pair(const float* row, int half) {
   const int i = threadIdx.x;
   return i < half ? make_float2(row[i], row[i + half]) : make_float2(0.f, 0.f);
 }
-__device__ __forceinline__ double pair_sq(float2 v) {
-  const double a = v.x, b = v.y;
+__device__ __forceinline__ stat_t pair_sq(float2 v) {
+  const stat_t a = v.x, b = v.y;
   return a * a + b * b;
 }
 // The pair normed (r), times the weight pair w when `weighted`, then rotated by pos·f (not when f = 0).
@@ -261,13 +273,17 @@ __device__ __forceinline__ void store_pair(float* row, int half, float2 v) {
 // and use these functions in the same order, so the step gives the same bits either way.
 #define RES_F4 3  // float4s per thread kept in registers (rows up to 12·blockDim elements)
 
-// s + Σ v², element by element in f64 (each square exact; four f32 squares per f64 add measured
-// ±0, fifteenth session).
-__device__ __forceinline__ double sumsq4(double s, float4 v) {
+// s + Σ v², element by element: f32 fused multiply-adds, or with STATS_F64 in f64 (each square
+// exact; four f32 squares per f64 add measured ±0, fifteenth session).
+__device__ __forceinline__ stat_t sumsq4(stat_t s, float4 v) {
+#ifndef STATS_F64
+  return fmaf(v.w, v.w, fmaf(v.z, v.z, fmaf(v.y, v.y, fmaf(v.x, v.x, s))));
+#else
   s += (double)v.x * (double)v.x;
   s += (double)v.y * (double)v.y;
   s += (double)v.z * (double)v.z;
   return s + (double)v.w * (double)v.w;
+#endif
 }
 
 // (x + o·r·w)·scale per element: the residual update.
@@ -367,7 +383,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
   float* xo = x_out + base;
   const float* orow = o + base;
   float4 ov[RES_F4], xv[RES_F4];
-  double ss = 0.0;
+  stat_t ss = 0;
   if (in_regs) {
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {
@@ -383,7 +399,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
   }
   ss = block_sum_d(ss);
   const float r = rms_scale(ss, dim, eps);
-  double ss2 = 0.0;
+  stat_t ss2 = 0;
   if (in_regs) {
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {

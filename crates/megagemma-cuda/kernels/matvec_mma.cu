@@ -160,7 +160,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   const float* orow = res.o + base;
   const bool in_regs = n4 <= RES_F4 * bd;
   float4 ov[RES_F4], wv[RES_F4];
-  double ss = 0.0;
+  stat_t ss = 0;
   if (in_regs) {
     // The separate kernel loads w1 with o and x, so the second statistic waits for no load after
     // the first reduction (graph E4B −2.2%); the megakernel loads it after (12 more registers cost
@@ -181,7 +181,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   }
   ss = block_sum_d(ss);
   const float r1 = rms_scale(ss, dim, res.eps);
-  double ss2 = 0.0;
+  stat_t ss2 = 0;
   if (in_regs) {
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {

@@ -23,7 +23,7 @@ STAGE void embed_gather_body(const int vb, Mat E, const unsigned* __restrict__ t
 extern "C" __global__ void embed_gather(Mat E, const unsigned* __restrict__ tokens, float* __restrict__ x, float scale) { embed_gather_body(blockIdx.x, E, tokens, x, scale); }
 
 // RMSNorm of each `dim`-wide chunk (one block per chunk): n = x̂·w (w may be null).
-// mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in f64.
+// mode 0: y = n; mode 1: y += n (residual add). The mean square is accumulated in `stat_t` (common.cuh).
 STAGE void rms_norm_body(const int vb, float* y, const float* x, const float* __restrict__ w, int dim, float eps,
                                     int mode) {
   pdl_start();

@@ -98,6 +98,9 @@ fn kernel_experiments_compile() {
         ("megakernel.cu", "MK_MARK=2"),
         ("matvec_mma.cu", "MK_MARK=2"),
         ("attention.cu", "ATT_MIN_BLOCKS=2"),
+        ("matvec_mma.cu", "STATS_F64"),
+        ("attention.cu", "STATS_F64"),
+        ("ops.cu", "STATS_F64"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
