@@ -54,19 +54,19 @@ SB_LOAD_LINE = "      for (int p = 0; p < UPC; p++) sb_load(bt.sb[u][p], sbt + (
 BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);\n"
 
 
-STAT1_REDUCTION = "  ss = block_sum_d(ss);\n"
+STAT1_REDUCTION = "  ss = block_sum_stat(ss);\n"
 
 
 def stat1_by_warps(lane_sum: str) -> tuple:
-    """The first statistic's block reduction replaced by each warp adding dim/16 doubles at `part`
+    """The first statistic's block reduction replaced by each warp adding dim/16 partials (`stat_t`) at `part`
     (the row's first bytes, standing in for per-tile partials): `lane_sum` adds a lane's share
     into `s`, then the warp's shuffles add the lanes."""
     return (
         "matvec_mma.cu",
         STAT1_REDUCTION,
         "  {\n"
-        "    const double* part = (const double*)orow;\n"
-        "    double s = 0.0;\n"
+        "    const stat_t* part = (const stat_t*)orow;\n"
+        "    stat_t s = 0;\n"
         + lane_sum
         + "#pragma unroll\n"
         "    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n"
@@ -142,7 +142,7 @@ ABLATIONS = {
     ),
     "stat1warp": (
         "a folded residual step's first block reduction replaced by what per-tile partials would cost the "
-        "consumer: every warp reads dim/16 doubles (the row's first bytes stand in for a producer's Σo² per "
+        "consumer: every warp reads dim/16 partials (the row's first bytes stand in for a producer's Σo² per "
         "16-row tile) and adds them by shuffles, no block barrier (the producer's side is not included)",
         [stat1_by_warps("    for (int t = threadIdx.x & 31; t < dim / 16; t += 32) s += part[t];\n")],
     ),
@@ -150,11 +150,11 @@ ABLATIONS = {
         "as stat1warp, with every lane's partial loads issued at once (unrolled, up to 8 a lane: rows of up to "
         "4,096) and added in a fixed order after they arrive",
         [stat1_by_warps(
-            "    double v[8];\n"
+            "    stat_t v[8];\n"
             "#pragma unroll\n"
             "    for (int i = 0; i < 8; i++) {\n"
             "      const int t = (threadIdx.x & 31) + 32 * i;\n"
-            "      v[i] = t < dim / 16 ? part[t] : 0.0;\n"
+            "      v[i] = t < dim / 16 ? part[t] : (stat_t)0;\n"
             "    }\n"
             "#pragma unroll\n"
             "    for (int i = 0; i < 8; i++) s += v[i];\n"
@@ -162,7 +162,7 @@ ABLATIONS = {
     ),
     "nostat2": (
         "a folded residual step's second block reduction (Σx'² of the thread's own elements)",
-        [("matvec_mma.cu", "  ss2 = block_sum_d(ss2);\n", "")],
+        [("matvec_mma.cu", "  ss2 = block_sum_stat(ss2);\n", "")],
     ),
     "nocombine": (
         "the tensor-core matvec's column-part combine (arrival counter, last block's sum)",

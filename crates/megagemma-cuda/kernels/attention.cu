@@ -190,7 +190,7 @@ STAGE void attention_body(const int vb, const float* __restrict__ q, const float
       const float2 kx = i < ns ? head_pair(kr + raw, half) : make_float2(0.f, 0.f);
       const float2 vx = i < ns ? head_pair(vr + raw, half) : make_float2(0.f, 0.f);
       stat_t sx = pair_sq(x), sk = pair_sq(kx), sv = pair_sq(vx);
-      block_sum_d3(sx, sk, sv);
+      block_sum_stat3(sx, sk, sv);
       if (i == 0) store_pair(qs, half, norm_rope_pair(x, rms_scale(sx, hd, eps), wq != nullptr, wqp, f, pos));
       if (i < ns) {
         store_pair(kn + i * hd, half, norm_rope_pair(kx, rms_scale(sk, hd, eps), wk != nullptr, wkp, f, js0 + i));

@@ -141,7 +141,7 @@ typedef float stat_t;
 #endif
 
 __device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp()); }
-__device__ __forceinline__ stat_t block_sum_d(stat_t v) { return block_reduce(v, SumOp()); }
+__device__ __forceinline__ stat_t block_sum_stat(stat_t v) { return block_reduce(v, SumOp()); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
 // 1 / RMS of a row from its sum of squares (+ eps): every norm's scale. The mean square as
@@ -166,7 +166,7 @@ __device__ __forceinline__ float inv_rms(const float* x, int dim, float eps) {
     stat_t v = x[i];
     ss += v * v;
   }
-  return rms_scale(block_sum_d(ss), dim, eps);
+  return rms_scale(block_sum_stat(ss), dim, eps);
 }
 
 // Whether this block is the last of `n` to arrive at `counter` (the same answer in every thread;
@@ -201,9 +201,9 @@ __device__ __forceinline__ float sum_in_order(const float* p, u64 stride, int n)
   return s;
 }
 
-// Three block sums at once (one barrier round), each combined exactly as `block_sum_d` combines
+// Three block sums at once (one barrier round), each combined exactly as `block_sum_stat` combines
 // one: the same bits as three calls.
-__device__ __forceinline__ void block_sum_d3(stat_t& x, stat_t& y, stat_t& z) {
+__device__ __forceinline__ void block_sum_stat3(stat_t& x, stat_t& y, stat_t& z) {
   __shared__ stat_t sh[3][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   x = warp_reduce(x, SumOp());
@@ -397,7 +397,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
   }
-  ss = block_sum_d(ss);
+  ss = block_sum_stat(ss);
   const float r = rms_scale(ss, dim, eps);
   stat_t ss2 = 0;
   if (in_regs) {
@@ -417,7 +417,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
     }
   }
   if (!w2) return;
-  ss2 = block_sum_d(ss2);
+  ss2 = block_sum_stat(ss2);
   const float r2 = rms_scale(ss2, dim, eps);
   if (in_regs) {
 #pragma unroll

@@ -179,7 +179,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
   }
-  ss = block_sum_d(ss);
+  ss = block_sum_stat(ss);
   const float r1 = rms_scale(ss, dim, res.eps);
   stat_t ss2 = 0;
   if (in_regs) {
@@ -202,7 +202,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   if (threadIdx.x == 0) r[0][j] = r1;
   // Without w2 the input is x' itself (the PLE gate's): no second statistic, no second reduction.
   if (!res.w2) return;
-  ss2 = block_sum_d(ss2);
+  ss2 = block_sum_stat(ss2);
   if (threadIdx.x == 0) r[1][j] = rms_scale(ss2, dim, res.eps);
   if constexpr (RES_KEEP) {
     if (kept) {

@@ -69,7 +69,7 @@ STAGE void qkv_norm_rope_body(const int vb, float* q, const float* __restrict__ 
   pdl_start();
   float* row = h + (u64)b * hd;
   const float2 x = head_pair(row, half);
-  const float r = rms_scale(block_sum_d(pair_sq(x)), hd, eps);
+  const float r = rms_scale(block_sum_stat(pair_sq(x)), hd, eps);
   store_pair(row, half, norm_rope_pair(x, r, w != nullptr, wp, f, pos[0] + b / heads));
 }
 extern "C" __global__ void qkv_norm_rope(float* q, const float* __restrict__ wq, int nq, float* k,
