@@ -172,6 +172,46 @@ ABLATIONS = {
         "the input build (digit planes, unit sums, a folded step's norm) of plain matvec launches",
         [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED) " + BUILD_INPUTS.lstrip())],
     ),
+    "noinO": (
+        "the input build of plain launches without a folded residual step (O's: its digit planes and sums)",
+        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED || res.o) " + BUILD_INPUTS.lstrip())],
+    ),
+    "copyO": (
+        "O's input build replaced by a copy of ready digit planes from L2 (a stand-in: its 8 KB input row "
+        "read again and again), the time of a matvec that copies planes its producer wrote",
+        [("matvec_mma.cu", BUILD_INPUTS,
+          "      if (!GATED && !res.o) {\n"
+          "        const uint4* src = (const uint4*)x;\n"
+          "#pragma unroll 4\n"
+          "        for (int i = threadIdx.x; i < n * 32 * (2 * H); i += blockDim.x)\n"
+          "          if ((i & 63) < 32) xf[i] = __ldcg(src + (i & 511));\n"
+          "        for (int i = threadIdx.x; i < n * MMA_XS_FLOATS(H, UPC); i += blockDim.x) xs[i] = __ldcg(x + (i & 2047));\n"
+          "      } else\n" + BUILD_INPUTS)],
+    ),
+    "noO": (
+        "everything O's launch does after its wait (the launch and its weights before the wait stay)",
+        [(
+            "matvec_mma.cu",
+            "  pdl_start();\n  float4 keep[RES_F4] = {};",
+            "  pdl_start();\n  if (!GATED && !res.o) return;\n  float4 keep[RES_F4] = {};",
+        )],
+    ),
+    "noPLEgate": (
+        "everything the PLE gate's launch does after its wait (the folded step without a second norm)",
+        [(
+            "matvec_mma.cu",
+            "  pdl_start();\n  float4 keep[RES_F4] = {};",
+            "  pdl_start();\n  if (!GATED && res.o && !res.w2) return;\n  float4 keep[RES_F4] = {};",
+        )],
+    ),
+    "noPLEproj": (
+        "everything the PLE projection's launch does after its wait (the gated launch of 256 columns)",
+        [(
+            "matvec_mma.cu",
+            "  pdl_start();\n  float4 keep[RES_F4] = {};",
+            "  pdl_start();\n  if (GATED && mats.get(0).cols <= 256) return;\n  float4 keep[RES_F4] = {};",
+        )],
+    ),
     "noingated": (
         "the input build (GeGLU / PLE gate, digit planes) of gated matvec launches",
         [("matvec_mma.cu", BUILD_INPUTS, "      if (!GATED) " + BUILD_INPUTS.lstrip())],
