@@ -204,6 +204,14 @@ ABLATIONS = {
             "  pdl_start();\n  if (!GATED && res.o && !res.w2) return;\n  float4 keep[RES_F4] = {};",
         )],
     ),
+    "noPLEgatein": (
+        "the PLE gate's input build (digit planes and sums of the whole row; its statistic stays)",
+        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED || !res.o || res.w2) " + BUILD_INPUTS.lstrip())],
+    ),
+    "noPLEgatestat": (
+        "the PLE gate's block reduction of its residual statistic (each thread keeps its own partial)",
+        [("matvec_mma.cu", STAT1_REDUCTION, "  if (res.w2) ss = block_sum_stat(ss);\n")],
+    ),
     "noPLEproj": (
         "everything the PLE projection's launch does after its wait (the gated launch of 256 columns)",
         [(
