@@ -57,6 +57,18 @@ BUILD_INPUTS = "      build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride,
 STAT1_REDUCTION = "  ss = block_sum_stat(ss);\n"
 
 
+def build_only_if(cond: str) -> tuple:
+    """The tensor-core matvec's input build kept only in launches where `cond` (device code) holds."""
+    return ("matvec_mma.cu", BUILD_INPUTS, f"      if ({cond}) " + BUILD_INPUTS.lstrip())
+
+
+def mma_returns_after_wait(cond: str) -> tuple:
+    """Tensor-core matvec launches where `cond` (device code) holds return right after their wait
+    (MMA_AFTER_WAIT for those launches only)."""
+    wait, after = MMA_AFTER_WAIT[1], MMA_AFTER_WAIT[2]
+    return ("matvec_mma.cu", wait, after.replace("  return;\n", f"  if ({cond}) return;\n"))
+
+
 def stat1_by_warps(lane_sum: str) -> tuple:
     """The first statistic's block reduction replaced by each warp adding dim/16 partials (`stat_t`) at `part`
     (the row's first bytes, standing in for per-tile partials): `lane_sum` adds a lane's share
@@ -170,11 +182,11 @@ ABLATIONS = {
     ),
     "noinplain": (
         "the input build (digit planes, unit sums, a folded step's norm) of plain matvec launches",
-        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED) " + BUILD_INPUTS.lstrip())],
+        [build_only_if("GATED")],
     ),
     "noinO": (
         "the input build of plain launches without a folded residual step (O's: its digit planes and sums)",
-        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED || res.o) " + BUILD_INPUTS.lstrip())],
+        [build_only_if("GATED || res.o")],
     ),
     "copyO": (
         "O's input build replaced by a copy of ready digit planes from L2 (a stand-in: its 8 KB input row "
@@ -190,23 +202,15 @@ ABLATIONS = {
     ),
     "noO": (
         "everything O's launch does after its wait (the launch and its weights before the wait stay)",
-        [(
-            "matvec_mma.cu",
-            "  pdl_start();\n  float4 keep[RES_F4] = {};",
-            "  pdl_start();\n  if (!GATED && !res.o) return;\n  float4 keep[RES_F4] = {};",
-        )],
+        [mma_returns_after_wait("!GATED && !res.o")],
     ),
     "noPLEgate": (
         "everything the PLE gate's launch does after its wait (the folded step without a second norm)",
-        [(
-            "matvec_mma.cu",
-            "  pdl_start();\n  float4 keep[RES_F4] = {};",
-            "  pdl_start();\n  if (!GATED && res.o && !res.w2) return;\n  float4 keep[RES_F4] = {};",
-        )],
+        [mma_returns_after_wait("!GATED && res.o && !res.w2")],
     ),
     "noPLEgatein": (
         "the PLE gate's input build (digit planes and sums of the whole row; its statistic stays)",
-        [("matvec_mma.cu", BUILD_INPUTS, "      if (GATED || !res.o || res.w2) " + BUILD_INPUTS.lstrip())],
+        [build_only_if("GATED || !res.o || res.w2")],
     ),
     "noPLEgatestat": (
         "the PLE gate's block reduction of its residual statistic (each thread keeps its own partial)",
@@ -214,15 +218,11 @@ ABLATIONS = {
     ),
     "noPLEproj": (
         "everything the PLE projection's launch does after its wait (the gated launch of 256 columns)",
-        [(
-            "matvec_mma.cu",
-            "  pdl_start();\n  float4 keep[RES_F4] = {};",
-            "  pdl_start();\n  if (GATED && mats.get(0).cols <= 256) return;\n  float4 keep[RES_F4] = {};",
-        )],
+        [mma_returns_after_wait("GATED && mats.get(0).cols <= 256")],
     ),
     "noingated": (
         "the input build (GeGLU / PLE gate, digit planes) of gated matvec launches",
-        [("matvec_mma.cu", BUILD_INPUTS, "      if (!GATED) " + BUILD_INPUTS.lstrip())],
+        [build_only_if("!GATED")],
     ),
     "halfsb": (
         "half the tensor-core matvec's scale bytes (lanes 16-31 read lanes 0-15's: the bytes 16-bit "

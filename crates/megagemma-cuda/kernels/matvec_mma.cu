@@ -344,10 +344,6 @@ __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned
   const uint4* src = (const uint4*)(prep + (u64)c0 * 1024 * H);
   const int live = 32 * ((m + 1) >> 1);  // uint4s of a chunk's live pairs
   const int total = n * 64 * H;
-  // One or two tokens (`MEGAGEMMA_CUDA_PREP_MIN=2`): only a chunk's first 32 words are live, so the
-  // loop walks those alone instead of every word with half of them masked off.
-  const bool one_pair = live == 32;
-  const int words = one_pair ? n * 32 : total;
   const float4* ssrc = (const float4*)(prep + prep_xs_offset(H, chunks)) + (u64)c0 * MMA_XS_FLOATS(H, UPC) / 4;
   float4* sdst = (float4*)xs;
   // The first sums and exponents are loaded with the first words, so both arrive in one round trip
@@ -355,19 +351,18 @@ __device__ __forceinline__ void copy_inputs(uint4* xf, float* xs, const unsigned
   // verify of E4B 3.241 / 3.238 → 3.227 / 3.233 ms).
   const int nxs = n * MMA_XS_FLOATS(H, UPC) / 4;
   const float4 xs0 = (int)threadIdx.x < nxs ? __ldcg(ssrc + threadIdx.x) : make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int base = threadIdx.x; base < words; base += COPY_LOADS * blockDim.x) {
+  for (int base = threadIdx.x; base < total; base += COPY_LOADS * blockDim.x) {
     uint4 v[COPY_LOADS];
-    int at[COPY_LOADS];  // the word's index in the slice, −1 past the slice or in a pair past m
+    bool live_word[COPY_LOADS];  // inside the slice and in a live token pair
 #pragma unroll
     for (int r = 0; r < COPY_LOADS; r++) {
       const int i = base + r * blockDim.x;
-      const int w = one_pair ? (i >> 5) * 64 * H + (i & 31) : i;
-      at[r] = i < words && (one_pair || (w & (64 * H - 1)) < live) ? w : -1;
-      if (at[r] >= 0) v[r] = __ldcg(src + w);
+      live_word[r] = i < total && (i & (64 * H - 1)) < live;
+      if (live_word[r]) v[r] = __ldcg(src + i);
     }
 #pragma unroll
     for (int r = 0; r < COPY_LOADS; r++)
-      if (at[r] >= 0) xf[at[r]] = v[r];
+      if (live_word[r]) xf[base + r * blockDim.x] = v[r];
   }
   if ((int)threadIdx.x < nxs) sdst[threadIdx.x] = xs0;
   for (int i = threadIdx.x + blockDim.x; i < nxs; i += blockDim.x) sdst[i] = __ldcg(ssrc + i);
