@@ -1040,7 +1040,7 @@ MMA_PREP_ENTRY(matvec_q4t_8, _8, 2, 1)
 MMA_PREP_ENTRY(matvec_q4t_4_g32, _4_g32, 1, 2)
 MMA_PREP_ENTRY(matvec_q4t_8_g32, _8_g32, 2, 2)
 #endif
-// The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq.rs): the same
+// The ring form for the launched kernels (`MEGAGEMMA_CUDA_MMA_RING=1`, src/seq/stages.rs): the same
 // chunks in the same order, so the same bits; the megakernel inlines it instead.
 #ifndef MEGAKERNEL
 MMA_ENTRY(matvec_q4t_4_ring, 1, 1, true, false)
