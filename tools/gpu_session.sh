@@ -77,12 +77,12 @@ if [ -x "$BIN/gpu_check" ]; then
 fi
 
 # Shapes the fixtures are too small to reach: a random 2-layer model of E4B's widths (gate/up
-# 10240 × 2560, down 2560 × 10240), so the tensor-core matvec splits tiles over warps and the down
+# 10240 × 2560, down 2560 × 10240, the PLE gate 256 × 2560), so the tensor-core matvec splits tiles over warps and the down
 # projection along its columns; CUDA against the CPU backend, stored / q4 (groups of 64) / q4_0
 # (groups of 32), and verify columns.
 if [ -x "$BIN/gpu_check" ]; then
   wide=${TMPDIR:-/tmp}/megagemma-wide
-  python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 \
+  python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 --ple-dim 256 \
     --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || fail=1
   for what in fixtures verify; do
     timeout 300 "$BIN/gpu_check" $what "$wide" > "$OUT/gpu_check_wide_$what.log" 2>&1 || fail=1

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-H, L, NQ, NKV, HD, I, V = 768, 12, 8, 2, 96, 3072, 32768  # the defaults below
+H, L, NQ, NKV, HD, I, V, P = 768, 12, 8, 2, 96, 3072, 32768, 0  # the defaults below
 
 
 def bf16(a):
@@ -23,7 +23,7 @@ def bf16(a):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, cases=0):
+def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, P=P, cases=0):
     rng = np.random.default_rng(0)
     t = {}
 
@@ -33,6 +33,11 @@ def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, cases=0):
 
     w("model.embed_tokens.weight", V, H, scale=1.0)
     t["model.norm.weight"] = np.ones(H, np.float32)
+    if P:
+        # Per-layer embeddings (PLE) of width P: the PLE gate is then a P × H matrix (E4B: 256 × 2560).
+        w("model.embed_tokens_per_layer.weight", V, L * P, scale=1.0)
+        w("model.per_layer_model_projection.weight", L * P, H)
+        t["model.per_layer_projection_norm.weight"] = np.ones(P, np.float32)
     for i in range(L):
         p = f"model.layers.{i}."
         w(p + "self_attn.q_proj.weight", NQ * HD, H)
@@ -47,6 +52,10 @@ def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, cases=0):
         t[p + "self_attn.q_norm.weight"] = np.ones(HD, np.float32)
         t[p + "self_attn.k_norm.weight"] = np.ones(HD, np.float32)
         t[p + "layer_scalar"] = np.ones(1, np.float32)
+        if P:
+            w(p + "per_layer_input_gate.weight", P, H)
+            w(p + "per_layer_projection.weight", H, P)
+            t[p + "post_per_layer_input_norm.weight"] = np.ones(H, np.float32)
     tensors = {k: bf16(v) for k, v in t.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +75,7 @@ def main(out, H=H, L=L, NQ=NQ, NKV=NKV, HD=HD, I=I, V=V, cases=0):
         "vocab_size": V, "hidden_size": H, "intermediate_size": I, "num_hidden_layers": L,
         "num_attention_heads": NQ, "num_key_value_heads": NKV, "head_dim": HD,
         "per_layer_config": {str(i): {"head_dim": HD} for i in range(L)},
-        "hidden_size_per_layer_input": 0, "sliding_window": 512, "final_logit_softcapping": 30.0,
+        "hidden_size_per_layer_input": P, "vocab_size_per_layer_input": V, "sliding_window": 512, "final_logit_softcapping": 30.0,
         "tie_word_embeddings": True, "eos_token_id": [1], "bos_token_id": 2, "pad_token_id": 0,
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -82,8 +91,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default=".cache/bench-128m")
     for flag, default in [("hidden", H), ("layers", L), ("heads", NQ), ("kv-heads", NKV), ("head-dim", HD),
-                          ("intermediate", I), ("vocab", V), ("cases", 0)]:
+                          ("intermediate", I), ("vocab", V), ("ple-dim", P), ("cases", 0)]:
         ap.add_argument(f"--{flag}", type=int, default=default)
     a = ap.parse_args()
     main(a.out, H=a.hidden, L=a.layers, NQ=a.heads, NKV=a.kv_heads, HD=a.head_dim, I=a.intermediate, V=a.vocab,
-         cases=a.cases)
+         P=a.ple_dim, cases=a.cases)

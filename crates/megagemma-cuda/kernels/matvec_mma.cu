@@ -277,6 +277,24 @@ __device__ __forceinline__ void build_inputs(uint4* xf, float* xs, const float* 
                                              const float4 (&keep)[RES_F4], bool kept) {
   constexpr int R = GATED ? 2 : 4;  // float4s of input (and of gate) each thread has in flight at once
   unsigned* words = (unsigned*)xf;
+#ifdef KEPT_PARTS
+  // One token with the whole input row kept in registers (`residual_stats`): thread t holds float4s
+  // t + q·blockDim (zeros past the row's end, as the loop below converts them), so it converts
+  // those of them inside the slice — any slice, also a column part's (a chunk's 16 float4s are still
+  // one half-warp's: the same lanes, the same bits) — and loads nothing. Warps with none of the
+  // slice's float4s skip the round (warp-uniform).
+  if (!GATED && kept && m == 1) {
+#pragma unroll
+    for (int q = 0; q < RES_F4; q++) {
+      const int f = threadIdx.x + q * blockDim.x, lc = (f >> 4) - c0;
+      const bool in = lc >= 0 && lc < n;
+      if (!__any_sync(0xffffffffu, in)) continue;
+      const float w[4] = {in ? keep[q].x : 0.f, in ? keep[q].y : 0.f, in ? keep[q].z : 0.f, in ? keep[q].w : 0.f};
+      float4_inputs<H, UPC>(words, xs, w, 0, in ? lc : 0, f & 15, in);
+    }
+    return;
+  }
+#endif
   const int per_token = n * 16;  // float4s of one token in the slice (a multiple of 16)
   const int total = m * per_token;
   const SmallDiv div_token(per_token);  // e / per_token: the token of float4 e
