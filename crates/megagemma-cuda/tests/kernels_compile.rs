@@ -100,7 +100,6 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "MK_MARK=2"),
         ("attention.cu", "ATT_MIN_BLOCKS=2"),
         ("matvec_mma.cu", "STATS_F64"),
-        ("matvec_mma.cu", "KEPT_PARTS"),
         ("attention.cu", "STATS_F64"),
         ("ops.cu", "STATS_F64"),
     ];
