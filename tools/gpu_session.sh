@@ -26,6 +26,8 @@
 # QUICK=1 keeps every check and the E4B/E2B decode benches (graph and megakernel; the E2B megakernel
 # without its trace) but skips the benches that only compare (8k context, prefill, 26B-A4B/31B,
 # CUDA-core kernel, serving throughput): about half the device time.
+# ONLY_ON=PATTERN (e.g. H200) runs nothing unless the GPU's name contains PATTERN (exit 3): a call that
+# may land on another GPU then costs only its start.
 set -uo pipefail
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -35,6 +37,10 @@ export MEGAGEMMA_CACHE=${MEGAGEMMA_CACHE:-/tmp/megagemma-cache}
 MG="$BIN/megagemma"
 fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -n "${ONLY_ON:-}" ] && ! grep -q -- "$ONLY_ON" "$OUT/gpu.txt"; then
+  echo "gpu_session: the GPU is not an $ONLY_ON (ONLY_ON): nothing run"
+  exit 3
+fi
 
 if [ -x "$BIN/gpu_forward" ]; then
   MEGAGEMMA_FIXTURES=tests/fixtures timeout 300 "$BIN/gpu_forward" --include-ignored 2>&1 | tail -20 | tee "$OUT/gpu_tests.log" || fail=1
