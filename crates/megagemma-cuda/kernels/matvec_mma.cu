@@ -969,6 +969,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   const int tile = vw.tile, ws = vw.ws;
   const int2 range = vw.range;
   float yp[2 * H][2];  // pair accumulators (`compute_batch`)
+  const int mt = TWO_COL_ON && tc.on ? 2 : m;  // the loop's columns: TWO_COL's second is token 1's
 #pragma unroll
   for (int p = 0; p < 2 * H; p++) yp[p][0] = yp[p][1] = 0.f;
   for (int c0 = range.x; c0 < range.y; c0 += slice_chunks) {
@@ -992,8 +993,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         ring_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
                                         ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, TWO_COL_ON && tc.on ? 2 : m,
-                                        first_batch, started);
+        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, mt, first_batch, started);
       }
     }
     started = false;
