@@ -163,7 +163,7 @@ struct NormW2 {
 struct TwoCol {
   float4 x[RES_F4], ow[RES_F4], w2[RES_F4];  // ow: w1 before the wait, o·w1 after
   float r1;
-  bool on, done, write, late;
+  bool on, write, late;
 };
 // Warp partials of Σo² and Σx'² (TWO_COL, SCALE_AFTER).
 __shared__ stat_t two_part[2][MMA_WARPS];
@@ -929,7 +929,6 @@ __device__ __forceinline__ void two_stats(const Residual& res, int dim, TwoCol& 
     ss2 = warp_reduce(ss2, SumOp());
     if ((threadIdx.x & 31) == 0) two_part[1][threadIdx.x >> 5] = ss2;
   }
-  tc.done = true;
 }
 
 // After the loop: token 0's sums (lanes tig 0) and token 1's (tig 1) combined into token 0's.
@@ -1129,7 +1128,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     started = true;
   }
   TwoCol tc;
-  tc.on = tc.done = false;
+  tc.on = false;
   tc.late = SCALE_AFTER_ON && ONE && !GATED && !PREP && res.o && res.w2;
   tc.write = bid == 0;
   tc.r1 = 0.f;
