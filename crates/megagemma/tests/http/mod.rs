@@ -35,12 +35,12 @@ impl TestServer {
 
     /// Serves the model in `dir` (a fixture copy a test changed) on a CPU backend.
     pub fn start_dir(dir: &std::path::Path, config: ServerConfig, ctx: Option<usize>) -> TestServer {
-        Self::start_full(dir, config, ctx, None)
+        Self::start_full(dir, config, ctx, None, "127.0.0.1")
     }
 
     /// Serves fixture `name` with the MTP assistant in `assistant` loaded beside it.
     pub fn start_with_assistant(name: &str, config: ServerConfig, assistant: &std::path::Path) -> TestServer {
-        Self::start_full(&fixture(name), config, None, Some(assistant))
+        Self::start_full(&fixture(name), config, None, Some(assistant), "127.0.0.1")
     }
 
     fn start_full(
@@ -48,6 +48,7 @@ impl TestServer {
         config: ServerConfig,
         ctx: Option<usize>,
         assistant: Option<&std::path::Path>,
+        host: &str,
     ) -> TestServer {
         let dir = dir.to_path_buf();
         let model = Arc::new(Model::load(&dir).unwrap());
@@ -57,7 +58,7 @@ impl TestServer {
         let backend = open_backend_with(model, assistant, &opts).unwrap();
         let server = Server::new(config, backend, chat).unwrap();
         let handle = server.shutdown_handle();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = std::net::TcpListener::bind((host, 0)).unwrap();
         let addr = listener.local_addr().unwrap();
         let thread = std::thread::spawn(move || server.serve_blocking(listener, false));
         TestServer { addr, handle, thread: Some(thread) }
@@ -71,6 +72,14 @@ impl TestServer {
     /// that run until the test stops them.
     pub fn with_long_context(name: &str) -> TestServer {
         Self::start(name, ServerConfig { model_name: name.into(), ..Default::default() }, Some(LONG_CONTEXT))
+    }
+
+    /// `with_long_context` listening on loopback address `host` (any of 127.0.0.0/8 on Linux): no
+    /// other test's server, all on 127.0.0.1, can take its port once it is freed, and a client
+    /// connecting to it gets source address 127.0.0.1, so it never connects to itself.
+    pub fn with_long_context_on(name: &str, host: &str) -> TestServer {
+        let config = ServerConfig { model_name: name.into(), ..Default::default() };
+        Self::start_full(&fixture(name), config, Some(LONG_CONTEXT), None, host)
     }
 
     pub fn get(&self, path: &str) -> Resp {
