@@ -107,7 +107,7 @@ ABLATIONS = {
         [
             (
                 "matvec_mma.cu",
-                "        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, mt, first_batch, started);\n",
+                "        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);\n",
                 "",
             )
         ],
@@ -143,8 +143,7 @@ ABLATIONS = {
         "a folded residual step's two row statistics (1/rms taken as 1)",
         [(
             "matvec_mma.cu",
-            "    for (int j = 0; j < m; j++)\n"
-            "      residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2, tc.late);\n",
+            "    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2);\n",
             "    if (threadIdx.x < 16) mma_rstat[threadIdx.x / 8][threadIdx.x % 8] = 1.f;\n",
         )],
     ),

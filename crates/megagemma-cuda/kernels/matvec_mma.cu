@@ -146,40 +146,6 @@ struct NormW2 {
   float4 v[RES_KEEP ? RES_F4 : 1];
 };
 
-// Experiments on the folded residual step of one-token entries (`MEGAGEMMA_CUDA_DEFINES`; verify
-// columns are no longer bit-identical to steps with them): TWO_COL (`TwoCol` below) and
-// SCALE_AFTER — the input is x'·w2 and the matvec multiplies its sums by r2 after the loop, so the
-// second row statistic is no block reduction before the loop.
-#if defined(TWO_COL) && !defined(MEGAKERNEL)
-#define TWO_COL_ON 1
-#else
-#define TWO_COL_ON 0
-#endif
-#if defined(SCALE_AFTER) && !defined(MEGAKERNEL)
-#define SCALE_AFTER_ON 1
-#else
-#define SCALE_AFTER_ON 0
-#endif
-struct TwoCol {
-  float4 x[RES_F4], ow[RES_F4], w2[RES_F4];  // ow: w1 before the wait, o·w1 after
-  float r1;
-  bool on, write, late;
-};
-// Warp partials of Σo² and Σx'² (TWO_COL, SCALE_AFTER).
-__shared__ stat_t two_part[2][MMA_WARPS];
-
-__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
-  return make_float4(__fmul_rn(a.x, b.x), __fmul_rn(a.y, b.y), __fmul_rn(a.z, b.z), __fmul_rn(a.w, b.w));
-}
-
-// The sum of the eight warp partials of row statistic s (after a barrier), in warp order.
-__device__ __forceinline__ float two_rms(int s, int dim, float eps) {
-  stat_t t = two_part[s][0];
-#pragma unroll
-  for (int i = 1; i < MMA_WARPS; i++) t += two_part[s][i];
-  return rms_scale(t, dim, eps);
-}
-
 // 1/rms(o) and 1/rms(x') (+ eps) of token j's row into r[0][j], r[1][j] (the second only with w2);
 // block 0 also writes x'.
 // Called by every thread of the block. The elements and sums of `add_norm_body` (ops.cu), in the
@@ -187,8 +153,7 @@ __device__ __forceinline__ float two_rms(int s, int dim, float eps) {
 // registers for rows of up to 4·RES_F4·blockDim elements (one load round trip). x' of those float4s
 // is left in `keep` (`kept`: all of the row is there).
 __device__ __forceinline__ void residual_stats(const Residual& res, int j, int dim, bool write, float r[2][8],
-                                               float4 (&keep)[RES_F4], bool& kept, const NormW2& w2,
-                                               bool late = false) {
+                                               float4 (&keep)[RES_F4], bool& kept, const NormW2& w2) {
   const u64 base = (u64)j * dim;
   const int n4 = dim / 4, bd = blockDim.x;
   const float* xr = res.x + base;
@@ -237,17 +202,6 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   if (threadIdx.x == 0) r[0][j] = r1;
   // Without w2 the input is x' itself (the PLE gate's): no second statistic, no second reduction.
   if (!res.w2) return;
-  if constexpr (RES_KEEP) {
-    if (late && kept) {
-      // SCALE_AFTER: the input is x'·w2, the matvec multiplies its sums by r2 (`mma_block`); this
-      // warp's Σx'² goes to shared memory, published by the input build's barrier.
-      ss2 = warp_reduce(ss2, SumOp());
-      if ((threadIdx.x & 31) == 0) two_part[1][threadIdx.x >> 5] = ss2;
-#pragma unroll
-      for (int q = 0; q < RES_F4; q++) keep[q] = mul4(keep[q], w2.v[q]);
-      return;
-    }
-  }
   ss2 = block_sum_stat(ss2);
   if (threadIdx.x == 0) r[1][j] = rms_scale(ss2, dim, res.eps);
   if constexpr (RES_KEEP) {
@@ -829,123 +783,6 @@ __shared__ int mma_last;
 // Per token, the row statistics of a folded residual step (`residual_stats`).
 __shared__ float mma_rstat[2][8];
 
-// TWO_COL (an experiment, `MEGAGEMMA_CUDA_DEFINES=TWO_COL`; one-token entries only, so verify
-// columns are no longer bit-identical to steps with it): a folded residual step's input as two B
-// columns instead of one. norm(x')·w2 = r2·scale·(x·w2 + r1·(o·w1)·w2), so the matvec multiplies
-// a = x·w2 (token 0's columns) and b = (o·w1)·w2 (token 1's, free in a one-token mma) and combines
-// y = r2·scale·(W·a + r1·W·b) after its loop; without w2 (the PLE gate's input is x' itself)
-// y = scale·(W·x + r1·W·(o·w1)). Neither r1 nor r2 is waited for before the loop: Σo² goes to
-// shared memory as warp partials published by the input build's barrier, r1, x' and Σx'² follow
-// the build, and one barrier after the loop publishes Σx'² for r2.
-
-// Before the wait: this thread's float4s of the norm weights (w2 = 1 when there is none).
-__device__ __forceinline__ void two_weights(const Residual& res, int dim, TwoCol& tc) {
-  const int n4 = dim / 4;
-  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f), one = make_float4(1.f, 1.f, 1.f, 1.f);
-#pragma unroll
-  for (int q = 0; q < RES_F4; q++) {
-    const int f = threadIdx.x + q * blockDim.x;
-    tc.ow[q] = f < n4 ? ld4(res.w1, f) : z;
-    tc.w2[q] = f < n4 && res.w2 ? ld4(res.w2, f) : one;
-  }
-}
-
-// After the wait: x and o·w1 of token 0 into registers, this warp's Σo² into `two_part[0]`.
-__device__ __forceinline__ void two_load(const Residual& res, int dim, TwoCol& tc) {
-  const int n4 = dim / 4;
-  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-  float4 o[RES_F4];
-#pragma unroll
-  for (int q = 0; q < RES_F4; q++) {
-    const int f = threadIdx.x + q * blockDim.x;
-    o[q] = f < n4 ? ld4(res.o, f) : z;
-    tc.x[q] = f < n4 ? ld4(res.x, f) : z;
-  }
-  stat_t ss = 0;
-#pragma unroll
-  for (int q = 0; q < RES_F4; q++) {
-    if (threadIdx.x + q * blockDim.x < n4) ss = sumsq4(ss, o[q]);
-    tc.ow[q] = mul4(o[q], tc.ow[q]);
-  }
-  ss = warp_reduce(ss, SumOp());
-  if ((threadIdx.x & 31) == 0) two_part[0][threadIdx.x >> 5] = ss;
-}
-
-// The two columns' inputs of the slice [c0, c0 + n), as the kept path of `build_inputs` converts one.
-template <int H, int UPC>
-__device__ __forceinline__ void two_build(unsigned* words, float* xs, int c0, int n, const TwoCol& tc) {
-#pragma unroll
-  for (int q = 0; q < RES_F4; q++) {
-    const int f = threadIdx.x + q * blockDim.x, lc = (f >> 4) - c0;
-    const bool in = lc >= 0 && lc < n;
-    if (!__any_sync(0xffffffffu, in)) continue;
-    const float4 a = mul4(tc.x[q], tc.w2[q]), b = mul4(tc.ow[q], tc.w2[q]);
-    const float wa[4] = {in ? a.x : 0.f, in ? a.y : 0.f, in ? a.z : 0.f, in ? a.w : 0.f};
-    const float wb[4] = {in ? b.x : 0.f, in ? b.y : 0.f, in ? b.z : 0.f, in ? b.w : 0.f};
-    float4_inputs<H, UPC>(words, xs, wa, 0, in ? lc : 0, f & 15, in);
-    float4_inputs<H, UPC>(words, xs, wb, 1, in ? lc : 0, f & 15, in);
-  }
-}
-
-// A later slice's two columns (a block's second virtual block), from global memory: the registers
-// of `two_build` are dead after the first build, so they take no room in the loop.
-template <int H, int UPC>
-__device__ __forceinline__ void two_build_global(unsigned* words, float* xs, int c0, int n, const Residual& res,
-                                                 int cols) {
-  const int lo = c0 * 16, hi = (c0 + n) * 16;
-  for (int base = lo + (threadIdx.x & ~31); base < hi; base += blockDim.x) {
-    const int e = base + (threadIdx.x & 31);
-    const bool in = e < hi;
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f), b = a;
-    if (in && 4 * e < cols) {
-      const float4 w2 = res.w2 ? ld4(res.w2, e) : make_float4(1.f, 1.f, 1.f, 1.f);
-      a = mul4(ld4(res.x, e), w2);
-      b = mul4(mul4(ld4(res.o, e), ld4(res.w1, e)), w2);
-    }
-    const float wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
-    float4_inputs<H, UPC>(words, xs, wa, 0, (e >> 4) - c0, e & 15, in);
-    float4_inputs<H, UPC>(words, xs, wb, 1, (e >> 4) - c0, e & 15, in);
-  }
-}
-
-// After the build's barrier (Σo² published): r1, x' (written by block 0), this warp's Σx'².
-__device__ __forceinline__ void two_stats(const Residual& res, int dim, TwoCol& tc) {
-  const int n4 = dim / 4;
-  tc.r1 = two_rms(0, dim, res.eps);
-  stat_t ss2 = 0;
-#pragma unroll
-  for (int q = 0; q < RES_F4; q++) {
-    const int f = threadIdx.x + q * blockDim.x;
-    if (f >= n4) continue;
-    // x' = (x + (o·w1)·r1)·scale: the products in another order than `residual4`'s (o·r1)·w1.
-    const float4 ow = tc.ow[q], x = tc.x[q];
-    float4 v = make_float4(__fadd_rn(x.x, __fmul_rn(ow.x, tc.r1)), __fadd_rn(x.y, __fmul_rn(ow.y, tc.r1)),
-                           __fadd_rn(x.z, __fmul_rn(ow.z, tc.r1)), __fadd_rn(x.w, __fmul_rn(ow.w, tc.r1)));
-    if (res.scale != 1.f) v = mul4(v, make_float4(res.scale, res.scale, res.scale, res.scale));
-    if (tc.write) st4(res.x_out, f, v);
-    ss2 = sumsq4(ss2, v);
-  }
-  if (res.w2) {
-    ss2 = warp_reduce(ss2, SumOp());
-    if ((threadIdx.x & 31) == 0) two_part[1][threadIdx.x >> 5] = ss2;
-  }
-}
-
-// After the loop: token 0's sums (lanes tig 0) and token 1's (tig 1) combined into token 0's.
-template <int H>
-__device__ __forceinline__ void two_finish(const Residual& res, int dim, const TwoCol& tc, float y[H][2]) {
-  float f = res.scale;
-  if (res.w2) {
-    __syncthreads();  // every warp's Σx'² is in
-    f = __fmul_rn(two_rms(1, dim, res.eps), res.scale);
-  }
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const float yb = __shfl_xor_sync(0xffffffffu, y[0][r], 1);
-    y[0][r] = __fmul_rn(f, fmaf(tc.r1, yb, y[0][r]));
-  }
-}
-
 // The work of one virtual block of one matrix: tile group g = vb / parts (tiles [g·tpb, (g+1)·tpb),
 // ks ≤ 8 / tpb warps per tile splitting its chunks, summed in warp order) over the chunks of part
 // p = vb % parts. With one part the sums are the outputs; with several, each part's sums go to
@@ -957,7 +794,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
                                           float* xs, int slice_chunks, int& built, float* partial,
                                           unsigned* counters, unsigned char* ring, const Residual& res,
                                           bool& started, const TileBatch<H, UPC>& first_batch,
-                                          const float4 (&keep)[RES_F4], bool kept, TwoCol& tc) {
+                                          const float4 (&keep)[RES_F4], bool kept) {
   float(&red)[MMA_WARPS][8][16] = mma_red;
   int& last = mma_last;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
@@ -968,7 +805,6 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   const int tile = vw.tile, ws = vw.ws;
   const int2 range = vw.range;
   float yp[2 * H][2];  // pair accumulators (`compute_batch`)
-  const int mt = TWO_COL_ON && tc.on ? 2 : m;  // the loop's columns: TWO_COL's second is token 1's
 #pragma unroll
   for (int p = 0; p < 2 * H; p++) yp[p][0] = yp[p][1] = 0.f;
   for (int c0 = range.x; c0 < range.y; c0 += slice_chunks) {
@@ -977,8 +813,6 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
       __syncthreads();  // its fragments are no longer read
       if constexpr (PREP)
         copy_inputs<H, UPC>(xf, xs, (const unsigned char*)x, (W.cols + 63) / 64, c0, n, m);
-      else if (TWO_COL_ON && tc.on)
-        two_build_global<H, UPC>((unsigned*)xf, xs, c0, n, res, W.cols);
       else
         build_inputs<H, UPC, GATED, ONE>(xf, xs, x, gate, gstride, W.cols, m, c0, n, res, mma_rstat, keep, kept);
       __syncthreads();
@@ -992,7 +826,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         ring_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp,
                                         ring + warp * MMA_RING * MMA_RING_SLOT(UPC), m, started);
       } else {
-        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, mt, first_batch, started);
+        tile_slice<H, UPC, scales_f4()>(W, tile, ws, ks, c0, n, xf, xs, yp, m, first_batch, started);
       }
     }
     started = false;
@@ -1000,12 +834,6 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   started = false;  // also when this virtual block had no chunks
   float y[H][2];
   pairs_to_tokens<H>(yp, y);
-  if (TWO_COL_ON && tc.on) two_finish<H>(res, W.cols, tc, y);
-  if (SCALE_AFTER_ON && tc.late) {
-    const float r2 = two_rms(1, W.cols, res.eps);
-#pragma unroll
-    for (int h = 0; h < H; h++) y[h][0] = __fmul_rn(y[h][0], r2), y[h][1] = __fmul_rn(y[h][1], r2);
-  }
   float* dst = parts == 1 ? out : partial + (u64)p * m * W.rows;
   if (ks == 1) {  // the warp owns the whole tile: its lanes write their rows directly
 #pragma unroll
@@ -1127,19 +955,9 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     started = true;
   }
-  TwoCol tc;
-  tc.on = false;
-  tc.late = SCALE_AFTER_ON && ONE && !GATED && !PREP && res.o && res.w2;
-  tc.write = bid == 0;
-  tc.r1 = 0.f;
-  if constexpr (TWO_COL_ON && ONE && !GATED && !PREP) {
-    // Rows of up to 4·RES_F4·blockDim elements in registers, blocks of MMA_WARPS warps.
-    tc.on = res.o && mats.get(0).cols / 4 <= RES_F4 * (int)blockDim.x && blockDim.x == 32 * MMA_WARPS;
-    if (tc.on) two_weights(res, mats.get(0).cols, tc);
-  }
   NormW2 w2 = {};
   if constexpr (RES_KEEP && !GATED) {
-    if (res.o && res.w2 && m == 1 && !tc.on) {
+    if (res.o && res.w2 && m == 1) {
       const int n4 = mats.get(0).cols / 4;
 #pragma unroll
       for (int q = 0; q < RES_F4; q++) {
@@ -1151,12 +969,8 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
   pdl_start();
   float4 keep[RES_F4] = {};  // x' of this thread's float4s of a one-token folded step
   bool kept = false;
-  if (TWO_COL_ON && tc.on) {
-    two_load(res, mats.get(0).cols, tc);  // published by the input build's first barrier
-  } else if (!GATED && res.o) {
-    for (int j = 0; j < m; j++)
-      residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2, tc.late);
-    tc.late = tc.late && kept && res.w2;
+  if (!GATED && res.o) {
+    for (int j = 0; j < m; j++) residual_stats(res, j, mats.get(0).cols, bid == 0, mma_rstat, keep, kept, w2);
     kept = kept && m == 1;
     __syncthreads();
 #if defined(MK_MARK) && defined(MEGAKERNEL)
@@ -1164,15 +978,6 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
 #endif
   }
   int built = -1;  // first chunk of the slice whose inputs are in shared memory
-  if (TWO_COL_ON && tc.on && bid < nblocks) {
-    // The first virtual block's first slice from the registers, then r1, x' and Σx'² (`TwoCol`).
-    const VbWarp vw = vb_warp(pick(bid, W, y), sp, parts, chunks);
-    const int c0 = vw.range.x;
-    two_build<H, UPC>((unsigned*)xf, xs, c0, min(slice_chunks, vw.range.y - c0), tc);
-    __syncthreads();
-    two_stats(res, mats.get(0).cols, tc);
-    built = c0;
-  }
   for (int vb = bid; vb < nblocks; vb += nbid) {
     const int next = vb + ahead * nbid;
     if (ahead > 0 && next < nblocks) {
@@ -1181,7 +986,7 @@ STAGE void mma_kernel(const int bid, const int nbid, const Mats& mats, const flo
     }
     const int local = pick(vb, W, y);
     mma_block<H, UPC, GATED, RING, PREP, ONE>(W, y, local, sp, parts, x, gate, gstride, m, xf, xs, slice_chunks, built,
-                                         partial, counters, ring, res, started, first_batch, keep, kept, tc);
+                                         partial, counters, ring, res, started, first_batch, keep, kept);
   }
 }
 

@@ -46,9 +46,7 @@
 //! four shuffles; `MMA_U1=N`: N chunks per register batch; `RES_KEEP=0`: the folded residual step
 //! re-reads x' instead of keeping it; `MMA_BLOCKS_PER_SM=3` (the host's grid and
 //! splits follow it); `MMA_RING=N`: N slots per warp in the cp.async ring, default 4 (the host's
-//! shared memory follows it); `TWO_COL` and `SCALE_AFTER`: a one-token launch's folded residual step
-//! without its row reductions before the loop (two B columns, or the second norm's scale applied
-//! after the loop; other bits than the default, so verify columns no longer equal steps);
+//! shared memory follows it);
 //! `MK_MARK=1|2`: the megakernel's trace records, as a matvec stage's "wait satisfied" time, when
 //! its folded residual statistics (1) or its first inputs (2) are done — where a stage's fixed path
 //! goes, with `tools/mk_trace.py`).

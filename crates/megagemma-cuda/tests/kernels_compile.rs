@@ -102,8 +102,6 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "STATS_F64"),
         ("attention.cu", "STATS_F64"),
         ("ops.cu", "STATS_F64"),
-        ("matvec_mma.cu", "TWO_COL"),
-        ("matvec_mma.cu", "SCALE_AFTER"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");
