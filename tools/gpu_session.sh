@@ -194,7 +194,9 @@ fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # A wait may take longer than the megakernel's 1 s under the sanitizer: 60 s here (its own CUBINs,
 # compiled once into the kernel cache, or carried: see MEGAGEMMA_CUDA_CUBINS).
-san_env=(env MEGAGEMMA_CUDA_DEFINES=MK_TIMEOUT_NS=60000000000ull)
+# tools/stage_gpu.sh prebuilds CUBINs under SANITIZER_DEFINES too (it reads this line).
+SANITIZER_DEFINES=MK_TIMEOUT_NS=60000000000ull
+san_env=(env MEGAGEMMA_CUDA_DEFINES=$SANITIZER_DEFINES)
 san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
 san_run=("$MG" run --model tests/fixtures/sliding_wrap --quant q4 --prompt-ids "$san_ids" --greedy --ignore-eos
   --output ids --backend cuda --decode megakernel)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Stages the folder that a GPU call carries (default .gpu), on this machine, without a GPU:
+#   tools/stage_gpu.sh [DIR]
+# Builds the release `megagemma`, the `gpu_check` example and the `gpu_forward` test binary (stripped
+# copies in DIR; `megagemma --version` names the commit), and DIR/cubins.tar.xz: NVRTC's CUBINs of
+# the embedded kernels (the `prebuild_cubins` example) with the default options and with
+# tools/gpu_session.sh's SANITIZER_DEFINES, so neither the checks nor the sanitizer compile a kernel
+# on the GPU machine (a cold megakernel compile there costs minutes of device time). Run scripts and
+# kernel variants already in DIR are kept. On the GPU machine:
+#   mkdir -p /tmp/cub && tar -xJf DIR/cubins.tar.xz -C /tmp/cub && export MEGAGEMMA_CUDA_CUBINS=/tmp/cub
+# About 3–8 minutes on two cores (each CUBIN set ~2–3 of them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-.gpu}
+mkdir -p "$DIR"
+tools/fetch_nvrtc.sh > /dev/null
+export MEGAGEMMA_CUDA_LIB_DIR=$PWD/.cache/nvrtc
+unset MEGAGEMMA_KERNELS MEGAGEMMA_CUDA_DEFINES  # the embedded kernels, default options
+cargo build --release -p megagemma -p megagemma-cuda --examples --bin megagemma
+test_bin=$(cargo test --release -p megagemma-cuda --test gpu_forward --no-run 2>&1 \
+  | sed -n 's/.*Executable tests\/gpu_forward\.rs (\(.*\))/\1/p' | tail -1)
+[ -x "$test_bin" ] || { echo "tools/stage_gpu.sh: no gpu_forward test binary built" >&2; exit 1; }
+cp target/release/megagemma target/release/examples/gpu_check "$DIR/"
+cp "$test_bin" "$DIR/gpu_forward"
+strip "$DIR/megagemma" "$DIR/gpu_check" "$DIR/gpu_forward"
+san_defines=$(sed -n 's/^SANITIZER_DEFINES=//p' tools/gpu_session.sh)
+[ -n "$san_defines" ] || { echo "tools/stage_gpu.sh: no SANITIZER_DEFINES in tools/gpu_session.sh" >&2; exit 1; }
+cubins=$(mktemp -d)
+trap 'rm -rf "$cubins"' EXIT
+target/release/examples/prebuild_cubins "$cubins"
+MEGAGEMMA_CUDA_DEFINES=$san_defines target/release/examples/prebuild_cubins "$cubins"
+tar -cJf "$DIR/cubins.tar.xz" -C "$cubins" .
+echo "$DIR: $("$DIR/megagemma" --version), $(ls "$cubins" | wc -l) CUBINs ($(du -h "$DIR/cubins.tar.xz" | cut -f1) packed)"
