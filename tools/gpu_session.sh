@@ -2,7 +2,8 @@
 # One GPU session's checks and benchmarks, run on the GPU machine from the repository root:
 #   tools/gpu_session.sh BIN_DIR
 # BIN_DIR holds the release `megagemma` binary built on the CPU machine (and, when present,
-# the `gpu_check` example and the `gpu_forward` test binary). Logs go to $OUT (default /tmp/out).
+# the `gpu_check` example and the `gpu_forward` test binary): tools/stage_gpu.sh stages it, with the
+# CUBINs to unpack into $MEGAGEMMA_CUDA_CUBINS. Logs go to $OUT (default /tmp/out).
 #  1. GPU tests and gpu_check: stages and fixtures (also long prompts, in one prefill pass and in
 #     chunks) against the CPU reference, verify columns; default kernels and CUDA-core 4-bit only;
 #     several sequences in one step against each stepped alone (gpu_check batch).

@@ -17,8 +17,13 @@ tools/fetch_nvrtc.sh > /dev/null
 export MEGAGEMMA_CUDA_LIB_DIR=$PWD/.cache/nvrtc
 unset MEGAGEMMA_KERNELS MEGAGEMMA_CUDA_DEFINES  # the embedded kernels, default options
 cargo build --release -p megagemma -p megagemma-cuda --examples --bin megagemma
-test_bin=$(cargo test --release -p megagemma-cuda --test gpu_forward --no-run 2>&1 \
-  | sed -n 's/.*Executable tests\/gpu_forward\.rs (\(.*\))/\1/p' | tail -1)
+# The test binary's path from cargo's own record of it (not its human-readable progress lines).
+test_bin=$(cargo test --release -p megagemma-cuda --test gpu_forward --no-run --message-format=json \
+  | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("target", {}).get("name") == "gpu_forward" and m.get("executable"):
+        print(m["executable"])')
 [ -x "$test_bin" ] || { echo "tools/stage_gpu.sh: no gpu_forward test binary built" >&2; exit 1; }
 cp target/release/megagemma target/release/examples/gpu_check "$DIR/"
 cp "$test_bin" "$DIR/gpu_forward"

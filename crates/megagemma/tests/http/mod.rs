@@ -21,6 +21,9 @@ pub fn fixture(name: &str) -> PathBuf {
 /// A context long enough for a request of 30,000 tokens that a test ends before it is done.
 pub const LONG_CONTEXT: usize = 32_768;
 
+/// Where test servers listen, as `megagemma serve` does by default.
+const LOOPBACK: &str = "127.0.0.1";
+
 pub struct TestServer {
     pub addr: SocketAddr,
     handle: ShutdownHandle,
@@ -35,12 +38,12 @@ impl TestServer {
 
     /// Serves the model in `dir` (a fixture copy a test changed) on a CPU backend.
     pub fn start_dir(dir: &std::path::Path, config: ServerConfig, ctx: Option<usize>) -> TestServer {
-        Self::start_full(dir, config, ctx, None, "127.0.0.1")
+        Self::start_full(dir, config, ctx, None, LOOPBACK)
     }
 
     /// Serves fixture `name` with the MTP assistant in `assistant` loaded beside it.
     pub fn start_with_assistant(name: &str, config: ServerConfig, assistant: &std::path::Path) -> TestServer {
-        Self::start_full(&fixture(name), config, None, Some(assistant), "127.0.0.1")
+        Self::start_full(&fixture(name), config, None, Some(assistant), LOOPBACK)
     }
 
     fn start_full(
@@ -71,11 +74,11 @@ impl TestServer {
     /// The defaults with a context of `LONG_CONTEXT` (past the fixtures' 4,096): room for requests
     /// that run until the test stops them.
     pub fn with_long_context(name: &str) -> TestServer {
-        Self::start(name, ServerConfig { model_name: name.into(), ..Default::default() }, Some(LONG_CONTEXT))
+        Self::with_long_context_on(name, LOOPBACK)
     }
 
     /// `with_long_context` listening on loopback address `host` (any of 127.0.0.0/8 on Linux): no
-    /// other test's server, all on 127.0.0.1, can take its port once it is freed, and a client
+    /// other test's server, all on `LOOPBACK`, can take its port once it is freed, and a client
     /// connecting to it gets source address 127.0.0.1, so it never connects to itself.
     pub fn with_long_context_on(name: &str, host: &str) -> TestServer {
         let config = ServerConfig { model_name: name.into(), ..Default::default() };
