@@ -178,7 +178,7 @@ ABLATIONS = {
     ),
     "nocombine": (
         "the tensor-core matvec's column-part combine (arrival counter, last block's sum)",
-        [("matvec_mma.cu", "  if (parts == 1) return;\n", "  return;\n")],
+        [("matvec_mma.cu", "  if (parts == 1 || fixed) return;\n", "  return;\n")],
     ),
     "noinplain": (
         "the input build (digit planes, unit sums, a folded step's norm) of plain matvec launches",

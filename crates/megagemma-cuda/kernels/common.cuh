@@ -306,6 +306,24 @@ __device__ __forceinline__ float4 norm4(float4 v, float r, float4 w) {
 __device__ __forceinline__ float4 ld4(const float* p, u64 f) { return *(const float4*)(p + 4 * f); }
 __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 4 * f) = v; }
 
+// A residual step's `o` row (token rows of `dim` floats, `base` = token · dim), float4 f. With the
+// FIXED_SUMS experiment, a split tensor-core launch may instead add its column parts' sums as 64-bit
+// integers in units of 2^-32 (`mma_block`: atomic adds, exact, so the same bits in any order), and
+// its readers get the row's pointer with bit 0 set: the sums converted here, each rounded once.
+#ifdef FIXED_SUMS
+#define SUM_UNIT 4294967296.0f  // 2^32
+__device__ __forceinline__ float4 ld4_sum(const float* o, u64 base, u64 f) {
+  if (!((u64)o & 1)) return ld4(o + base, f);
+  const longlong2* p = (const longlong2*)((u64)o - 1) + base / 2 + 2 * f;
+  const longlong2 a = p[0], b = p[1];
+  const float u = 1.f / SUM_UNIT;
+  return make_float4(__fmul_rn(__ll2float_rn(a.x), u), __fmul_rn(__ll2float_rn(a.y), u),
+                     __fmul_rn(__ll2float_rn(b.x), u), __fmul_rn(__ll2float_rn(b.y), u));
+}
+#else
+__device__ __forceinline__ float4 ld4_sum(const float* o, u64 base, u64 f) { return ld4(o + base, f); }
+#endif
+
 // Chunks [x, y) of slice s of `slices` of a row of n4 float4s: whole 64-column chunks (16 float4s),
 // so a slice's prepared inputs (`prep_inputs`) are its own elements (the last chunk may be partial).
 __device__ __forceinline__ int2 slice_chunks(int n4, int slices, int s) {
@@ -381,21 +399,20 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
 #endif
   float* xr = x + base;
   float* xo = x_out + base;
-  const float* orow = o + base;
   float4 ov[RES_F4], xv[RES_F4];
   stat_t ss = 0;
   if (in_regs) {
 #pragma unroll
     for (int q = 0; q < RES_F4; q++) {
       const int f = threadIdx.x + q * bd;
-      ov[q] = f < n4 ? ld4(orow, f) : make_float4(0.f, 0.f, 0.f, 0.f);
+      ov[q] = f < n4 ? ld4_sum(o, base, f) : make_float4(0.f, 0.f, 0.f, 0.f);
       xv[q] = f < n4 ? ld4(xr, f) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int q = 0; q < RES_F4; q++)
       if (threadIdx.x + q * bd < n4) ss = sumsq4(ss, ov[q]);
   } else {
-    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
+    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4_sum(o, base, f));
   }
   ss = block_sum_stat(ss);
   const float r = rms_scale(ss, dim, eps);
@@ -411,7 +428,7 @@ STAGE void add_norm_body(const int vb, float* x, const float* __restrict__ o, co
     }
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) {
-      const float4 v = residual4(ld4(xr, f), ld4(orow, f), r, ld4(w1, f), scale);
+      const float4 v = residual4(ld4(xr, f), ld4_sum(o, base, f), r, ld4(w1, f), scale);
       if (f >= mine.x && f < mine.y) st4(xo, f, v);
       ss2 = sumsq4(ss2, v);
     }

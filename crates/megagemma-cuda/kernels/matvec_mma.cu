@@ -157,7 +157,6 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
   const u64 base = (u64)j * dim;
   const int n4 = dim / 4, bd = blockDim.x;
   const float* xr = res.x + base;
-  const float* orow = res.o + base;
   const bool in_regs = n4 <= RES_F4 * bd;
   float4 ov[RES_F4], wv[RES_F4];
   stat_t ss = 0;
@@ -169,7 +168,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
     for (int q = 0; q < RES_F4; q++) {
       const int f = threadIdx.x + q * bd;
       const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-      ov[q] = f < n4 ? ld4(orow, f) : z;
+      ov[q] = f < n4 ? ld4_sum(res.o, base, f) : z;
       keep[q] = f < n4 ? ld4(xr, f) : z;
       if (RES_KEEP) wv[q] = f < n4 ? ld4(res.w1, f) : z;
     }
@@ -177,7 +176,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
     for (int q = 0; q < RES_F4; q++)
       if (threadIdx.x + q * bd < n4) ss = sumsq4(ss, ov[q]);
   } else {
-    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4(orow, f));
+    for (int f = threadIdx.x; f < n4; f += bd) ss = sumsq4(ss, ld4_sum(res.o, base, f));
   }
   ss = block_sum_stat(ss);
   const float r1 = rms_scale(ss, dim, res.eps);
@@ -193,7 +192,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
     }
   } else {
     for (int f = threadIdx.x; f < n4; f += bd) {
-      const float4 v = residual4(ld4(xr, f), ld4(orow, f), r1, ld4(res.w1, f), res.scale);
+      const float4 v = residual4(ld4(xr, f), ld4_sum(res.o, base, f), r1, ld4(res.w1, f), res.scale);
       if (write) st4(res.x_out + base, f, v);
       if (res.w2) ss2 = sumsq4(ss2, v);
     }
@@ -216,7 +215,7 @@ __device__ __forceinline__ void residual_stats(const Residual& res, int j, int d
 // The input float4 at element k of token j with the residual step folded in (see `Residual`), from
 // x, o, w1 and w2 again (a row `residual_stats` kept in registers is converted from there instead).
 __device__ __forceinline__ float4 residual_inputs(const Residual& res, int j, int k, int dim, const float r[2][8]) {
-  const float4 v = residual4(ld4(res.x + (u64)j * dim, k / 4), ld4(res.o + (u64)j * dim, k / 4), r[0][j],
+  const float4 v = residual4(ld4(res.x + (u64)j * dim, k / 4), ld4_sum(res.o, (u64)j * dim, k / 4), r[0][j],
                              ld4(res.w1, k / 4), res.scale);
   return res.w2 ? norm4(v, r[1][j], ld4(res.w2, k / 4)) : v;
 }
@@ -807,6 +806,32 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   float yp[2 * H][2];  // pair accumulators (`compute_batch`)
 #pragma unroll
   for (int p = 0; p < 2 * H; p++) yp[p][0] = yp[p][1] = 0.f;
+#ifdef FIXED_SUMS
+  // A split launch without counters adds its parts into 64-bit integers at `out` (`add_sum`), and
+  // the blocks of part 0 clear `partial`, the launch's other sum buffer, for the next such launch
+  // (the host alternates the two: src/seq/stages.rs, `matvec_sum`). Its readers ran before this
+  // launch's wait, and the next writer waits for this launch.
+  const bool fixed = parts > 1 && !counters;
+  if (fixed && p == 0) {
+    long long* zero = (long long*)partial;
+    for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {
+      const int j = i / (tpb * 16), row = g * tpb * 16 + i % (tpb * 16);
+      if (row < W.rows) zero[(u64)j * W.rows + row] = 0;
+    }
+  }
+#else
+  constexpr bool fixed = false;
+#endif
+  // One output: stored, or with FIXED_SUMS added to the launch's 64-bit sums.
+  const auto put = [&](float* dst, u64 i, float v) {
+#ifdef FIXED_SUMS
+    if (fixed) {
+      atomicAdd((unsigned long long*)out + i, (unsigned long long)__float2ll_rn(__fmul_rn(v, SUM_UNIT)));
+      return;
+    }
+#endif
+    dst[i] = v;
+  };
   for (int c0 = range.x; c0 < range.y; c0 += slice_chunks) {
     const int n = min(slice_chunks, range.y - c0);
     if (built != c0) {  // block-uniform: the slice in shared memory is another one
@@ -839,8 +864,8 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
 #pragma unroll
     for (int h = 0; h < H; h++) {
       const int j = 4 * h + tig, row = tile * 16 + gid;
-      if (j < m && row < W.rows) dst[(u64)j * W.rows + row] = y[h][0];
-      if (j < m && row + 8 < W.rows) dst[(u64)j * W.rows + row + 8] = y[h][1];
+      if (j < m && row < W.rows) put(dst, (u64)j * W.rows + row, y[h][0]);
+      if (j < m && row + 8 < W.rows) put(dst, (u64)j * W.rows + row + 8, y[h][1]);
     }
   } else {
     // The ks warps of a tile add their partial sums in warp order; they sync among themselves only.
@@ -858,12 +883,12 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
         const int j = i / 16, r = i % 16, row = tile * 16 + r;
         float s = 0.f;
         for (int w = 0; w < ks; w++) s += red[tl * ks + w][j][r];
-        if (row < W.rows) dst[(u64)j * W.rows + row] = s;
+        if (row < W.rows) put(dst, (u64)j * W.rows + row, s);
       }
     }
     asm volatile("bar.sync %0, %1;" ::"r"(1 + tl), "r"(ks * 32) : "memory");  // `red` is reused next
   }
-  if (parts == 1) return;
+  if (parts == 1 || fixed) return;
   if (last_to_arrive(&counters[g], parts, last)) {
     const int t0 = g * tpb;
     for (int i = threadIdx.x; i < tpb * 16 * m; i += blockDim.x) {

@@ -95,6 +95,12 @@ pub fn define_in<'a>(list: &'a str, name: &str) -> Option<&'a str> {
     define_items(list).find(|(_, n, v)| *n == name && !v.is_empty()).map(|(_, _, v)| v)
 }
 
+/// Whether a `MEGAGEMMA_CUDA_DEFINES` list names `name` (with or without a value): host code that
+/// must match a define's kernels reads it here.
+pub fn define_named(list: &str, name: &str) -> bool {
+    define_items(list).any(|(_, n, _)| n == name)
+}
+
 /// `-D` options from a list of `NAME` or `NAME=VALUE` separated by `,` or `;` (C identifiers;
 /// values of letters, digits, `_`, `.`, `+`, `-`): opt-in kernel variants, compiled only when asked
 /// for and cached under their own key (the options are part of it). `;` lets one
@@ -298,6 +304,8 @@ mod tests {
         assert_eq!(defines("MMA_SCALES_F4, X=3,,Y_2=a.b").unwrap(), ["-DMMA_SCALES_F4", "-DX=3", "-DY_2=a.b"]);
         assert_eq!(defines("MMA_U1=2;RES_KEEP=0").unwrap(), ["-DMMA_U1=2", "-DRES_KEEP=0"]);
         assert!(defines("").unwrap().is_empty());
+        assert!(define_named("A=1;FIXED_SUMS", "FIXED_SUMS") && define_named("FIXED_SUMS=1", "FIXED_SUMS"));
+        assert!(!define_named("FIXED_SUMSX,A", "FIXED_SUMS") && !define_named("", "FIXED_SUMS"));
         for bad in ["1X", "A B", "X=$(rm)", "X=\"y\"", "-DX"] {
             let e = defines(bad).unwrap_err().to_string();
             assert!(e.contains("MEGAGEMMA_CUDA_DEFINES") && e.contains(bad), "{e}");

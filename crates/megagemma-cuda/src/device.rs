@@ -423,6 +423,10 @@ pub struct Gpu {
     /// the separate stage overlaps its neighbours and fusing cost ~1% (docs/perf-notes.md, tenth
     /// session). `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` forces it off or on.
     pub fuse_norms: Option<bool>,
+    /// The `FIXED_SUMS` kernel experiment (`MEGAGEMMA_CUDA_DEFINES`): split tensor-core launches
+    /// whose output is a residual step's input add their column parts as 64-bit integers instead
+    /// of combining them in part order (`matvec_sum` in src/seq/stages.rs).
+    pub fixed_sums: bool,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
     /// cuBLAS on the same stream, for the matrix products of long passes (`src/long_pass.rs`);
@@ -533,6 +537,8 @@ impl Gpu {
                 "1" => Some(true),
                 _ => None,
             }),
+            fixed_sums: std::env::var("MEGAGEMMA_CUDA_DEFINES")
+                .is_ok_and(|list| crate::compile::define_named(&list, "FIXED_SUMS")),
             profile,
             blas,
             recording: Default::default(),

@@ -229,6 +229,9 @@ pub(crate) struct Scratch {
     /// tensor-core matvecs after it (`prep_inputs` in kernels/matvec_mma.cu): hidden-wide rows.
     mma_prep: DevBuf,
     mma_counters: DevBuf,
+    /// With `Gpu::fixed_sums`: two buffers of 64-bit sums (`[MATVEC_COLS, hidden]` each) that the
+    /// split launches of a pass write in turn (`matvec_sum`), the first zero when a pass starts.
+    sums: DevBuf,
     /// Attention split along the keys: per-split partial outputs, (max, sum) pairs and per-query
     /// arrival counters (zero between launches).
     att_o: DevBuf,
@@ -387,6 +390,7 @@ impl Scratch {
             att_ml: gpu.alloc_zeros(f32s(2 * att_floats / min_hd))?,
             att_counters: gpu.alloc_zeros(4 * out * max_heads)?,
             mma_counters: gpu.alloc_zeros(MMA_COUNTERS * 4)?,
+            sums: gpu.alloc_zeros(if gpu.fixed_sums { 2 * MATVEC_COLS * h * 8 } else { 8 })?,
             meta: gpu.alloc_zeros((t + 1) * 4)?,
             meta_next: gpu.alloc_zeros((t + 1) * 4)?,
             zr: gpu.alloc_zeros(f32s(t * h))?,
@@ -441,6 +445,10 @@ pub struct CudaSeq {
     trace_file: Option<std::path::PathBuf>,
     /// While a pass is being launched: whether the residual stream is in `s.x2` (`xcur`).
     x_in_x2: std::cell::Cell<bool>,
+    /// While a pass is being launched: its split launches that add 64-bit sums so far, and
+    /// whether its first such launch combines in part order instead (`matvec_sum`).
+    sums_next: std::cell::Cell<usize>,
+    sums_skip_first: std::cell::Cell<bool>,
     /// While a batched step's pass is launched or captured: its attention takes each column's
     /// cache and position from `Scratch::att_cols`.
     batched: std::cell::Cell<bool>,
@@ -591,6 +599,8 @@ impl CudaSeq {
             trace_megakernel: trace_file.is_some(),
             trace_file,
             x_in_x2: Default::default(),
+            sums_next: Default::default(),
+            sums_skip_first: Default::default(),
             batched: Default::default(),
             batch_graphs: (0..=MAX_BATCH).map(|_| None).collect(),
             fold_norms: std::env::var("MEGAGEMMA_CUDA_FOLD_NORMS").map_or(true, |v| v != "0"),
@@ -1042,7 +1052,19 @@ impl CudaSeq {
     /// each `n`; an error if a wait timed out.
     fn batch_megakernel(&mut self, n: usize) -> Result<()> {
         self.launch_megakernel(MkPass { tokens: n, first: 0, commit: true, ahead: false, batched: true }, 0)?;
-        self.megakernels[self.mk_last].1.check(&self.model.gpu)
+        self.check_megakernel(self.mk_last)
+    }
+
+    /// After megakernel `i` has run: an error if a wait timed out. A step abandoned part way may
+    /// leave a 64-bit sum buffer written (`FIXED_SUMS`: `matvec_sum` in src/seq/stages.rs), so both
+    /// are cleared then, as the next pass expects.
+    pub(crate) fn check_megakernel(&mut self, i: usize) -> Result<()> {
+        let gpu = &self.model.gpu;
+        let r = self.megakernels[i].1.check(gpu);
+        if r.is_err() && gpu.fixed_sums {
+            gpu.upload(self.s.sums.ptr, &vec![0u8; self.s.sums.bytes])?;
+        }
+        r
     }
 
     /// Megakernel steps record when each block started, finished waiting and ended each stage
@@ -1078,7 +1100,7 @@ impl CudaSeq {
         self.model.gpu.upload(self.s.meta.ptr, &[self.len as u32, token])?;
         self.megakernel_pass(1, 0, 1 << 20)?;
         self.model.gpu.sync()?;
-        self.megakernels[self.mk_last].1.check(&self.model.gpu)
+        self.check_megakernel(self.mk_last)
     }
 
     /// Rows staged by the last forward and not yet committed.
@@ -1124,11 +1146,13 @@ impl CudaSeq {
         self.staged = t;
         let n = t - first;
         let v = vocab;
-        let gpu = &self.model.gpu;
         let mut ids = vec![0u32; n];
-        gpu.download(&mut ids, self.s.ids.ptr)?;
+        self.model.gpu.download(&mut ids, self.s.ids.ptr)?;
         if megakernel {
-            self.megakernels[self.mk_last].1.check(gpu)?;
+            self.check_megakernel(self.mk_last)?;
+        }
+        let gpu = &self.model.gpu;
+        if megakernel {
             // MEGAGEMMA_CUDA_MK_TRACE=FILE: each traced step overwrites FILE (tools/mk_trace.py).
             if let Some(path) = &self.trace_file {
                 if let Some(t) = self.megakernels[self.mk_last].1.trace(gpu)? {

@@ -195,7 +195,7 @@ impl CudaSeq {
         if let Some(tables) = tables {
             // A wait that timed out is the error to report (it also explains a missing token).
             for i in tables {
-                self.megakernels[i].1.check(&self.model.gpu)?;
+                self.check_megakernel(i)?;
             }
             self.mk_last = tables[0];
         }

@@ -68,6 +68,8 @@ impl CudaSeq {
     /// same width and group class on the same input, or one gated matrix: launches of ≤ 8 columns.
     /// With `res` (plain launches only), the pending residual step of rows `row0 ..` is folded into
     /// the input (`x` unused): each launch's block 0 writes the new residual to the other buffer.
+    /// With `sums` (one split launch of ≤ 8 columns: `matvec_sum`), the column parts are added
+    /// into `y0` as 64-bit sums, and the launch clears the sum buffer `sums` for the next one.
     fn matvec_mma(
         &self,
         mats: &[(&DevMat, u64)],
@@ -76,6 +78,7 @@ impl CudaSeq {
         t: usize,
         res: Option<(PendingNorm, usize)>,
         prep: bool,
+        sums: Option<u64>,
     ) -> Result<()> {
         let (w0, y0) = mats[0];
         let cols = w0.cols as usize;
@@ -96,7 +99,11 @@ impl CudaSeq {
         let ahead = if t == 1 || nblocks > 2 * grid as usize { 0 } else { self.gpu().q4_stream.mma_ahead as i32 };
         let chunks = cols.div_ceil(64);
         let upc = if w0.gs == 32 { 2 } else { 1 };
-        let (partial, counters) = (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr));
+        // FIXED_SUMS: no counters, and the partial sums' pointer names the buffer to clear.
+        let (partial, counters) = match sums {
+            Some(clear) => (Arg::Ptr(clear), Arg::Ptr(0)),
+            None => (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr)),
+        };
         for c0 in (0..t).step_by(MATVEC_COLS) {
             let m = MATVEC_COLS.min(t - c0);
             let h = m.div_ceil(4);
@@ -164,6 +171,63 @@ impl CudaSeq {
         Ok(())
     }
 
+    /// `y = W·x`, or `W·(gelu(x) · gate)`, whose only reader is a residual step (its `o`); returns
+    /// where the step reads it: `y`, or with the `FIXED_SUMS` experiment (`Gpu::fixed_sums`), for a
+    /// split tensor-core launch, the pass's next 64-bit sum buffer, tagged with bit 0 (`ld4_sum` in
+    /// kernels/common.cuh). The launches that write sums alternate between the two buffers, each
+    /// clearing the other (whose reader has finished); a pass starts with the first one clear and,
+    /// with an even count of them (`sums_in_pass`: its first runs in part order when the count is
+    /// odd), ends so too.
+    fn matvec_sum(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize) -> Result<u64> {
+        if self.sums_fixed(w, gate, t) && !self.sums_skip_first.replace(false) {
+            let n = self.sums_next.get();
+            self.sums_next.set(n + 1);
+            let half = (MATVEC_COLS * self.model.plan.hidden * 8) as u64;
+            let (sums, clear) =
+                (self.s.sums.ptr + (n % 2) as u64 * half, self.s.sums.ptr + ((n + 1) % 2) as u64 * half);
+            match gate {
+                Some(g) if !g.stride.is_multiple_of(4) => {
+                    self.gelu_gate_in_place(x, g, w.cols as usize, t)?;
+                    self.matvec_mma(&[(w, sums)], x, None, t, None, false, Some(clear))?
+                }
+                _ => self.matvec_mma(&[(w, sums)], x, gate, t, None, false, Some(clear))?,
+            }
+            return Ok(sums | 1);
+        }
+        self.matvec_impl(w, x, gate, y, t)?;
+        Ok(y)
+    }
+
+    /// Whether `matvec_sum` adds this launch's parts as 64-bit sums: the experiment is on, the
+    /// matrix is tiled and hidden-wide, and its one launch (≤ 8 columns, not a long pass) is split.
+    fn sums_fixed(&self, w: &DevMat, gate: Option<Gate>, t: usize) -> bool {
+        let gated = gate.is_some_and(|g| g.stride.is_multiple_of(4));
+        self.gpu().fixed_sums
+            && w.fmt == FMT_Q4T
+            && t <= MATVEC_COLS
+            && !self.long_pass(t)
+            && w.rows as usize == self.model.plan.hidden
+            && self.mma_split(&[(w.rows as usize).div_ceil(16)], w.cols as usize, gated).parts > 1
+    }
+
+    /// How many of a pass's launches `sums_fixed` takes (the order `layer` runs them in).
+    fn sums_in_pass(&self, t: usize) -> usize {
+        let m = &*self.model;
+        let lpw = m.plan.layers.len() * m.plan.ple_dim;
+        let w = m.weights();
+        let fixed =
+            |w: &DevMat, stride: Option<usize>| self.sums_fixed(w, stride.map(|stride| Gate { ptr: 0, stride }), t);
+        w.layers
+            .iter()
+            .map(|lw| {
+                let o = fixed(&lw.o, None);
+                let down = lw.moe.is_none() && fixed(&lw.down, Some(lw.gate.rows as usize));
+                let ple = lw.ple.as_ref().is_some_and(|ple| fixed(&ple.proj, Some(lpw)));
+                [o, down, ple].into_iter().filter(|&f| f).count()
+            })
+            .sum()
+    }
+
     /// `x[t][i] = gelu(x[t][i]) · gate[t][i]` over `t` rows of `cols` (the GeGLU), in place: before
     /// a matvec whose kernel cannot apply the gate itself, and for the MoE experts.
     fn gelu_gate_in_place(&self, x: u64, g: Gate, cols: usize, t: usize) -> Result<()> {
@@ -208,9 +272,11 @@ impl CudaSeq {
         // The folded step reads the current residual buffer and writes the other.
         let (xin, xout) = (self.xcur(), self.xother());
         let at = f32s((row0 + c0) * cols) as u64;
+        // `o` tagged with bit 0 holds 64-bit sums (`matvec_sum`): rows of 8-byte elements.
+        let o = if p.o & 1 == 1 { p.o + 2 * at } else { p.o + at };
         [
             Arg::Ptr(xin + at),
-            Arg::Ptr(p.o + at),
+            Arg::Ptr(o),
             Arg::Ptr(p.w1),
             Arg::Ptr(p.w2),
             Arg::Ptr(xout + at),
@@ -240,7 +306,7 @@ impl CudaSeq {
         // and the code it adds made E4B decode 7.7% slower): every block then rebuilds each
         // token's inputs from x, o and both norm weights, where `add_norm` writes them once.
         if self.fold_norms && t == 1 && self.one_mma_launch(mats) && mats[0].0.cols as usize == h {
-            self.matvec_mma(mats, 0, None, t, Some((p, row0)), false)?;
+            self.matvec_mma(mats, 0, None, t, Some((p, row0)), false, None)?;
             self.x_in_x2.set(!self.x_in_x2.get());
             return Ok(());
         }
@@ -259,7 +325,7 @@ impl CudaSeq {
             // row's statistics, and writes and prepares its slice only (one block per token built
             // the whole row after its reductions, on the critical path of every residual step).
             self.add_norm(p, t, self.norm_slices(), Some((step, self.s.mma_prep.ptr)))?;
-            return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true);
+            return self.matvec_mma(mats, self.s.mma_prep.ptr, None, t, None, true, None);
         }
         // Otherwise the step runs first and the matvecs build their inputs from its output. Before
         // one hidden-wide tensor-core launch (the megakernel's passes of several tokens, whose
@@ -287,7 +353,7 @@ impl CudaSeq {
         }
         let cols = mats[0].0.cols;
         if self.one_mma_launch(mats) {
-            return self.matvec_mma(mats, x, None, t, None, false);
+            return self.matvec_mma(mats, x, None, t, None, false, None);
         }
         if mats.len() > 1 && mats.iter().any(|(w, _)| w.fmt == FMT_Q4T) {
             return mats.iter().try_for_each(|(w, y)| self.matvec_impl(w, x, None, *y, t));
@@ -335,11 +401,11 @@ impl CudaSeq {
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
             return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t, None, false),
-                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, false),
+                None => self.matvec_mma(&[(w, y)], x, None, t, None, false, None),
+                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, false, None),
                 Some(g) => {
                     self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t, None, false)
+                    self.matvec_mma(&[(w, y)], x, None, t, None, false, None)
                 }
             };
         }
@@ -398,6 +464,8 @@ impl CudaSeq {
         let (plan, w, s) = (&m.plan, m.weights(), &self.s);
         let h = plan.hidden;
         self.x_in_x2.set(false);
+        self.sums_next.set(0);
+        self.sums_skip_first.set(self.gpu().fixed_sums && self.sums_in_pass(t) % 2 == 1);
 
         // §2.1 embedding · sqrt(H).
         let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
@@ -546,11 +614,11 @@ impl CudaSeq {
 
         // O projection; the post-attention norm and residual, then the pre-feed-forward norm
         // (folded into the feed-forward's first matvec).
-        self.matvec(&lw.o, s.att.ptr, s.o.ptr, t)?;
-        let post_attn = PendingNorm { o: s.o.ptr, w1: lw.post_attn_norm, scale: 1.0, w2: lw.pre_ffn_norm };
+        let o = self.matvec_sum(&lw.o, s.att.ptr, None, s.o.ptr, t)?;
+        let post_attn = PendingNorm { o, w1: lw.post_attn_norm, scale: 1.0, w2: lw.pre_ffn_norm };
 
-        // 16–19: feed-forward (dense MLP, plus the MoE branch).
-        self.mlp(&lw.gate, &lw.up, &lw.down, post_attn, s.f.ptr, t)?;
+        // 16–19: feed-forward (dense MLP, plus the MoE branch, which reads the MLP's output as it is).
+        let f = self.mlp(&lw.gate, &lw.up, &lw.down, post_attn, s.f.ptr, t, lw.moe.is_none())?;
         if let Some(moe) = &lw.moe {
             self.norm(s.f.ptr, s.f.ptr, moe.post_norm_1, h, t, false)?;
             self.moe(moe, t)?;
@@ -558,7 +626,7 @@ impl CudaSeq {
         }
 
         // 20–25: per-layer embedding injection, the per-layer scalar, the next norm.
-        let post_ffn = PendingNorm { o: s.f.ptr, w1: lw.post_ffn_norm, scale: 1.0, w2: 0 };
+        let post_ffn = PendingNorm { o: f, w1: lw.post_ffn_norm, scale: 1.0, w2: 0 };
         Ok(match &lw.ple {
             Some(ple) => {
                 let p = plan.ple_dim;
@@ -566,8 +634,8 @@ impl CudaSeq {
                 // The PLE gate reads the residual after the feed-forward step itself (no norm).
                 self.matvec_after(&[(&ple.gate, s.pg.ptr)], self.xcur(), Some(post_ffn), 0, t)?;
                 let gate = Gate { ptr: s.pli.at(f32s(lp.index * p)), stride: lpw };
-                self.matvec_gated(&ple.proj, s.pg.ptr, gate, s.o.ptr, t)?;
-                PendingNorm { o: s.o.ptr, w1: ple.post_norm, scale: lw.layer_scalar, w2: next_norm }
+                let o = self.matvec_sum(&ple.proj, s.pg.ptr, Some(gate), s.o.ptr, t)?;
+                PendingNorm { o, w1: ple.post_norm, scale: lw.layer_scalar, w2: next_norm }
             }
             None => PendingNorm { scale: lw.layer_scalar, w2: next_norm, ..post_ffn },
         })
@@ -696,10 +764,27 @@ impl CudaSeq {
 
     /// `out = down(gelu(gate·a) · up·a)` for `t` columns, `a` the input the pending residual
     /// step gives.
-    fn mlp(&self, gate: &DevMat, up: &DevMat, down: &DevMat, pending: PendingNorm, out: u64, t: usize) -> Result<()> {
+    /// The dense MLP into `out`; returns where its output is read (`matvec_sum`, when `sum`: the
+    /// output is only a residual step's input).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        gate: &DevMat,
+        up: &DevMat,
+        down: &DevMat,
+        pending: PendingNorm,
+        out: u64,
+        t: usize,
+        sum: bool,
+    ) -> Result<u64> {
         let s = &self.s;
         self.matvec_after(&[(gate, s.g.ptr), (up, s.u.ptr)], s.a.ptr, Some(pending), 0, t)?;
-        self.matvec_gated(down, s.g.ptr, Gate { ptr: s.u.ptr, stride: gate.rows as usize }, out, t)
+        let g = Gate { ptr: s.u.ptr, stride: gate.rows as usize };
+        if sum {
+            return self.matvec_sum(down, s.g.ptr, Some(g), out, t);
+        }
+        self.matvec_gated(down, s.g.ptr, g, out, t)?;
+        Ok(out)
     }
 
     /// MoE branch into `s.e`: route, run every expert on the pre-normed input, combine the top-k
