@@ -70,6 +70,7 @@ impl CudaSeq {
     /// the input (`x` unused): each launch's block 0 writes the new residual to the other buffer.
     /// With `sums` (one split launch of ≤ 8 columns: `matvec_sum`), the column parts are added
     /// into `y0` as 64-bit sums, and the launch clears the sum buffer `sums` for the next one.
+    #[allow(clippy::too_many_arguments)]
     fn matvec_mma(
         &self,
         mats: &[(&DevMat, u64)],
