@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The FIXED_SUMS experiment on the GPU machine (docs/perf-notes.md, "Fifty-seventh session"), from the
+# repository root with BIN_DIR staged by tools/stage_gpu.sh plus the define's CUBINs in BIN_DIR/cubins.tar.xz
+# (MEGAGEMMA_CUDA_DEFINES=FIXED_SUMS target/release/examples/prebuild_cubins DIR, then packed beside the
+# default set):
+#   tools/fixed_sums_check.sh [BIN_DIR]
+# Checks with the define (the E4B-wide random model reaches the split launches; the fixtures do not), the
+# graph and megakernel logits byte for byte, then the decode A/B against the default in the same run.
+# Logs in $OUT (default /tmp/out).
+set -u
+BIN=${1:-.gpu}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "GPU: $name"
+mkdir -p /tmp/cub && tar -xJf $BIN/cubins.tar.xz -C /tmp/cub
+export MEGAGEMMA_CUDA_CUBINS=/tmp/cub MEGAGEMMA_CACHE=/tmp/mgc LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib
+t0=$(date +%s)
+wide=/tmp/megagemma-wide
+python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 --ple-dim 256 \
+  --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || echo "make_bench_model failed"
+ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$wide/expected.json'))['cases'][0]['prompt_ids'])))")
+F=MEGAGEMMA_CUDA_DEFINES=FIXED_SUMS
+for w in fixtures verify batch megakernel; do
+  env $F timeout 120 $BIN/gpu_check $w $wide > $OUT/fx_wide_$w.log 2>&1; echo "FIXED wide $w rc=$? ok=$(grep -c ' ok$' $OUT/fx_wide_$w.log) FAIL=$(grep -c FAIL $OUT/fx_wide_$w.log)"
+  grep -v " ok$" $OUT/fx_wide_$w.log | head -5
+done
+for w in fixtures verify; do
+  env $F timeout 120 $BIN/gpu_check $w > $OUT/fx_$w.log 2>&1; echo "FIXED $w rc=$? ok=$(grep -c ' ok$' $OUT/fx_$w.log) FAIL=$(grep -c FAIL $OUT/fx_$w.log)"
+done
+for v in base fixed; do for mode in graph megakernel; do
+  env $([ $v = fixed ] && echo $F) $BIN/megagemma run --model $wide --quant q4 --prompt-ids "$ids" --greedy --ignore-eos -n 8 \
+    --output ids --backend cuda --decode $mode --dump-logits $OUT/l_${v}_$mode.json > $OUT/ids_${v}_$mode.txt 2>&1
+done; done
+cmp -s $OUT/l_fixed_graph.json $OUT/l_fixed_megakernel.json && echo "FIXED graph = megakernel logits: identical" || echo "FIXED graph vs megakernel: DIFFER"
+cmp -s $OUT/ids_base_graph.txt $OUT/ids_fixed_graph.txt && echo "ids base = fixed" || echo "ids base vs fixed DIFFER"
+python3 - $OUT <<'PY'
+import json, sys, math
+d = sys.argv[1]
+a = json.load(open(f"{d}/l_base_graph.json")); b = json.load(open(f"{d}/l_fixed_graph.json"))
+def rows(x): return x["logits"] if isinstance(x, dict) and "logits" in x else x
+ra, rb = rows(a), rows(b)
+try:
+    num = sum((p - q) ** 2 for r1, r2 in zip(ra, rb) for p, q in zip(r1, r2)); den = sum(p * p for r in ra for p in r)
+    print(f"logits rel L2 fixed vs base: {math.sqrt(num / den):.3e}")
+except Exception as e: print("logit compare:", e)
+PY
+echo "checks took $(( $(date +%s) - t0 )) s"
+ROUNDS=2 MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep -v "^base:\|^fixed:"
+ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep -v "^base:\|^fixed:"
+echo "took $(( $(date +%s) - t0 )) s"
