@@ -807,7 +807,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
 #pragma unroll
   for (int p = 0; p < 2 * H; p++) yp[p][0] = yp[p][1] = 0.f;
 #ifdef FIXED_SUMS
-  // A split launch without counters adds its parts into 64-bit integers at `out` (`add_sum`), and
+  // A split launch without counters adds its parts into 64-bit integers at `out` (`put`), and
   // the blocks of part 0 clear `partial`, the launch's other sum buffer, for the next such launch
   // (the host alternates the two: src/seq/stages.rs, `matvec_sum`). Its readers ran before this
   // launch's wait, and the next writer waits for this launch.
