@@ -45,6 +45,6 @@ try:
 except Exception as e: print("logit compare:", e)
 PY
 echo "checks took $(( $(date +%s) - t0 )) s"
-ROUNDS=2 MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep -v "^base:\|^fixed:"
-ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep -v "^base:\|^fixed:"
+ROUNDS=2 MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep --line-buffered -v "^base:\|^fixed:"
+ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
 echo "took $(( $(date +%s) - t0 )) s"
