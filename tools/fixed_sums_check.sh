@@ -6,7 +6,8 @@
 #   tools/fixed_sums_check.sh [BIN_DIR]
 # Checks with the define (the E4B-wide random model reaches the split launches; the fixtures do not), the
 # graph and megakernel logits byte for byte, then the decode A/B against the default in the same run.
-# Logs in $OUT (default /tmp/out).
+# Logs in $OUT (default /tmp/out). QUICK=1 (a short call): the wide model's fixtures, verify and megakernel
+# checks and one graph round of the A/B only.
 set -u
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -20,11 +21,13 @@ python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --k
   --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || echo "make_bench_model failed"
 ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$wide/expected.json'))['cases'][0]['prompt_ids'])))")
 F=MEGAGEMMA_CUDA_DEFINES=FIXED_SUMS
-for w in fixtures verify batch megakernel; do
+wide_checks="fixtures verify batch megakernel" checks="fixtures verify" rounds=2
+[ -n "${QUICK:-}" ] && wide_checks="fixtures verify megakernel" checks="" rounds=1
+for w in $wide_checks; do
   env $F timeout 120 $BIN/gpu_check $w $wide > $OUT/fx_wide_$w.log 2>&1; echo "FIXED wide $w rc=$? ok=$(grep -c ' ok$' $OUT/fx_wide_$w.log) FAIL=$(grep -c FAIL $OUT/fx_wide_$w.log)"
   grep -v " ok$" $OUT/fx_wide_$w.log | head -5
 done
-for w in fixtures verify; do
+for w in $checks; do
   env $F timeout 120 $BIN/gpu_check $w > $OUT/fx_$w.log 2>&1; echo "FIXED $w rc=$? ok=$(grep -c ' ok$' $OUT/fx_$w.log) FAIL=$(grep -c FAIL $OUT/fx_$w.log)"
 done
 for v in base fixed; do for mode in graph megakernel; do
@@ -45,6 +48,6 @@ try:
 except Exception as e: print("logit compare:", e)
 PY
 echo "checks took $(( $(date +%s) - t0 )) s"
-ROUNDS=2 MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep --line-buffered -v "^base:\|^fixed:"
-ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
+ROUNDS=$rounds MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep --line-buffered -v "^base:\|^fixed:"
+[ -n "${QUICK:-}" ] || ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
 echo "took $(( $(date +%s) - t0 )) s"
