@@ -186,17 +186,23 @@ impl CudaSeq {
             let half = (MATVEC_COLS * self.model.plan.hidden * 8) as u64;
             let (sums, clear) =
                 (self.s.sums.ptr + (n % 2) as u64 * half, self.s.sums.ptr + ((n + 1) % 2) as u64 * half);
-            match gate {
-                Some(g) if !g.stride.is_multiple_of(4) => {
-                    self.gelu_gate_in_place(x, g, w.cols as usize, t)?;
-                    self.matvec_mma(&[(w, sums)], x, None, t, None, false, Some(clear))?
-                }
-                _ => self.matvec_mma(&[(w, sums)], x, gate, t, None, false, Some(clear))?,
-            }
+            self.matvec_tiled(w, x, gate, sums, t, Some(clear))?;
             return Ok(sums | 1);
         }
         self.matvec_impl(w, x, gate, y, t)?;
         Ok(y)
+    }
+
+    /// A tiled matrix's product on the tensor cores, the gate applied by the kernel when its rows
+    /// allow (else a GeGLU pass first); `sums` as in `matvec_mma`.
+    fn matvec_tiled(&self, w: &DevMat, x: u64, gate: Option<Gate>, y: u64, t: usize, sums: Option<u64>) -> Result<()> {
+        match gate {
+            Some(g) if !g.stride.is_multiple_of(4) => {
+                self.gelu_gate_in_place(x, g, w.cols as usize, t)?;
+                self.matvec_mma(&[(w, y)], x, None, t, None, false, sums)
+            }
+            _ => self.matvec_mma(&[(w, y)], x, gate, t, None, false, sums),
+        }
     }
 
     /// Whether `matvec_sum` adds this launch's parts as 64-bit sums: the experiment is on, the
@@ -401,14 +407,7 @@ impl CudaSeq {
         }
         let (rows, cols) = (w.rows as usize, w.cols as usize);
         if w.fmt == FMT_Q4T {
-            return match gate {
-                None => self.matvec_mma(&[(w, y)], x, None, t, None, false, None),
-                Some(g) if g.stride.is_multiple_of(4) => self.matvec_mma(&[(w, y)], x, gate, t, None, false, None),
-                Some(g) => {
-                    self.gelu_gate_in_place(x, g, cols, t)?;
-                    self.matvec_mma(&[(w, y)], x, None, t, None, false, None)
-                }
-            };
+            return self.matvec_tiled(w, x, gate, y, t, None);
         }
         let q4_fast = Self::q4_fast(w) && gate.is_none_or(|g| g.stride.is_multiple_of(4));
         match (gate, q4_fast) {
