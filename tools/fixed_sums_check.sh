@@ -7,7 +7,7 @@
 # Checks with the define (the E4B-wide random model reaches the split launches; the fixtures do not), the
 # graph and megakernel logits byte for byte, then the decode A/B against the default in the same run.
 # Logs in $OUT (default /tmp/out). QUICK=1 (a short call): the wide model's fixtures, verify and megakernel
-# checks and one graph round of the A/B only.
+# checks and one graph round of the A/B only; NO_AB=1: the checks only.
 set -u
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
@@ -32,7 +32,7 @@ for w in $checks; do
 done
 for v in base fixed; do for mode in graph megakernel; do
   env $([ $v = fixed ] && echo $F) $BIN/megagemma run --model $wide --quant q4 --prompt-ids "$ids" --greedy --ignore-eos -n 8 \
-    --output ids --backend cuda --decode $mode --dump-logits $OUT/l_${v}_$mode.json > $OUT/ids_${v}_$mode.txt 2>&1
+    --output ids --backend cuda --decode $mode --dump-logits $OUT/l_${v}_$mode.json > $OUT/ids_${v}_$mode.txt 2> $OUT/ids_${v}_$mode.err
 done; done
 cmp -s $OUT/l_fixed_graph.json $OUT/l_fixed_megakernel.json && echo "FIXED graph = megakernel logits: identical" || echo "FIXED graph vs megakernel: DIFFER"
 cmp -s $OUT/ids_base_graph.txt $OUT/ids_fixed_graph.txt && echo "ids base = fixed" || echo "ids base vs fixed DIFFER"
@@ -48,6 +48,7 @@ try:
 except Exception as e: print("logit compare:", e)
 PY
 echo "checks took $(( $(date +%s) - t0 )) s"
+[ -n "${NO_AB:-}" ] && exit 0
 ROUNDS=$rounds MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep --line-buffered -v "^base:\|^fixed:"
 [ -n "${QUICK:-}" ] || ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
 echo "took $(( $(date +%s) - t0 )) s"
