@@ -312,6 +312,13 @@ __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 
 // its readers get the row's pointer with bit 0 set: the sums converted here, each rounded once.
 #ifdef FIXED_SUMS
 #define SUM_UNIT 4294967296.0f  // 2^32
+// Adds v to the 64-bit sum at p (global memory), fire and forget. Spelled out as `red.global`: the
+// megakernel's pointers come from its stage table, so `atomicAdd` compiled there to a generic
+// atomic with a shared-memory fallback loop (ATOM.E.ADD.64 + ATOMS.CAST.SPIN) instead of the
+// separate kernel's REDG.E.ADD.64.
+__device__ __forceinline__ void red_add_sum(long long* p, long long v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ float4 ld4_sum(const float* o, u64 base, u64 f) {
   if (!((u64)o & 1)) return ld4(o + base, f);
   const longlong2* p = (const longlong2*)((u64)o - 1) + base / 2 + 2 * f;

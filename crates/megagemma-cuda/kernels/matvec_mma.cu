@@ -826,7 +826,7 @@ __device__ __forceinline__ void mma_block(const Mat& W, float* __restrict__ out,
   const auto put = [&](float* dst, u64 i, float v) {
 #ifdef FIXED_SUMS
     if (fixed) {
-      atomicAdd((unsigned long long*)out + i, (unsigned long long)__float2ll_rn(__fmul_rn(v, SUM_UNIT)));
+      red_add_sum((long long*)out + i, __float2ll_rn(__fmul_rn(v, SUM_UNIT)));
       return;
     }
 #endif
