@@ -12,6 +12,9 @@ stage kernel (the same attribution as `gpu_check megakernel`: from the previous 
 to finish to this stage's last block to finish) and, with --png, draws a timeline: one row per
 block, grey while waiting, coloured by stage kernel while working (needs matplotlib).
 
+With --against OTHER.json (a trace of the same stage table, e.g. under a define) it also prints, per
+stage kernel, the token's µs in both and the change, and the stages whose critical path changed most.
+
 With `MEGAGEMMA_CUDA_DEFINES=MK_MARK=1` (or `=2`) the "wait satisfied" time of a tensor-core matvec
 stage is instead when its folded residual statistics (or its first inputs) are done, so the
 "waits met" column of --stages shows how long after the stage's start each phase ends.
@@ -59,11 +62,33 @@ def per_stage(trace, first, last):
     return rows
 
 
+def compare(a, b, top=12):
+    """Lines comparing traces a and b of the same stage table: per stage kernel the critical-path µs
+    in each and the change, then the `top` stages whose critical path changed most."""
+    if a["stages"] != b["stages"]:
+        sys.exit("--against: the two traces are of different stage tables")
+    n = len(a["stages"])
+    ka, kb = dict(by_kernel(a)), dict(by_kernel(b))
+    lines = [f"{'stage kernel':<26} {'stages':>6} {'A us':>9} {'B us':>9} {'change':>8}"]
+    for name in sorted(ka, key=lambda k: -abs(kb[k]["critical_us"] - ka[k]["critical_us"])):
+        ua, ub = ka[name]["critical_us"], kb[name]["critical_us"]
+        lines.append(f"{name:<26} {ka[name]['stages']:>6} {ua:>9.1f} {ub:>9.1f} {ub - ua:>+8.1f}")
+    ra, rb = per_stage(a, 0, n), per_stage(b, 0, n)
+    ta, tb = sum(r[2] for r in ra), sum(r[2] for r in rb)
+    lines.append(f"{'all':<26} {n:>6} {ta:>9.1f} {tb:>9.1f} {tb - ta:>+8.1f}")
+    lines.append(f"\nstages whose critical path changed most (us, A -> B):")
+    moved = sorted(zip(ra, rb), key=lambda p: -abs(p[1][2] - p[0][2]))[:top]
+    for x, y in moved:
+        lines.append(f"{x[0]:>5} {x[1]:<26} {x[2]:>7.2f} -> {y[2]:>7.2f} ({y[2] - x[2]:+.2f})")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--png", help="write a timeline picture here")
     ap.add_argument("--stages", metavar="FIRST:LAST", help="also one line per stage in [FIRST, LAST) (e.g. one layer)")
+    ap.add_argument("--against", metavar="OTHER", help="compare with another trace of the same stage table")
     args = ap.parse_args()
     with open(args.trace) as f:
         trace = json.load(f)
@@ -84,6 +109,11 @@ def main():
         for s, name, crit, n, s0, sm, s1, w0, w1, w2 in per_stage(trace, first, last):
             print(f"{s:>5} {name:<26} {crit:>11.2f} {n:>6} {s0:>7.2f} {sm:>7.2f} {s1:>8.2f} "
                   f"{w0:>6.2f} {w1:>6.2f} {w2:>7.2f}")
+    if args.against:
+        with open(args.against) as f:
+            other = json.load(f)
+        print(f"\nA: {args.trace}, B: {args.against}")
+        print("\n".join(compare(trace, other)))
     if not args.png:
         return
     try:

@@ -64,3 +64,39 @@ fn the_tool_attributes_time_as_the_backend_does() {
     assert_eq!((rows[2][4], rows[2][5], rows[2][6]), ("1.00", "1.00", "1.50"), "{out}");
     assert_eq!((rows[2][7], rows[2][8], rows[2][9]), ("2.00", "2.50", "8.00"), "{out}");
 }
+
+#[test]
+fn the_tool_compares_two_traces_of_one_table() {
+    let a = trace();
+    // B: block 0 ends the third stage 3 µs later, and its last stage follows as before.
+    let mut b = trace();
+    b.t[8] = 23_000;
+    b.t[9..12].copy_from_slice(&[23_000, 24_000, 26_000]);
+    let dir = std::env::temp_dir();
+    let (pa, pb) = (
+        dir.join(format!("megagemma-mk-trace-a-{}.json", std::process::id())),
+        dir.join(format!("megagemma-mk-trace-b-{}.json", std::process::id())),
+    );
+    std::fs::write(&pa, a.to_json()).unwrap();
+    std::fs::write(&pb, b.to_json()).unwrap();
+    let out = run_tool(&[pa.to_str().unwrap(), "--against", pb.to_str().unwrap()]);
+    std::fs::remove_file(&pa).ok();
+    std::fs::remove_file(&pb).ok();
+
+    let compared: Vec<&str> = out.lines().skip_while(|l| !l.starts_with("A: ")).collect();
+    let row = |name: &str| -> Vec<&str> {
+        compared
+            .iter()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} row: {out}"))
+            .split_whitespace()
+            .collect()
+    };
+    // Only the matvec stages moved: +3 µs, and the whole token with them.
+    assert_eq!(row("matvec_q4t_4")[4], "+3.0", "{out}");
+    assert_eq!(row("argmax_final")[4], "+0.0", "{out}");
+    assert_eq!(row("all")[4], "+3.0", "{out}");
+    // The stage that changed most is stage 2, 3 µs slower.
+    let first = compared.iter().skip_while(|l| !l.contains("changed most")).nth(1).expect("a stage line");
+    assert!(first.trim_start().starts_with("2 matvec_q4t_4") && first.ends_with("(+3.00)"), "{out}");
+}
