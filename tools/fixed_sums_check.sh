@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # The FIXED_SUMS experiment on the GPU machine (docs/perf-notes.md, "Fifty-seventh session"), from the
-# repository root with BIN_DIR staged by tools/stage_gpu.sh plus the define's CUBINs in BIN_DIR/cubins.tar.xz
-# (MEGAGEMMA_CUDA_DEFINES=FIXED_SUMS target/release/examples/prebuild_cubins DIR, then packed beside the
-# default set):
+# repository root with BIN_DIR staged with the define's CUBINs (`VARIANT_DEFINES=FIXED_SUMS tools/stage_gpu.sh`):
 #   tools/fixed_sums_check.sh [BIN_DIR]
 # Checks with the define (the E4B-wide random model reaches the split launches; the fixtures do not), the
 # graph and megakernel logits byte for byte, then the decode A/B against the default in the same run.

@@ -6,7 +6,9 @@
 # the embedded kernels (the `prebuild_cubins` example) with the default options and with
 # tools/gpu_session.sh's SANITIZER_DEFINES, so neither the checks nor the sanitizer compile a kernel
 # on the GPU machine (a cold megakernel compile there costs minutes of device time). Run scripts and
-# kernel variants already in DIR are kept. On the GPU machine:
+# kernel variants already in DIR are kept. VARIANT_DEFINES="LIST …" (space-separated; each a
+# MEGAGEMMA_CUDA_DEFINES list, items joined by `;`, e.g. "FIXED_SUMS FIXED_SUMS;RES_KEEP=1") packs
+# those defines' CUBINs too, so a call's A/B of them compiles nothing. On the GPU machine:
 #   mkdir -p /tmp/cub && tar -xJf DIR/cubins.tar.xz -C /tmp/cub && export MEGAGEMMA_CUDA_CUBINS=/tmp/cub
 # About 3–8 minutes on two cores (each CUBIN set ~2–3 of them).
 set -euo pipefail
@@ -34,5 +36,8 @@ cubins=$(mktemp -d)
 trap 'rm -rf "$cubins"' EXIT
 target/release/examples/prebuild_cubins "$cubins"
 MEGAGEMMA_CUDA_DEFINES=$san_defines target/release/examples/prebuild_cubins "$cubins"
+for defines in ${VARIANT_DEFINES:-}; do
+  MEGAGEMMA_CUDA_DEFINES=$defines target/release/examples/prebuild_cubins "$cubins"
+done
 tar -cJf "$DIR/cubins.tar.xz" -C "$cubins" .
 echo "$DIR: $("$DIR/megagemma" --version), $(ls "$cubins" | wc -l) CUBINs ($(du -h "$DIR/cubins.tar.xz" | cut -f1) packed)"
