@@ -3,7 +3,8 @@
 # repository root with BIN_DIR staged with the define's CUBINs (`VARIANT_DEFINES=FIXED_SUMS tools/stage_gpu.sh`):
 #   tools/fixed_sums_check.sh [BIN_DIR]
 # Checks with the define (the E4B-wide random model reaches the split launches; the fixtures do not), the
-# graph and megakernel logits byte for byte, then the decode A/B against the default in the same run.
+# graph and megakernel logits byte for byte, then the decode A/B against the default in the same run, and one
+# traced E4B megakernel step with and without it compared stage by stage.
 # Logs in $OUT (default /tmp/out). QUICK=1 (a short call): the wide model's fixtures, verify and megakernel
 # checks and one graph round of the A/B only; NO_AB=1: the checks only.
 set -u
@@ -48,5 +49,14 @@ PY
 echo "checks took $(( $(date +%s) - t0 )) s"
 [ -n "${NO_AB:-}" ] && exit 0
 ROUNDS=$rounds MODELS="e2b e4b" DECODES="graph" TOKENS=256 timeout $(( 330 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab.log | grep --line-buffered -v "^base:\|^fixed:"
-[ -n "${QUICK:-}" ] || ROUNDS=1 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 420 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
+[ -n "${QUICK:-}" ] || ROUNDS=2 MODELS="e2b e4b" DECODES="megakernel" TOKENS=256 timeout $(( 480 - ($(date +%s) - t0) )) tools/gpu_ab.sh $BIN base fixed:$F 2>&1 | tee $OUT/ab_mk.log | grep --line-buffered -v "^base:\|^fixed:"
+# One traced E4B megakernel step each, compared stage by stage (tools/mk_trace.py --against).
+if [ -z "${QUICK:-}" ]; then
+  for v in base fixed; do
+    env $([ $v = fixed ] && echo $F) timeout 60 $BIN/megagemma bench --synthetic e4b --quant q4 --backend cuda \
+      --decode megakernel --prompt-len 64 --tokens 32 --trace $OUT/trace_$v.json > $OUT/trace_$v.log 2>&1
+  done
+  python3 tools/mk_trace.py $OUT/trace_base.json --against $OUT/trace_fixed.json > $OUT/trace_compare.txt 2>&1
+  sed -n '/^A: /,$p' $OUT/trace_compare.txt | head -30
+fi
 echo "took $(( $(date +%s) - t0 )) s"
