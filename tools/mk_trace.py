@@ -76,7 +76,7 @@ def compare(a, b, top=12):
     ra, rb = per_stage(a, 0, n), per_stage(b, 0, n)
     ta, tb = sum(r[2] for r in ra), sum(r[2] for r in rb)
     lines.append(f"{'all':<26} {n:>6} {ta:>9.1f} {tb:>9.1f} {tb - ta:>+8.1f}")
-    lines.append(f"\nstages whose critical path changed most (us, A -> B):")
+    lines.append("\nstages whose critical path changed most (us, A -> B):")
     moved = sorted(zip(ra, rb), key=lambda p: -abs(p[1][2] - p[0][2]))[:top]
     for x, y in moved:
         lines.append(f"{x[0]:>5} {x[1]:<26} {x[2]:>7.2f} -> {y[2]:>7.2f} ({y[2] - x[2]:+.2f})")
