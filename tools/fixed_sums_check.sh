@@ -8,6 +8,7 @@
 # Logs in $OUT (default /tmp/out). QUICK=1 (a short call): the wide model's fixtures, verify and megakernel
 # checks and one graph round of the A/B only; NO_AB=1: the checks only.
 set -u
+source "$(dirname "$0")/gpu_common.sh"
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,9 +17,8 @@ mkdir -p /tmp/cub && tar -xJf $BIN/cubins.tar.xz -C /tmp/cub
 export MEGAGEMMA_CUDA_CUBINS=/tmp/cub MEGAGEMMA_CACHE=/tmp/mgc LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib
 t0=$(date +%s)
 wide=/tmp/megagemma-wide
-python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 --ple-dim 256 \
-  --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || echo "make_bench_model failed"
-ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$wide/expected.json'))['cases'][0]['prompt_ids'])))")
+make_wide_model "$wide" || echo "make_bench_model failed"
+ids=$(prompt_ids "$wide")
 F=MEGAGEMMA_CUDA_DEFINES=FIXED_SUMS
 wide_checks="fixtures verify batch megakernel" checks="fixtures verify" rounds=2
 [ -n "${QUICK:-}" ] && wide_checks="fixtures verify megakernel" checks="" rounds=1

@@ -30,6 +30,7 @@
 # ONLY_ON=PATTERN (e.g. H200) runs nothing unless the GPU's name contains PATTERN (exit 3): a call that
 # may land on another GPU then costs only its start.
 set -uo pipefail
+source "$(dirname "$0")/gpu_common.sh"
 BIN=${1:-.gpu}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -89,8 +90,7 @@ fi
 # (groups of 32), and verify columns.
 if [ -x "$BIN/gpu_check" ]; then
   wide=${TMPDIR:-/tmp}/megagemma-wide
-  python3 tools/make_bench_model.py "$wide" --hidden 2560 --layers 2 --heads 8 --kv-heads 2 --head-dim 256 --ple-dim 256 \
-    --intermediate 10240 --vocab 4096 --cases 2 > /dev/null || fail=1
+  make_wide_model "$wide" || fail=1
   for what in fixtures verify; do
     timeout 300 "$BIN/gpu_check" $what "$wide" > "$OUT/gpu_check_wide_$what.log" 2>&1 || fail=1
     grep -v " ok$" "$OUT/gpu_check_wide_$what.log"
@@ -98,7 +98,7 @@ if [ -x "$BIN/gpu_check" ]; then
   done
   # How many tiles a virtual block takes (`MmaFill`, src/device.rs) moves no result: every fill
   # gives the same logits, byte for byte, in both decode paths (gate+up is spread here).
-  wide_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$wide/expected.json'))['cases'][0]['prompt_ids'])))")
+  wide_ids=$(prompt_ids "$wide")
   for mode in graph megakernel; do
     for f in 0 1 2; do
       MEGAGEMMA_CUDA_MMA_FILL=$f "$MG" run --model "$wide" --quant q4 --prompt-ids "$wide_ids" --greedy --ignore-eos \
@@ -127,7 +127,7 @@ cuda_equals_cpu() {
 }
 for dir in tests/fixtures/*/; do
   [ -f "$dir/expected.json" ] || continue
-  for ids in $(python3 -c "import json,sys; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$dir/expected.json'))['cases'][:2]]"); do
+  for ids in $(prompt_ids "$dir" 2); do
     extras=("" "--draft lookup" "--draft oracle --acceptance 0.6 --k 4")
     extras+=("--decode megakernel" "--decode megakernel --draft lookup")
     cuda_equals_cpu "$dir" "$ids" "${extras[@]}"
@@ -137,14 +137,14 @@ done
 # graph and megakernel.
 for f in tests/fixtures-gguf/gemma4/*.gguf; do
   src=tests/fixtures/$(basename "$f" .gguf | sed 's/\..*//')
-  ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$src/expected.json'))['cases'][0]['prompt_ids'])))")
+  ids=$(prompt_ids "$src")
   cuda_equals_cpu "$f" "$ids" "" "--decode megakernel"
 done
 # MTP drafting on CUDA (--draft mtp): the committed assistants' target, stored and q4, each
 # assistant (dense and centroid head), graph and megakernel, 48 tokens (the target's sliding window
 # of 8 wraps five times).
 mtp_target=tests/fixtures/ple_shared_dw
-for ids in $(python3 -c "import json; [print(','.join(map(str,c['prompt_ids']))) for c in json.load(open('$mtp_target/expected.json'))['cases'][:2]]"); do
+for ids in $(prompt_ids "$mtp_target" 2); do
   for q in "" "--quant q4"; do
     cpu=$("$MG" run --model "$mtp_target" --prompt-ids "$ids" --greedy --ignore-eos -n 48 --output ids --backend cpu $q 2>>"$OUT/cli_fixtures.err")
     for a in dense centroid; do
@@ -161,7 +161,7 @@ done
 # (the default) gives the tokens of one step at a time drawn on the host (MEGAGEMMA_CUDA_DEVICE_DRAW=0)
 # and of the megakernel.
 for dir in tests/fixtures/ple_shared_dw tests/fixtures/gemma3; do
-  ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('$dir/expected.json'))['cases'][0]['prompt_ids'])))")
+  ids=$(prompt_ids "$dir")
   for q in "" "--quant q4"; do
     run_sampled() { "$MG" run --model "$dir" $q --prompt-ids "$ids" --temperature 1.3 --top-k 40 --top-p 0.95 --seed 5 \
       --ignore-eos -n 40 --output ids --backend cuda "$@" 2>>"$OUT/cli_fixtures.err"; }
@@ -198,7 +198,7 @@ SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer
 # tools/stage_gpu.sh prebuilds CUBINs under SANITIZER_DEFINES too (it reads this line).
 SANITIZER_DEFINES=MK_TIMEOUT_NS=60000000000ull
 san_env=(env MEGAGEMMA_CUDA_DEFINES=$SANITIZER_DEFINES)
-san_ids=$(python3 -c "import json; print(','.join(map(str, json.load(open('tests/fixtures/sliding_wrap/expected.json'))['cases'][0]['prompt_ids'])))")
+san_ids=$(prompt_ids "tests/fixtures/sliding_wrap")
 san_run=("$MG" run --model tests/fixtures/sliding_wrap --quant q4 --prompt-ids "$san_ids" --greedy --ignore-eos
   --output ids --backend cuda --decode megakernel)
 # One tool over one command: `sanitize TOOL NAME LABEL CMD...` logs to $OUT/sanitizer_NAME.log.

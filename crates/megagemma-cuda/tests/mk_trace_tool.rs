@@ -20,6 +20,13 @@ fn trace() -> MkTrace {
     MkTrace { grid: 3, stages: vec!["embed_gather", "matvec_q4t_4", "matvec_q4t_4", "argmax_final"], t }
 }
 
+/// Writes `t` as the backend does to a temporary file named after `name` and this process.
+fn write_trace(name: &str, t: &MkTrace) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("megagemma-mk-trace-{name}-{}.json", std::process::id()));
+    std::fs::write(&path, t.to_json()).unwrap();
+    path
+}
+
 fn run_tool(args: &[&str]) -> String {
     let tool = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/mk_trace.py");
     let out = Command::new("python3").arg(tool).args(args).output().expect("python3 runs");
@@ -30,8 +37,7 @@ fn run_tool(args: &[&str]) -> String {
 #[test]
 fn the_tool_attributes_time_as_the_backend_does() {
     let t = trace();
-    let path = std::env::temp_dir().join(format!("megagemma-mk-trace-{}.json", std::process::id()));
-    std::fs::write(&path, t.to_json()).unwrap();
+    let path = write_trace("one", &t);
     let out = run_tool(&[path.to_str().unwrap(), "--stages", "0:4"]);
     std::fs::remove_file(&path).ok();
 
@@ -72,13 +78,7 @@ fn the_tool_compares_two_traces_of_one_table() {
     let mut b = trace();
     b.t[8] = 23_000;
     b.t[9..12].copy_from_slice(&[23_000, 24_000, 26_000]);
-    let dir = std::env::temp_dir();
-    let (pa, pb) = (
-        dir.join(format!("megagemma-mk-trace-a-{}.json", std::process::id())),
-        dir.join(format!("megagemma-mk-trace-b-{}.json", std::process::id())),
-    );
-    std::fs::write(&pa, a.to_json()).unwrap();
-    std::fs::write(&pb, b.to_json()).unwrap();
+    let (pa, pb) = (write_trace("a", &a), write_trace("b", &b));
     let out = run_tool(&[pa.to_str().unwrap(), "--against", pb.to_str().unwrap()]);
     std::fs::remove_file(&pa).ok();
     std::fs::remove_file(&pb).ok();
