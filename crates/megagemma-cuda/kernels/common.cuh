@@ -306,10 +306,15 @@ __device__ __forceinline__ float4 norm4(float4 v, float r, float4 w) {
 __device__ __forceinline__ float4 ld4(const float* p, u64 f) { return *(const float4*)(p + 4 * f); }
 __device__ __forceinline__ void st4(float* p, u64 f, float4 v) { *(float4*)(p + 4 * f) = v; }
 
-// A residual step's `o` row (token rows of `dim` floats, `base` = token · dim), float4 f. With the
-// FIXED_SUMS experiment, a split tensor-core launch may instead add its column parts' sums as 64-bit
-// integers in units of 2^-32 (`mma_block`: atomic adds, exact, so the same bits in any order), and
-// its readers get the row's pointer with bit 0 set: the sums converted here, each rounded once.
+// A residual step's `o` row (token rows of `dim` floats, `base` = token · dim), float4 f. A split
+// tensor-core launch may instead add its column parts' sums as 64-bit integers in units of 2^-32
+// (`mma_block`: fire-and-forget adds, exact, so the same bits in any order; FIXED_SUMS, the default),
+// and its readers get the row's pointer with bit 0 set: the sums converted here, each rounded once.
+// ORDERED_SUMS (an experiment) keeps the older combine: the last block of each tile group adds the
+// parts' stored sums in part order.
+#if !defined(ORDERED_SUMS) && !defined(FIXED_SUMS)
+#define FIXED_SUMS
+#endif
 #ifdef FIXED_SUMS
 #define SUM_UNIT 4294967296.0f  // 2^32
 // Adds v to the 64-bit sum at p (global memory), fire and forget. Spelled out as `red.global`: the

@@ -423,9 +423,10 @@ pub struct Gpu {
     /// the separate stage overlaps its neighbours and fusing cost ~1% (docs/perf-notes.md, tenth
     /// session). `MEGAGEMMA_CUDA_FUSE_NORMS=0|1` forces it off or on.
     pub fuse_norms: Option<bool>,
-    /// The `FIXED_SUMS` kernel experiment (`MEGAGEMMA_CUDA_DEFINES`): split tensor-core launches
-    /// whose output is a residual step's input add their column parts as 64-bit integers instead
-    /// of combining them in part order (`matvec_sum` in src/seq/stages.rs).
+    /// Split tensor-core launches whose output is a residual step's input add their column parts
+    /// as 64-bit integers (`matvec_sum` in src/seq/stages.rs; the kernels' `FIXED_SUMS`, the
+    /// default) instead of combining them in part order (the define `ORDERED_SUMS` in
+    /// `MEGAGEMMA_CUDA_DEFINES`: off).
     pub fixed_sums: bool,
     /// `MEGAGEMMA_CUDA_PROFILE=1`: every launch is synchronised and timed, per kernel name.
     profile: Option<std::sync::Mutex<HashMap<String, (u64, f64)>>>,
@@ -537,8 +538,8 @@ impl Gpu {
                 "1" => Some(true),
                 _ => None,
             }),
-            fixed_sums: std::env::var("MEGAGEMMA_CUDA_DEFINES")
-                .is_ok_and(|list| crate::compile::define_named(&list, "FIXED_SUMS")),
+            fixed_sums: !std::env::var("MEGAGEMMA_CUDA_DEFINES")
+                .is_ok_and(|list| crate::compile::define_named(&list, "ORDERED_SUMS")),
             profile,
             blas,
             recording: Default::default(),

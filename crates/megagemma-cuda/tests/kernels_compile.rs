@@ -102,8 +102,8 @@ fn kernel_experiments_compile() {
         ("matvec_mma.cu", "STATS_F64"),
         ("attention.cu", "STATS_F64"),
         ("ops.cu", "STATS_F64"),
-        ("matvec_mma.cu", "FIXED_SUMS"),
-        ("ops.cu", "FIXED_SUMS"),
+        ("matvec_mma.cu", "ORDERED_SUMS"),
+        ("ops.cu", "ORDERED_SUMS"),
     ];
     for (file, define) in experiments {
         let mut opts = options("90a").expect("NVRTC options");

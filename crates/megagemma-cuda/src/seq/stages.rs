@@ -100,7 +100,7 @@ impl CudaSeq {
         let ahead = if t == 1 || nblocks > 2 * grid as usize { 0 } else { self.gpu().q4_stream.mma_ahead as i32 };
         let chunks = cols.div_ceil(64);
         let upc = if w0.gs == 32 { 2 } else { 1 };
-        // FIXED_SUMS: no counters, and the partial sums' pointer names the buffer to clear.
+        // 64-bit sums (FIXED_SUMS): no counters, and the partial sums' pointer names the buffer to clear.
         let (partial, counters) = match sums {
             Some(clear) => (Arg::Ptr(clear), Arg::Ptr(0)),
             None => (Arg::Ptr(self.s.mma_partial.ptr), Arg::Ptr(self.s.mma_counters.ptr)),
@@ -173,7 +173,7 @@ impl CudaSeq {
     }
 
     /// `y = W·x`, or `W·(gelu(x) · gate)`, whose only reader is a residual step (its `o`); returns
-    /// where the step reads it: `y`, or with the `FIXED_SUMS` experiment (`Gpu::fixed_sums`), for a
+    /// where the step reads it: `y`, or (`Gpu::fixed_sums`, the default) for a
     /// split tensor-core launch, the pass's next 64-bit sum buffer, tagged with bit 0 (`ld4_sum` in
     /// kernels/common.cuh). The launches that write sums alternate between the two buffers, each
     /// clearing the other (whose reader has finished); a pass starts with the first one clear and,
@@ -205,7 +205,7 @@ impl CudaSeq {
         }
     }
 
-    /// Whether `matvec_sum` adds this launch's parts as 64-bit sums: the experiment is on, the
+    /// Whether `matvec_sum` adds this launch's parts as 64-bit sums: `ORDERED_SUMS` is off, the
     /// matrix is tiled and hidden-wide, and its one launch (≤ 8 columns, not a long pass) is split.
     fn sums_fixed(&self, w: &DevMat, gate: Option<Gate>, t: usize) -> bool {
         let gated = gate.is_some_and(|g| g.stride.is_multiple_of(4));
