@@ -465,7 +465,8 @@ impl CudaSeq {
         let h = plan.hidden;
         self.x_in_x2.set(false);
         self.sums_next.set(0);
-        self.sums_skip_first.set(self.gpu().fixed_sums && self.sums_in_pass(t) % 2 == 1);
+        let sum_launches = if self.gpu().fixed_sums { self.sums_in_pass(t) } else { 0 };
+        self.sums_skip_first.set(sum_launches % 2 == 1);
 
         // §2.1 embedding · sqrt(H).
         let args = [Arg::Mat(w.embed), Arg::Ptr(s.meta.at(4)), Arg::Ptr(s.x.ptr), Arg::F32(plan.embed_scale)];
@@ -522,6 +523,15 @@ impl CudaSeq {
             // The final residual of the wanted positions (the step the LM head folded or ran
             // wrote it to `xcur`), normed again for the drafter.
             self.norm(s.hid.ptr, self.xcur() + f32s(first * h) as u64, w.final_norm, h, n, false)?;
+        }
+        // `sums_in_pass` restates which launches `layer` sends through `matvec_sum`; if the two
+        // disagreed, the next pass would add into a sum buffer left written. Caught here, on every
+        // pass, rather than as wrong logits later.
+        let ran = self.sums_next.get() + usize::from(sum_launches % 2 == 1 && !self.sums_skip_first.get());
+        if ran != sum_launches || self.sums_next.get() % 2 == 1 {
+            bail!(
+                "internal error: a pass ran {ran} launches into 64-bit sums where sums_in_pass counted {sum_launches}"
+            );
         }
         Ok(())
     }
