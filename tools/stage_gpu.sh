@@ -7,7 +7,7 @@
 # tools/gpu_session.sh's SANITIZER_DEFINES, so neither the checks nor the sanitizer compile a kernel
 # on the GPU machine (a cold megakernel compile there costs minutes of device time). Run scripts and
 # kernel variants already in DIR are kept. VARIANT_DEFINES="LIST …" (space-separated; each a
-# MEGAGEMMA_CUDA_DEFINES list, items joined by `;`, e.g. "FIXED_SUMS FIXED_SUMS;RES_KEEP=1") packs
+# MEGAGEMMA_CUDA_DEFINES list, items joined by `;`, e.g. "ORDERED_SUMS ORDERED_SUMS;MK_MARK=1") packs
 # those defines' CUBINs too, so a call's A/B of them compiles nothing. On the GPU machine:
 #   mkdir -p /tmp/cub && tar -xJf DIR/cubins.tar.xz -C /tmp/cub && export MEGAGEMMA_CUDA_CUBINS=/tmp/cub
 # About 3–8 minutes on two cores (each CUBIN set ~2–3 of them).
