@@ -305,7 +305,9 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
       unsigned long long* t = trace + 3 * ((u64)blockIdx.x * n + s);
       t[0] = start;
       t[1] = mk_waited;
+#ifndef MK_END_AFTER_RELEASE
       t[2] = mk_now();
+#endif
     }
     // The barrier above orders every thread's writes before thread 0's release, and a release is
     // cumulative: the waiter's acquire sees them all. A full `__threadfence()` before it cost 1.5%.
@@ -313,6 +315,11 @@ __device__ __forceinline__ void mk_run(const MkStage* __restrict__ stages, int n
       asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counters + 32 * s) : "memory");
       mk_waited = 0;
     }
+#ifdef MK_END_AFTER_RELEASE
+    // A trace experiment: a stage's end recorded after its release, which waits until the block's
+    // writes — its 64-bit reductions included — are performed (fifty-ninth session, perf-notes).
+    if (trace && threadIdx.x == 0) trace[3 * ((u64)blockIdx.x * n + s) + 2] = mk_now();
+#endif
   }
 }
 

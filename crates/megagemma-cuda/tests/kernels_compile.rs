@@ -91,12 +91,13 @@ fn kernels_compile() {
 fn kernel_experiments_compile() {
     ensure_nvrtc();
     assert!(nvrtc_present(), "libnvrtc could not be loaded from $MEGAGEMMA_CUDA_LIB_DIR");
-    // megakernel.cu takes ~90 s a compile on CI's two cores: only its own switch (the trace marks)
-    // is compiled there; the matvec defines it shares are checked through matvec_mma.cu.
+    // megakernel.cu takes ~90 s a compile on CI's two cores: only its own switches (the trace's
+    // marks and its end after the release) are compiled there, in one compile; the matvec defines
+    // it shares are checked through matvec_mma.cu.
     let experiments = [
         ("matvec_mma.cu", "MMA_SCALES_F4"),
         ("matvec_mma.cu", "MMA_U1=2;RES_KEEP=0"),
-        ("megakernel.cu", "MK_MARK=2"),
+        ("megakernel.cu", "MK_MARK=2;MK_END_AFTER_RELEASE"),
         ("matvec_mma.cu", "MK_MARK=2"),
         ("attention.cu", "ATT_MIN_BLOCKS=2"),
         ("matvec_mma.cu", "STATS_F64"),
